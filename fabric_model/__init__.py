@@ -1,0 +1,12 @@
+"""fabric_model: elastic data-parallel training for PyTorch models.
+
+    from fabric_model import FabricModel
+    FabricModel(model, get_datasets, loss_function, optimizer).train(epochs, batch_size, engines)
+"""
+
+from .api import FabricModel, TrainResult
+from .errors import JobError, WorkerError
+from .plan import epoch_permutation, micro_batch_seed
+
+__all__ = ["FabricModel", "TrainResult", "JobError", "WorkerError", "epoch_permutation", "micro_batch_seed"]
+__version__ = "0.1.0"

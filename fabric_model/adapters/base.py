@@ -1,0 +1,80 @@
+"""The interface every framework adapter implements; the worker loop only talks to this."""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+
+class FrameworkAdapter(abc.ABC):
+    """One framework's model, optimizer, loss and metrics, seen by the framework-neutral loop.
+
+    A step is ``begin_step``, then ``train_micro_batch`` for each micro-batch this worker
+    holds, then one in-place sum-allreduce of ``step_buffer``, then ``finish_step``. The
+    buffer is a flat float32 ``torch.Tensor`` laid out as::
+
+        [ gradients (already weighted by n_j / N) | forward-updated buffers (same weighting) |
+          loss sum | metric sums ... | sample count ]
+
+    so a single collective carries everything a step needs (DESIGN §3).
+    """
+
+    #: Names of the statistics at the tail of the step buffer: "loss", metrics..., in order.
+    stat_names: list[str]
+
+    @abc.abstractmethod
+    def setup(self, device: str, num_threads: int) -> None:
+        """Place the model on ``device`` and allocate the step buffer."""
+
+    @abc.abstractmethod
+    def collate(self, samples: Sequence[Any]) -> Any:
+        """Turn a list of dataset samples into one batch (the user's ``fn_batch_collate`` if given)."""
+
+    @abc.abstractmethod
+    def begin_step(self) -> None:
+        """Zero the step buffer and remember the step's starting buffer values."""
+
+    @abc.abstractmethod
+    def train_micro_batch(self, batch: Any, num_samples: int, step_samples: int, seed: int) -> None:
+        """Forward and backward one micro-batch of ``num_samples`` out of the step's ``step_samples``.
+
+        Adds the gradient of its mean loss, weighted by ``num_samples / step_samples``, to the
+        buffer, after seeding the framework's RNG with ``seed``.
+        """
+
+    @property
+    @abc.abstractmethod
+    def step_buffer(self) -> torch.Tensor:
+        """The flat buffer to sum-allreduce (see the class docstring)."""
+
+    @abc.abstractmethod
+    def finish_step(self) -> list[float]:
+        """Apply the reduced buffer: set buffers, step the optimizer. Returns the step's stat sums."""
+
+    @abc.abstractmethod
+    def evaluate(self, batch: Any, num_samples: int) -> torch.Tensor:
+        """Stat sums (loss, metrics..., count) over one test batch, as a float64 CPU tensor."""
+
+    @abc.abstractmethod
+    def model_state(self) -> dict[str, Any]:
+        """Model weights, as CPU objects that pickle without the framework's model class."""
+
+    @abc.abstractmethod
+    def optimizer_state(self) -> dict[str, Any]:
+        """Optimizer state (moments, step counts), as CPU objects."""
+
+
+def metric_name(metric: Callable[..., Any], position: int, taken: Optional[set[str]] = None) -> str:
+    """A readable, unique name for a metric callable (its ``__name__`` or ``name``)."""
+    name = getattr(metric, "name", None) or getattr(metric, "__name__", None) or f"metric_{position}"
+    if name == "<lambda>":
+        name = f"metric_{position}"
+    taken = taken if taken is not None else set()
+    base, suffix = str(name), 1
+    while name in taken or name == "loss":
+        suffix += 1
+        name = f"{base}_{suffix}"
+    taken.add(str(name))
+    return str(name)

@@ -1,0 +1,194 @@
+"""The PyTorch adapter: a ``torch.nn.Module`` with a ``torch.optim.Optimizer``."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch.utils.data import default_collate
+
+from .base import FrameworkAdapter, metric_name
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+MetricFn = Callable[[Any, Any], Any]
+
+
+def split_batch(batch: Any) -> tuple[Any, Any]:
+    """``(inputs, target)`` of a collated batch.
+
+    Accepted shapes: a pair ``(x, y)``; a longer tuple ``(x1, ..., xn, y)`` whose inputs are
+    passed as ``model(x1, ..., xn)``; a dict with a ``target``/``label``/``labels``/``y`` key,
+    the other entries being the input (one entry: its value; several: the dict).
+    """
+    if isinstance(batch, (tuple, list)):
+        if len(batch) < 2:
+            raise ValueError(f"A batch must be (inputs, target); received a sequence of {len(batch)} item(s).")
+        return (tuple(batch[:-1]) if len(batch) > 2 else batch[0]), batch[-1]
+    if isinstance(batch, dict):
+        for key in TARGET_KEYS:
+            if key in batch:
+                rest = {k: v for k, v in batch.items() if k != key}
+                inputs = next(iter(rest.values())) if len(rest) == 1 else rest
+                return inputs, batch[key]
+        raise ValueError(
+            f"A dict sample needs a target under one of the keys {TARGET_KEYS}; received keys {sorted(batch)}."
+        )
+    raise ValueError(
+        f"A sample must be a (input, target) tuple or a dict with a target key; received {type(batch).__name__}."
+    )
+
+
+TARGET_KEYS = ("target", "label", "labels", "y")
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple):
+        return tuple(to_device(o, device) for o in obj)
+    if isinstance(obj, list):
+        return [to_device(o, device) for o in obj]
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+class TorchAdapter(FrameworkAdapter):
+    """Trains a ``torch.nn.Module`` micro-batch by micro-batch into one flat step buffer.
+
+    Each parameter's ``.grad`` is a view into the step buffer, so backward accumulates
+    straight into what the collective reduces: no copy before or after the allreduce.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_function: LossFn,
+        metrics: Sequence[MetricFn] = (),
+        collate_fn: Optional[Callable[[Sequence[Any]], Any]] = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_function = loss_function
+        self.metrics = list(metrics)
+        self._collate_fn = collate_fn
+        taken: set[str] = set()
+        self.stat_names = ["loss"] + [metric_name(m, i, taken) for i, m in enumerate(self.metrics)]
+        self.device = torch.device("cpu")
+
+    # -- set-up ---------------------------------------------------------------------------
+    def setup(self, device: str, num_threads: int) -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(num_threads)
+        else:
+            torch.cuda.set_device(self.device)
+        self.model.to(self.device)  # moves parameters in place, so the optimizer still holds them
+        self.model.train()
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self._buffers = list(self.model.buffers())
+        n_grad = sum(p.numel() for p in self._params)
+        n_buf = sum(b.numel() for b in self._buffers)
+        n_stat = len(self.stat_names) + 1
+        self._flat = torch.zeros(n_grad + n_buf + n_stat, dtype=torch.float32, device=self.device)
+        self._grad_views: list[torch.Tensor] = []
+        offset = 0
+        for p in self._params:
+            view = self._flat[offset : offset + p.numel()].view_as(p)
+            if p.dtype != torch.float32:
+                raise TypeError(f"Only float32 parameters are supported; parameter of shape {tuple(p.shape)} is {p.dtype}.")
+            self._grad_views.append(view)
+            offset += p.numel()
+        self._buf_views: list[torch.Tensor] = []
+        for b in self._buffers:
+            self._buf_views.append(self._flat[offset : offset + b.numel()].view(b.shape))
+            offset += b.numel()
+        self._stats = self._flat[offset:]
+        self._buf_start: list[torch.Tensor] = []
+
+    def collate(self, samples: Sequence[Any]) -> Any:
+        if self._collate_fn is not None:
+            return self._collate_fn(samples)
+        return default_collate(list(samples))
+
+    # -- a step ---------------------------------------------------------------------------
+    @property
+    def step_buffer(self) -> torch.Tensor:
+        return self._flat
+
+    def begin_step(self) -> None:
+        self._flat.zero_()
+        for p, view in zip(self._params, self._grad_views):
+            p.grad = view
+        self._buf_start = [b.detach().clone() for b in self._buffers]
+
+    def train_micro_batch(self, batch: Any, num_samples: int, step_samples: int, seed: int) -> None:
+        weight = num_samples / step_samples
+        inputs, target = split_batch(to_device(batch, self.device))
+        # Forward-updated buffers (BatchNorm statistics) start every micro-batch from the
+        # step's values, so the result does not depend on how micro-batches are divided.
+        for b, start in zip(self._buffers, self._buf_start):
+            b.copy_(start)
+        torch.manual_seed(seed)
+        output = self.model(*inputs) if isinstance(inputs, tuple) else self.model(inputs)
+        loss = self.loss_function(output, target)
+        self._ensure_grad_views()
+        (loss * weight).backward()
+        n = num_samples
+        with torch.no_grad():
+            for b, view in zip(self._buffers, self._buf_views):
+                view.add_(b.to(torch.float32), alpha=weight)
+            self._stats[0] += loss.detach().float() * n
+            for i, metric in enumerate(self.metrics, start=1):
+                self._stats[i] += torch.as_tensor(metric(output.detach(), target), dtype=torch.float32, device=self.device) * n
+            self._stats[-1] += n
+
+    def _ensure_grad_views(self) -> None:
+        # User code (a custom step, a callback) may have replaced or cleared .grad; put the
+        # view back, keeping whatever gradient had been accumulated.
+        for p, view in zip(self._params, self._grad_views):
+            if p.grad is None:
+                p.grad = view
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+                p.grad = view
+
+    def finish_step(self) -> list[float]:
+        with torch.no_grad():
+            self._ensure_grad_views()
+            for b, view in zip(self._buffers, self._buf_views):
+                b.copy_(view.round() if not b.is_floating_point() else view)
+            self.optimizer.step()
+        return self._stats.tolist()
+
+    # -- evaluation and state -------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, batch: Any, num_samples: int) -> torch.Tensor:
+        self.model.eval()
+        try:
+            inputs, target = split_batch(to_device(batch, self.device))
+            output = self.model(*inputs) if isinstance(inputs, tuple) else self.model(inputs)
+            n = num_samples
+            values = [float(self.loss_function(output, target))] + [float(m(output, target)) for m in self.metrics]
+            return torch.tensor([v * n for v in values] + [n], dtype=torch.float64)
+        finally:
+            self.model.train()
+
+    def model_state(self) -> dict[str, Any]:
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return _to_cpu(self.optimizer.state_dict())
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to_cpu(v) for v in obj)
+    return obj

@@ -1,0 +1,248 @@
+"""The public face: ``FabricModel`` validates what the user gives and hands it to the driver."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import cloudpickle
+
+from . import validation as v
+from .adapters import detect_framework
+from .callbacks import ProgressBar
+from .config import TrainConfig, get_timeout, local_device_count, size_engines, threads_per_worker
+from .loop import Job
+from .plan import Plan
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What ``train()`` returns; the trained weights are in the user's model object itself.
+
+    Attributes:
+        run_dir: the run directory (logs, worker logs, metrics).
+        history: per epoch, the sample-weighted training averages (``loss`` and metrics).
+        test_history: per validation, the test metrics.
+        seed: the seed the run used (pass it back as ``seed=`` to repeat the run).
+        replica_digests: per worker, a SHA-256 of its final weights and optimizer state.
+    """
+
+    run_dir: Path
+    history: list[dict[str, float]]
+    test_history: list[dict[str, float]]
+    seed: int
+    replica_digests: dict[int, str]
+
+
+class FabricModel:
+    """Trains a single-device PyTorch model data-parallel on up to ``engines_number`` workers.
+
+    Args:
+        model: a ``torch.nn.Module``. (``tf.keras.Model`` is recognised; its adapter arrives
+            with the Keras issue and is rejected with a clear error until then.)
+        get_datasets: a function returning ``(train_dataset, test_dataset)``: map-style
+            datasets (``__len__`` and ``__getitem__``) whose samples are ``(input, target)``
+            tuples or dicts with a ``target``/``label`` key; ``test_dataset`` may be None.
+            It is called once in the caller (to check it) and once in each worker.
+        loss_function: ``loss(output, target)`` returning the batch-mean loss.
+        optimizer: an optimizer over ``model``'s parameters.
+        metrics: callables ``metric(output, target)`` returning a batch mean.
+        worker_logger_callback: a logger run in every worker (see :mod:`fabric_model.callbacks`).
+        driver_logger_callback: a logger run in the caller; replaces the default progress bar.
+        save_to_onnx: accepted and validated; ONNX export arrives with the checkpoints issue
+            and a warning says so when True.
+        keras_custom_objects: custom classes for rebuilding a Keras model (Keras issue).
+        fn_batch_collate: ``collate(list_of_samples) -> (inputs, target)``; the default stacks
+            tensors, numpy arrays and numbers, and recurses into tuples and dicts.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        get_datasets: Callable[[], tuple[Any, Any]],
+        loss_function: Callable[[Any, Any], Any],
+        optimizer: Any,
+        metrics: Optional[Sequence[Callable[[Any, Any], Any]]] = None,
+        worker_logger_callback: Any = None,
+        driver_logger_callback: Any = None,
+        save_to_onnx: bool = False,
+        keras_custom_objects: Optional[dict[str, Any]] = None,
+        fn_batch_collate: Optional[Callable[[Sequence[Any]], Any]] = None,
+    ) -> None:
+        self.framework = detect_framework(model)
+        if self.framework == "keras":
+            raise NotImplementedError(
+                "Received a tf.keras.Model: Keras models are not supported by this version of fabric_model yet; "
+                "pass a torch.nn.Module."
+            )
+        v.check_callable("get_datasets", get_datasets,
+                         hint=" HINT: pass the function itself, get_datasets=my_fn, not its result my_fn().")
+        v.check_callable("loss_function", loss_function,
+                         hint=" HINT: pass e.g. torch.nn.functional.cross_entropy or torch.nn.CrossEntropyLoss().")
+        self.metrics = v.check_metrics(metrics)
+        v.check_logger("worker_logger_callback", worker_logger_callback)
+        v.check_logger("driver_logger_callback", driver_logger_callback)
+        v.check_bool("save_to_onnx", save_to_onnx)
+        if keras_custom_objects is not None and not isinstance(keras_custom_objects, dict):
+            raise TypeError(
+                "Expected `keras_custom_objects` to be a dict of name -> class or None. "
+                f"Received: keras_custom_objects={keras_custom_objects!r}"
+            )
+        v.check_callable("fn_batch_collate", fn_batch_collate, allow_none=True)
+        _check_torch_optimizer(model, optimizer)
+        self.model, self.get_datasets, self.loss_function, self.optimizer = model, get_datasets, loss_function, optimizer
+        self.worker_logger_callback = worker_logger_callback
+        self.driver_logger_callback = driver_logger_callback
+        self.save_to_onnx = save_to_onnx
+        self.keras_custom_objects = keras_custom_objects
+        self.fn_batch_collate = fn_batch_collate
+
+    def train(
+        self,
+        epoch_number: int,
+        batch_size: int,
+        engines_number: Optional[int] = None,
+        num_dataloader_threads: int = 4,
+        validation_freq: int = 1,
+        checkpoint_freq: int = 1,
+        effective_batch_size: Optional[int] = None,
+        *,
+        seed: Optional[int] = None,
+        run_dir: Optional[str | os.PathLike[str]] = None,
+    ) -> TrainResult:
+        """Train for ``epoch_number`` epochs; the user's ``model`` then holds the trained weights.
+
+        Args:
+            epoch_number: epochs to train.
+            batch_size: samples per micro-batch (per device).
+            engines_number: the most workers at once; with ``batch_size`` it sets the global
+                batch ``batch_size * engines_number``. Default: one per local GPU (1 on CPU).
+            num_dataloader_threads: threads per worker reading upcoming micro-batches (0: none).
+            validation_freq: validate after every ``validation_freq``-th epoch.
+            checkpoint_freq: epochs between checkpoints (0: never); accepted and validated,
+                checkpoints arrive with the checkpoints issue.
+            effective_batch_size: the global batch, a multiple of ``batch_size``; see
+                :func:`fabric_model.config.size_engines` for how it combines with engines_number.
+            seed: the run's seed; by default drawn from torch's global generator, so
+                ``torch.manual_seed(...)`` at the top of a script makes the run reproducible.
+            run_dir: where logs go; default ``$RESULT_DIR`` or ``./fabric_runs/<run-id>``.
+        """
+        v.check_positive_int("epoch_number", epoch_number)
+        v.check_positive_int("batch_size", batch_size)
+        v.check_positive_int("engines_number", engines_number, allow_none=True)
+        v.check_positive_int("num_dataloader_threads", num_dataloader_threads, minimum=0)
+        v.check_positive_int("validation_freq", validation_freq)
+        v.check_positive_int("checkpoint_freq", checkpoint_freq, minimum=0)
+        v.check_effective_batch(effective_batch_size, batch_size)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise TypeError(f"Expected `seed` to be a non-negative int or None. Received: seed={seed!r}")
+        if save_onnx_warning := self.save_to_onnx:
+            warnings.warn("save_to_onnx=True: ONNX export is not available in this version; no model.onnx is written.",
+                          stacklevel=2)
+        del save_onnx_warning
+        train_set, _ = v.check_datasets(self.get_datasets)
+        sizing = size_engines(batch_size, engines_number, effective_batch_size)
+        seed = _draw_seed() if seed is None else seed
+        adapter = self._make_adapter()
+        _check_first_sample(adapter, train_set)
+        job = Job(adapter, self.get_datasets, self.worker_logger_callback)
+        try:
+            payload = cloudpickle.dumps(job)
+        except Exception as exc:
+            raise TypeError(
+                "Could not serialize the job (model, optimizer, get_datasets, loss_function, metrics, loggers) "
+                f"for the workers: {exc!r}. HINT: objects holding open files, locks or sockets cannot be sent; "
+                "create them inside get_datasets or the logger's methods instead."
+            ) from exc
+        gpus = local_device_count()
+        devices: list[Optional[str]] = [f"cuda:{i % gpus}" if gpus else "cpu" for i in range(sizing.max_workers)]
+        config = TrainConfig(
+            epochs=epoch_number, batch_size=batch_size, sizing=sizing, seed=seed,
+            num_dataloader_threads=num_dataloader_threads, validation_freq=validation_freq,
+            checkpoint_freq=checkpoint_freq,
+            collective_timeout_s=get_timeout("EDT_COLLECTIVE_TIME_OUT").total_seconds(),
+            backend="nccl" if gpus else "gloo",
+        )
+        plan = Plan(num_samples=len(train_set), batch_size=batch_size, micro_batches=sizing.micro_batches, seed=seed)
+        directory = _run_directory(run_dir)
+        _write_run_record(directory, config, plan, self.framework)
+        logger = self.driver_logger_callback or ProgressBar(epoch_number, plan.steps_per_epoch, plan.global_batch)
+
+        from .driver import Driver  # torch.distributed is imported only once training starts
+
+        driver = Driver(payload, config, plan, adapter.stat_names, directory, devices,
+                        threads_per_worker(1 if gpus else sizing.max_workers), logger)
+        final = driver.run()
+        self.model.load_state_dict(final.model_state)
+        self.optimizer.load_state_dict(final.optimizer_state)
+        return TrainResult(directory, driver.train_history, driver.test_history, seed, driver.replica_digests)
+
+    def _make_adapter(self) -> Any:
+        from .adapters.torch_adapter import TorchAdapter
+
+        return TorchAdapter(self.model, self.optimizer, self.loss_function, self.metrics, self.fn_batch_collate)
+
+
+def _check_torch_optimizer(model: Any, optimizer: Any) -> None:
+    import torch
+
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        hint = " HINT: pass an instance, e.g. torch.optim.SGD(model.parameters(), lr=0.1)." if isinstance(optimizer, type) else ""
+        raise TypeError(
+            f"Expected `optimizer` to be a torch.optim.Optimizer over the model's parameters. "
+            f"Received: optimizer={optimizer!r}.{hint}"
+        )
+    model_params = {id(p) for p in model.parameters()}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    foreign = [p for p in held if id(p) not in model_params]
+    if not held or foreign:
+        raise ValueError(
+            f"Expected `optimizer` to hold the parameters of `model`. Received: an optimizer over {len(held)} "
+            f"tensor(s), {len(foreign)} of which are not parameters of the model. "
+            "HINT: build the optimizer from this model, optimizer=SGD(model.parameters(), ...), "
+            "after any model.to(device) or re-creation."
+        )
+
+
+def _check_first_sample(adapter: Any, train_set: Any) -> None:
+    """Read and collate the first training sample, so a wrong sample shape fails here."""
+    from .adapters.torch_adapter import split_batch
+
+    try:
+        batch = adapter.collate([train_set[0]])
+        split_batch(batch)
+    except Exception as exc:
+        raise TypeError(
+            f"Could not make a batch from the first training sample: {exc}. Expected samples to be "
+            "(input, target) tuples or dicts with a 'target' or 'label' key, of tensors, numpy arrays or numbers "
+            "(or pass `fn_batch_collate` returning (inputs, target))."
+        ) from exc
+
+
+def _draw_seed() -> int:
+    import torch
+
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
+def _run_directory(run_dir: Optional[str | os.PathLike[str]]) -> Path:
+    if run_dir is not None:
+        path = Path(run_dir)
+    elif os.environ.get("RESULT_DIR"):
+        path = Path(os.environ["RESULT_DIR"])
+    else:
+        path = Path("fabric_runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+    (path / "logs").mkdir(parents=True, exist_ok=True)
+    return path.resolve()
+
+
+def _write_run_record(directory: Path, config: TrainConfig, plan: Plan, framework: str) -> None:
+    record = {"framework": framework, "config": dataclasses.asdict(config), "plan": dataclasses.asdict(plan),
+              "started": time.time()}
+    (directory / "run.json").write_text(json.dumps(record, indent=2))

@@ -1,0 +1,111 @@
+"""Run configuration: engine sizing, timeouts read from the environment, the train() knobs."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from datetime import timedelta
+from typing import Optional
+
+#: Environment variables that bound every blocking wait, in seconds. Each has a default here
+#: and is read once, in the driver, so that all workers of a job share the same bounds.
+TIMEOUT_DEFAULTS: dict[str, float] = {
+    # A spawned worker must connect to the driver and register within this time.
+    "EDT_START_TIME_OUT": 120.0,
+    # A collective (allreduce, broadcast) that takes longer than this is treated as failed.
+    "EDT_COLLECTIVE_TIME_OUT": 120.0,
+    # Workers leave within this time once the driver asks them to stop; then they are killed.
+    "EDT_STOP_TIME_OUT": 10.0,
+}
+
+
+def get_timeout(name: str) -> timedelta:
+    """The timeout named ``name``: the environment's value in seconds, else the default."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return timedelta(seconds=TIMEOUT_DEFAULTS[name])
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(
+            f"Expected the environment variable {name} to be a number of seconds. Received: {name}={raw!r}"
+        ) from None
+    if seconds <= 0:
+        raise ValueError(f"Expected {name} to be a positive number of seconds. Received: {name}={raw!r}")
+    return timedelta(seconds=seconds)
+
+
+def local_device_count() -> int:
+    """Number of local accelerators (CUDA GPUs); 0 on a machine without one."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a hard dependency of the collective layer
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSizing:
+    """How many micro-batches make a step, and how many workers may run at once.
+
+    Attributes:
+        micro_batches: micro-batches per step (``global_batch / batch_size``).
+        max_workers: the most workers that may be alive at once (``engines_number``).
+        global_batch: samples per optimizer step, whatever the number of live workers.
+    """
+
+    micro_batches: int
+    max_workers: int
+    global_batch: int
+
+
+def size_engines(
+    batch_size: int, engines_number: Optional[int], effective_batch_size: Optional[int]
+) -> EngineSizing:
+    """Resolve the worker count and the global batch.
+
+    - only ``engines_number``: global batch = ``batch_size * engines_number``, one
+      micro-batch per worker;
+    - only ``effective_batch_size``: one worker per micro-batch
+      (``effective_batch_size / batch_size`` workers);
+    - both: the global batch is ``effective_batch_size`` and ``engines_number`` caps the
+      workers; with fewer workers than micro-batches each accumulates several (gradient
+      accumulation). More workers than micro-batches would idle, so they are capped, with
+      a warning. (DESIGN §1 takes the larger count here; that rules out accumulation and
+      oversubscribes devices, so this deliberately departs from it.)
+    - neither: one worker per local GPU (1 without a GPU).
+    """
+    if effective_batch_size is not None:
+        micro = effective_batch_size // batch_size
+        engines = micro if engines_number is None else min(engines_number, micro)
+        if engines_number is not None and engines_number > micro:
+            warnings.warn(
+                f"engines_number={engines_number} exceeds effective_batch_size / batch_size = {micro}: a step has only "
+                f"{micro} micro-batches, so {micro} worker(s) will be used.",
+                stacklevel=3,
+            )
+        return EngineSizing(micro, engines, effective_batch_size)
+    engines = engines_number if engines_number is not None else max(1, local_device_count())
+    return EngineSizing(engines, engines, batch_size * engines)
+
+
+def threads_per_worker(workers_on_host: int, cpu_count: Optional[int] = None) -> int:
+    """A fair share of this host's cores for each CPU worker's intra-op threads (at least 1)."""
+    cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+    return max(1, cores // max(1, workers_on_host))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything ``train()`` decided, shipped to every worker."""
+
+    epochs: int
+    batch_size: int
+    sizing: EngineSizing
+    seed: int
+    num_dataloader_threads: int
+    validation_freq: int
+    checkpoint_freq: int
+    collective_timeout_s: float
+    backend: str  # "gloo" or "nccl"

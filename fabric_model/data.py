@@ -1,0 +1,68 @@
+"""Data: dataset checks, and a loader that prefetches upcoming micro-batches on threads."""
+
+from __future__ import annotations
+
+import collections
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Hashable, Iterable, Iterator, Optional, Sequence
+
+import numpy as np
+
+Collate = Callable[[Sequence[Any]], Any]
+
+
+def is_map_dataset(obj: Any) -> bool:
+    """A map-style dataset: sized and indexable by integer position."""
+    return hasattr(obj, "__len__") and hasattr(obj, "__getitem__")
+
+
+def fetch(dataset: Any, indices: np.ndarray, collate: Collate) -> Any:
+    """Read ``indices`` from ``dataset`` and collate them into one batch."""
+    return collate([dataset[int(i)] for i in indices])
+
+
+class PrefetchLoader:
+    """Yields collated batches for a schedule of ``(key, indices)``, reading ahead on threads.
+
+    ``threads`` threads keep up to ``2 * threads`` upcoming batches in flight, so reading and
+    collating overlap with compute. With ``threads=0`` batches are read on the caller's
+    thread. The loader never reads a batch the schedule does not name, so what a worker
+    reads is exactly what its plan assigns it.
+    """
+
+    def __init__(self, dataset: Any, collate: Collate, threads: int) -> None:
+        self._dataset = dataset
+        self._collate = collate
+        self._threads = threads
+        self._pool: Optional[ThreadPoolExecutor] = (
+            ThreadPoolExecutor(threads, thread_name_prefix="fabric-data") if threads > 0 else None
+        )
+
+    def iterate(self, schedule: Iterable[tuple[Hashable, np.ndarray]]) -> Iterator[tuple[Hashable, np.ndarray, Any]]:
+        """``(key, indices, batch)`` for each schedule entry, in order."""
+        if self._pool is None:
+            for key, indices in schedule:
+                yield key, indices, fetch(self._dataset, indices, self._collate)
+            return
+        pending: collections.deque[tuple[Hashable, np.ndarray, Future[Any]]] = collections.deque()
+        entries = iter(schedule)
+        depth = 2 * self._threads
+        try:
+            while True:
+                while len(pending) < depth:
+                    entry = next(entries, None)
+                    if entry is None:
+                        break
+                    key, indices = entry
+                    pending.append((key, indices, self._pool.submit(fetch, self._dataset, indices, self._collate)))
+                if not pending:
+                    return
+                key, indices, future = pending.popleft()
+                yield key, indices, future.result()
+        finally:
+            for _, _, future in pending:
+                future.cancel()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,83 @@
+"""The training plan: which samples make each step and micro-batch, and who computes them.
+
+Everything here is a pure function of ``(seed, epoch, step, micro-batch)`` and the dataset
+length, so every worker, the driver and a test's reference loop compute the same plan
+independently, and a step can be re-divided among any number of live workers (DESIGN §3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+
+def epoch_permutation(seed: int, epoch: int, num_samples: int) -> np.ndarray:
+    """The order in which epoch ``epoch`` visits the ``num_samples`` training samples."""
+    return np.random.default_rng([seed, epoch]).permutation(num_samples)
+
+
+def micro_batch_seed(seed: int, epoch: int, step: int, micro_batch: int) -> int:
+    """The RNG seed set before micro-batch ``micro_batch`` of ``step`` runs its forward pass.
+
+    Randomness inside the model (dropout) then depends on the micro-batch, never on which
+    worker computed it (DESIGN §3, invariant 3). A reference loop reproduces a run by calling
+    ``torch.manual_seed(micro_batch_seed(...))`` before each micro-batch.
+    """
+    state = np.random.SeedSequence([seed, epoch, step, micro_batch]).generate_state(2, np.uint32)
+    # 63 bits: valid for torch.manual_seed and for tf.random.set_seed.
+    return int((int(state[0]) << 31) ^ int(state[1])) & ((1 << 63) - 1)
+
+
+def assigned_micro_batches(num_micro_batches: int, rank: int, world_size: int) -> range:
+    """The micro-batches of a step that worker ``rank`` of ``world_size`` computes (round-robin)."""
+    return range(rank, num_micro_batches, world_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The step layout of a run.
+
+    Attributes:
+        num_samples: training samples per epoch.
+        batch_size: samples per micro-batch (the last micro-batch of an epoch may be short).
+        micro_batches: micro-batches per full step.
+        seed: the run's seed.
+    """
+
+    num_samples: int
+    batch_size: int
+    micro_batches: int
+    seed: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.micro_batches
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.num_samples / self.global_batch)
+
+    def step_samples(self, epoch: int, step: int) -> int:
+        """How many samples step ``step`` holds (the last step of an epoch may be short)."""
+        start = step * self.global_batch
+        return max(0, min(self.global_batch, self.num_samples - start))
+
+    def num_micro_batches(self, epoch: int, step: int) -> int:
+        return math.ceil(self.step_samples(epoch, step) / self.batch_size)
+
+    def micro_batch_indices(
+        self, epoch: int, step: int, micro_batch: int, permutation: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Dataset indices of micro-batch ``micro_batch`` of ``step`` in ``epoch``."""
+        perm = permutation if permutation is not None else epoch_permutation(self.seed, epoch, self.num_samples)
+        start = step * self.global_batch + micro_batch * self.batch_size
+        end = min(start + self.batch_size, (step + 1) * self.global_batch, self.num_samples)
+        return perm[start:end]
+
+
+def eval_batches(num_samples: int, batch_size: int, rank: int, world_size: int) -> list[np.ndarray]:
+    """The test-set batches (in order, unshuffled) that worker ``rank`` evaluates."""
+    starts = range(rank * batch_size, num_samples, world_size * batch_size)
+    return [np.arange(s, min(s + batch_size, num_samples)) for s in starts]

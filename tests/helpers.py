@@ -1,0 +1,121 @@
+"""Models, datasets and the reference loop shared by the tests."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import default_collate
+
+from fabric_model.plan import Plan, epoch_permutation, micro_batch_seed
+
+
+def make_data(n: int = 240, features: int = 12, classes: int = 3, seed: int = 0) -> list[tuple[torch.Tensor, int]]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=g)
+    w = torch.randn(features, classes, generator=g)
+    y = (x @ w).argmax(1)
+    return [(x[i], int(y[i])) for i in range(n)]
+
+
+class MLP(nn.Module):
+    """Dropout on, so the per-micro-batch seeding is exercised."""
+
+    def __init__(self, features: int = 12, hidden: int = 32, classes: int = 3, p: float = 0.2) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(features, hidden)
+        self.drop = nn.Dropout(p)
+        self.fc2 = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.fc2(self.drop(F.relu(self.fc1(x))))
+
+
+def accuracy(output, target):
+    return (output.argmax(1) == target).float().mean()
+
+
+def reference_train(model, optimizer, dataset, *, seed: int, epochs: int, batch_size: int, micro_batches: int,
+                    loss_fn=F.cross_entropy):
+    """A plain single-process loop over the documented plan: same global batches, same order,
+    the gradient of each global batch's mean loss, dropout seeded per micro-batch."""
+    plan = Plan(len(dataset), batch_size, micro_batches, seed)
+    model.train()
+    for epoch in range(epochs):
+        perm = epoch_permutation(seed, epoch, len(dataset))
+        for step in range(plan.steps_per_epoch):
+            optimizer.zero_grad()
+            total = plan.step_samples(epoch, step)
+            for j in range(plan.num_micro_batches(epoch, step)):
+                idx = plan.micro_batch_indices(epoch, step, j, perm)
+                x, y = default_collate([dataset[int(i)] for i in idx])
+                torch.manual_seed(micro_batch_seed(seed, epoch, step, j))
+                (loss_fn(model(x), y) * (len(idx) / total)).backward()
+            optimizer.step()
+    return model
+
+
+def max_rel_diff(a: dict, b: dict) -> float:
+    """max over tensors of max|a - b| / max|b|."""
+    worst = 0.0
+    for k in b:
+        ref = b[k].float()
+        scale = ref.abs().max().item() or 1.0
+        worst = max(worst, (a[k].float() - ref).abs().max().item() / scale)
+    return worst
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    lines = (Path(run_dir) / "logs" / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["type"] == kind]
+
+
+class IndexRecordingDataset:
+    """A map-style dataset that appends every index it serves to ``<dir>/reads-<pid>.txt``."""
+
+    def __init__(self, samples, directory: str) -> None:
+        self.samples, self.directory = samples, directory
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        fd = os.open(os.path.join(self.directory, f"reads-{os.getpid()}.txt"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        try:
+            os.write(fd, f"{i}\n".encode())
+        finally:
+            os.close(fd)
+        return self.samples[i]
+
+
+def reads_by_pid(directory: Path) -> dict[int, list[int]]:
+    out = {}
+    for f in Path(directory).glob("reads-*.txt"):
+        out[int(f.stem.split("-")[1])] = [int(x) for x in f.read_text().split()]
+    return out
+
+
+def sample_indices_of_steps(plan: Plan, train_records: list[dict]) -> dict[int, list[int]]:
+    """Per epoch, the dataset indices of every micro-batch the committed steps report."""
+    used: dict[int, list[int]] = {}
+    for r in train_records:
+        perm = epoch_permutation(plan.seed, r["epoch"], plan.num_samples)
+        for mbs in r["micro_batches"].values():
+            for j in mbs:
+                used.setdefault(r["epoch"], []).extend(int(i) for i in plan.micro_batch_indices(r["epoch"], r["step"], j, perm))
+    return used
+
+
+def fresh_model_and_optimizer(seed: int = 0, lr: float = 0.1, momentum: float = 0.9, adam: bool = False):
+    torch.manual_seed(seed)
+    model = MLP()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2) if adam else torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    return model, opt
+
+
+__all__ = ["np"]

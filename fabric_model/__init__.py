@@ -1,12 +1,22 @@
 """fabric_model: elastic data-parallel training for PyTorch models.
 
-    from fabric_model import FabricModel
-    FabricModel(model, get_datasets, loss_function, optimizer).train(epochs, batch_size, engines)
+from fabric_model import FabricModel
+FabricModel(model, get_datasets, loss_function, optimizer).train(epochs, batch_size, engines)
 """
 
 from .api import FabricModel, TrainResult
+from .context import WorkerContext, worker_context
 from .errors import JobError, WorkerError
 from .plan import epoch_permutation, micro_batch_seed
 
-__all__ = ["FabricModel", "TrainResult", "JobError", "WorkerError", "epoch_permutation", "micro_batch_seed"]
+__all__ = [
+    "FabricModel",
+    "TrainResult",
+    "JobError",
+    "WorkerError",
+    "WorkerContext",
+    "worker_context",
+    "epoch_permutation",
+    "micro_batch_seed",
+]
 __version__ = "0.1.0"

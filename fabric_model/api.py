@@ -8,8 +8,9 @@ import os
 import secrets
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import cloudpickle
 
@@ -68,12 +69,12 @@ class FabricModel:
         get_datasets: Callable[[], tuple[Any, Any]],
         loss_function: Callable[[Any, Any], Any],
         optimizer: Any,
-        metrics: Optional[Sequence[Callable[[Any, Any], Any]]] = None,
+        metrics: Sequence[Callable[[Any, Any], Any]] | None = None,
         worker_logger_callback: Any = None,
         driver_logger_callback: Any = None,
         save_to_onnx: bool = False,
-        keras_custom_objects: Optional[dict[str, Any]] = None,
-        fn_batch_collate: Optional[Callable[[Sequence[Any]], Any]] = None,
+        keras_custom_objects: dict[str, Any] | None = None,
+        fn_batch_collate: Callable[[Sequence[Any]], Any] | None = None,
     ) -> None:
         self.framework = detect_framework(model)
         if self.framework == "keras":
@@ -81,10 +82,16 @@ class FabricModel:
                 "Received a tf.keras.Model: Keras models are not supported by this version of fabric_model yet; "
                 "pass a torch.nn.Module."
             )
-        v.check_callable("get_datasets", get_datasets,
-                         hint=" HINT: pass the function itself, get_datasets=my_fn, not its result my_fn().")
-        v.check_callable("loss_function", loss_function,
-                         hint=" HINT: pass e.g. torch.nn.functional.cross_entropy or torch.nn.CrossEntropyLoss().")
+        v.check_callable(
+            "get_datasets",
+            get_datasets,
+            hint=" HINT: pass the function itself, get_datasets=my_fn, not its result my_fn().",
+        )
+        v.check_callable(
+            "loss_function",
+            loss_function,
+            hint=" HINT: pass e.g. torch.nn.functional.cross_entropy or torch.nn.CrossEntropyLoss().",
+        )
         self.metrics = v.check_metrics(metrics)
         v.check_logger("worker_logger_callback", worker_logger_callback)
         v.check_logger("driver_logger_callback", driver_logger_callback)
@@ -96,7 +103,12 @@ class FabricModel:
             )
         v.check_callable("fn_batch_collate", fn_batch_collate, allow_none=True)
         _check_torch_optimizer(model, optimizer)
-        self.model, self.get_datasets, self.loss_function, self.optimizer = model, get_datasets, loss_function, optimizer
+        self.model, self.get_datasets, self.loss_function, self.optimizer = (
+            model,
+            get_datasets,
+            loss_function,
+            optimizer,
+        )
         self.worker_logger_callback = worker_logger_callback
         self.driver_logger_callback = driver_logger_callback
         self.save_to_onnx = save_to_onnx
@@ -107,14 +119,14 @@ class FabricModel:
         self,
         epoch_number: int,
         batch_size: int,
-        engines_number: Optional[int] = None,
+        engines_number: int | None = None,
         num_dataloader_threads: int = 4,
         validation_freq: int = 1,
         checkpoint_freq: int = 1,
-        effective_batch_size: Optional[int] = None,
+        effective_batch_size: int | None = None,
         *,
-        seed: Optional[int] = None,
-        run_dir: Optional[str | os.PathLike[str]] = None,
+        seed: int | None = None,
+        run_dir: str | os.PathLike[str] | None = None,
     ) -> TrainResult:
         """Train for ``epoch_number`` epochs; the user's ``model`` then holds the trained weights.
 
@@ -143,10 +155,12 @@ class FabricModel:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise TypeError(f"Expected `seed` to be a non-negative int or None. Received: seed={seed!r}")
         if save_onnx_warning := self.save_to_onnx:
-            warnings.warn("save_to_onnx=True: ONNX export is not available in this version; no model.onnx is written.",
-                          stacklevel=2)
+            warnings.warn(
+                "save_to_onnx=True: ONNX export is not available in this version; no model.onnx is written.",
+                stacklevel=2,
+            )
         del save_onnx_warning
-        train_set, _ = v.check_datasets(self.get_datasets)
+        train_set, test_set = v.check_datasets(self.get_datasets)
         sizing = size_engines(batch_size, engines_number, effective_batch_size)
         seed = _draw_seed() if seed is None else seed
         adapter = self._make_adapter()
@@ -160,11 +174,22 @@ class FabricModel:
                 f"for the workers: {exc!r}. HINT: objects holding open files, locks or sockets cannot be sent; "
                 "create them inside get_datasets or the logger's methods instead."
             ) from exc
+        if len(payload) > _LARGE_JOB_BYTES:
+            warnings.warn(
+                f"The job sent to each worker is {len(payload) / 2**20:,.0f} MiB. Data captured by get_datasets "
+                "(or tensors that are views of a larger tensor) travel with it. HINT: load or build the data inside "
+                "get_datasets, and .clone() tensor slices.",
+                stacklevel=2,
+            )
         gpus = local_device_count()
-        devices: list[Optional[str]] = [f"cuda:{i % gpus}" if gpus else "cpu" for i in range(sizing.max_workers)]
+        devices: list[str | None] = [f"cuda:{i % gpus}" if gpus else "cpu" for i in range(sizing.max_workers)]
         config = TrainConfig(
-            epochs=epoch_number, batch_size=batch_size, sizing=sizing, seed=seed,
-            num_dataloader_threads=num_dataloader_threads, validation_freq=validation_freq,
+            epochs=epoch_number,
+            batch_size=batch_size,
+            sizing=sizing,
+            seed=seed,
+            num_dataloader_threads=num_dataloader_threads,
+            validation_freq=validation_freq,
             checkpoint_freq=checkpoint_freq,
             collective_timeout_s=get_timeout("EDT_COLLECTIVE_TIME_OUT").total_seconds(),
             backend="nccl" if gpus else "gloo",
@@ -176,8 +201,17 @@ class FabricModel:
 
         from .driver import Driver  # torch.distributed is imported only once training starts
 
-        driver = Driver(payload, config, plan, adapter.stat_names, directory, devices,
-                        threads_per_worker(1 if gpus else sizing.max_workers), logger)
+        driver = Driver(
+            payload,
+            config,
+            plan,
+            test_set is not None,
+            adapter.stat_names,
+            directory,
+            devices,
+            threads_per_worker(1 if gpus else sizing.max_workers),
+            logger,
+        )
         final = driver.run()
         self.model.load_state_dict(final.model_state)
         self.optimizer.load_state_dict(final.optimizer_state)
@@ -189,11 +223,18 @@ class FabricModel:
         return TorchAdapter(self.model, self.optimizer, self.loss_function, self.metrics, self.fn_batch_collate)
 
 
+_LARGE_JOB_BYTES = 256 * 2**20
+
+
 def _check_torch_optimizer(model: Any, optimizer: Any) -> None:
     import torch
 
     if not isinstance(optimizer, torch.optim.Optimizer):
-        hint = " HINT: pass an instance, e.g. torch.optim.SGD(model.parameters(), lr=0.1)." if isinstance(optimizer, type) else ""
+        hint = (
+            " HINT: pass an instance, e.g. torch.optim.SGD(model.parameters(), lr=0.1)."
+            if isinstance(optimizer, type)
+            else ""
+        )
         raise TypeError(
             f"Expected `optimizer` to be a torch.optim.Optimizer over the model's parameters. "
             f"Received: optimizer={optimizer!r}.{hint}"
@@ -231,7 +272,7 @@ def _draw_seed() -> int:
     return int(torch.randint(0, 2**31 - 1, (1,)).item())
 
 
-def _run_directory(run_dir: Optional[str | os.PathLike[str]]) -> Path:
+def _run_directory(run_dir: str | os.PathLike[str] | None) -> Path:
     if run_dir is not None:
         path = Path(run_dir)
     elif os.environ.get("RESULT_DIR"):
@@ -243,6 +284,10 @@ def _run_directory(run_dir: Optional[str | os.PathLike[str]]) -> Path:
 
 
 def _write_run_record(directory: Path, config: TrainConfig, plan: Plan, framework: str) -> None:
-    record = {"framework": framework, "config": dataclasses.asdict(config), "plan": dataclasses.asdict(plan),
-              "started": time.time()}
+    record = {
+        "framework": framework,
+        "config": dataclasses.asdict(config),
+        "plan": dataclasses.asdict(plan),
+        "started": time.time(),
+    }
     (directory / "run.json").write_text(json.dumps(record, indent=2))

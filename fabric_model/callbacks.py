@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence, TextIO
+from typing import Any, TextIO
 
 HOOKS = ("on_train_begin", "on_train_end", "log_train_metrics", "log_test_metrics")
 
@@ -69,7 +70,7 @@ class MetricsLog:
 class ProgressBar:
     """The default driver logger: one refreshing line with epoch, step, loss, samples/s, workers."""
 
-    def __init__(self, epochs: int, steps_per_epoch: int, global_batch: int, stream: Optional[TextIO] = None) -> None:
+    def __init__(self, epochs: int, steps_per_epoch: int, global_batch: int, stream: TextIO | None = None) -> None:
         self.epochs, self.steps_per_epoch, self.global_batch = epochs, steps_per_epoch, global_batch
         self.stream = stream if stream is not None else sys.stderr
         self._last_draw = 0.0

@@ -1,78 +1,142 @@
 """The collective layer: one ``torch.distributed`` process group per generation.
 
-Shared by both frameworks (Keras tensors cross in through DLPack). A membership change is
-a new ``configure`` call on the same object, not a process restart (DESIGN §2, §4).
+Shared by both frameworks. A membership change is a new ``configure`` call on the same
+object, not a process restart (DESIGN §2, §4).
+
+The group objects are created directly (not as torch's global default group), so an
+operation that will never finish can be *abandoned*: gloo's ``abort()`` does not wake a
+rank blocked in an allreduce, so every operation is waited on in short slices, and between
+slices the worker checks whether the driver asked it to give up (a peer was lost or froze).
+An abandoned group is kept alive (its destructor would wait on the stuck operation) and
+the caller must stop using the tensors it handed over.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
+#: How often a worker blocked in a collective checks for an abort request.
+_WAIT_SLICE = timedelta(seconds=0.2)
+
 
 class CollectiveError(RuntimeError):
-    """A collective failed: a peer died, hung past the timeout, or the group was aborted."""
+    """A collective failed: a peer died, hung past the timeout, or the driver aborted it."""
 
 
 class Collective:
-    """A re-configurable communicator over a TCPStore hosted by the driver."""
+    """A re-configurable communicator over a TCPStore hosted by the driver.
 
-    def __init__(self, store_address: tuple[str, int], backend: str, timeout: timedelta) -> None:
+    Args:
+        store_address: the driver's TCPStore.
+        backend: ``"gloo"`` or ``"nccl"``.
+        timeout: the longest one operation may take.
+        device: where tensors of this worker live.
+        should_abort: asked between wait slices with the current generation; True makes
+            the operation in flight fail with :class:`CollectiveError`.
+    """
+
+    def __init__(
+        self,
+        store_address: tuple[str, int],
+        backend: str,
+        timeout: timedelta,
+        device: str = "cpu",
+        should_abort: Callable[[int], bool] = lambda generation: False,
+    ) -> None:
         self.backend = backend
+        self.device = torch.device(device)
         self.timeout = timeout
+        self.should_abort = should_abort
         self._store = dist.TCPStore(
             store_address[0], store_address[1], is_master=False, timeout=timeout, wait_for_workers=False
         )
+        self._group: Any = None
+        self._abandoned: list[Any] = []
         self.generation = -1
         self.rank = 0
         self.world_size = 1
-        self._configured = False
 
     def configure(self, generation: int, rank: int, world_size: int) -> None:
         """Join the process group of ``generation`` as ``rank`` of ``world_size``."""
         self.shutdown()
-        store = dist.PrefixStore(f"generation/{generation}/", self._store)
-        dist.init_process_group(
-            self.backend, store=store, rank=rank, world_size=world_size, timeout=self.timeout
-        )
         self.generation, self.rank, self.world_size = generation, rank, world_size
-        self._configured = True
+        if self.should_abort(generation):
+            raise CollectiveError(f"generation {generation} was aborted before it formed")
+        store = dist.PrefixStore(f"generation/{generation}/", self._store)
+        if world_size == 1:
+            return  # nothing to exchange: no group, no sockets
+        if self.backend == "nccl":
+            self._group = dist.ProcessGroupNCCL(store, rank, world_size, dist.ProcessGroupNCCL.Options())
+        else:
+            self._group = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
         log.debug("joined generation %d as rank %d/%d", generation, rank, world_size)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` in place across the group (a no-op for a group of one)."""
-        if self.world_size == 1:
-            return
-        try:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        except RuntimeError as exc:  # gloo/NCCL report peer loss and timeouts this way
-            raise CollectiveError(str(exc)) from exc
+        if self.world_size > 1:
+            self._wait(self._group.allreduce([tensor]), "allreduce")
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """Copy ``tensor`` from rank ``src`` to every rank, in place."""
+        if self.world_size > 1:
+            self._wait(self._group.broadcast(tensor, src), "broadcast")
+
+    def broadcast_bytes(self, data: bytes | None, src: int) -> bytes:
+        """Send ``data`` from rank ``src`` to every rank; others pass None and get it back."""
         if self.world_size == 1:
-            return
-        try:
-            dist.broadcast(tensor, src=src)
-        except RuntimeError as exc:
-            raise CollectiveError(str(exc)) from exc
+            assert data is not None
+            return data
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=self.device)
+        self.broadcast(size, src)
+        if self.rank == src:
+            assert data is not None
+            buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        else:
+            buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        self.broadcast(buffer, src)
+        return data if self.rank == src and data is not None else buffer.cpu().numpy().tobytes()
+
+    def _wait(self, work: Any, what: str) -> None:
+        if self.should_abort(self.generation):
+            self._abandon()
+            raise CollectiveError(f"{what} of generation {self.generation} aborted by the driver")
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while True:
+            try:
+                if self.backend == "nccl":
+                    done = work.is_completed()  # NCCL's wait(timeout) would tear the communicator down
+                    if done:
+                        work.wait()
+                        return
+                    time.sleep(0.001)
+                else:
+                    work.wait(_WAIT_SLICE)
+                    return
+            except RuntimeError as exc:
+                if "timed out" not in str(exc).lower():
+                    self._abandon()
+                    raise CollectiveError(f"{what} failed: {exc}") from exc
+            if self.should_abort(self.generation):
+                self._abandon()
+                raise CollectiveError(f"{what} of generation {self.generation} aborted by the driver")
+            if time.monotonic() > deadline:
+                self._abandon()
+                raise CollectiveError(f"{what} timed out after {self.timeout} (EDT_COLLECTIVE_TIME_OUT)")
+
+    def _abandon(self) -> None:
+        if self._group is not None:
+            self._abandoned.append(self._group)
+            self._group = None
 
     def shutdown(self) -> None:
         """Leave the current group, if any."""
-        if self._configured and dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as exc:  # a group whose peer died may not tear down cleanly
-                log.debug("destroy_process_group failed: %r", exc)
-        self._configured = False
-
-
-def default_backend(device: Optional[str]) -> str:
-    """NCCL for CUDA devices, gloo otherwise."""
-    return "nccl" if device is not None and device.startswith("cuda") else "gloo"
+        self._group = None

@@ -6,7 +6,6 @@ import dataclasses
 import os
 import warnings
 from datetime import timedelta
-from typing import Optional
 
 #: Environment variables that bound every blocking wait, in seconds. Each has a default here
 #: and is read once, in the driver, so that all workers of a job share the same bounds.
@@ -17,7 +16,26 @@ TIMEOUT_DEFAULTS: dict[str, float] = {
     "EDT_COLLECTIVE_TIME_OUT": 120.0,
     # Workers leave within this time once the driver asks them to stop; then they are killed.
     "EDT_STOP_TIME_OUT": 10.0,
+    # A worker silent this long (no heartbeat: frozen, SIGSTOPped) is removed, and killed if local.
+    "EDT_HEARTBEAT_TIME_OUT": 10.0,
+    # A joining worker waits this long for the generation and the state it pulls from a peer.
+    "EDT_PULL_WEIGHT_TIME_OUT": 60.0,
+    # After a failed collective, a worker waits this long for the driver's next generation.
+    "EDT_RECOVERY_TIME_OUT": 120.0,
 }
+
+
+def heartbeat_interval() -> float:
+    """Seconds between a worker's heartbeats: a tenth of the heartbeat timeout, at most 1 s."""
+    return min(1.0, get_timeout("EDT_HEARTBEAT_TIME_OUT").total_seconds() / 10)
+
+
+def pull_failed_limit() -> int:
+    """``EDT_PULL_FAILED_LIMITS`` (default 3): failed pulls after which a joining worker gives up."""
+    raw = os.environ.get("EDT_PULL_FAILED_LIMITS", "3")
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"Expected EDT_PULL_FAILED_LIMITS to be a positive integer. Received: {raw!r}")
+    return int(raw)
 
 
 def get_timeout(name: str) -> timedelta:
@@ -60,9 +78,7 @@ class EngineSizing:
     global_batch: int
 
 
-def size_engines(
-    batch_size: int, engines_number: Optional[int], effective_batch_size: Optional[int]
-) -> EngineSizing:
+def size_engines(batch_size: int, engines_number: int | None, effective_batch_size: int | None) -> EngineSizing:
     """Resolve the worker count and the global batch.
 
     - only ``engines_number``: global batch = ``batch_size * engines_number``, one
@@ -90,7 +106,7 @@ def size_engines(
     return EngineSizing(engines, engines, batch_size * engines)
 
 
-def threads_per_worker(workers_on_host: int, cpu_count: Optional[int] = None) -> int:
+def threads_per_worker(workers_on_host: int, cpu_count: int | None = None) -> int:
     """A fair share of this host's cores for each CPU worker's intra-op threads (at least 1)."""
     cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
     return max(1, cores // max(1, workers_on_host))

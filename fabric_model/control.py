@@ -12,23 +12,31 @@ import pickle
 import queue
 import socket
 import threading
-from multiprocessing.connection import Client, Connection, Listener
+from collections.abc import Callable
 from multiprocessing import AuthenticationError
-from typing import Any, Optional
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 # Worker -> driver.
-HELLO = "hello"  # {"worker_id", "pid", "host"}
+HELLO = "hello"  # {"worker_id" (None: assign one), "pid", "host"}
+READY = "ready"  # set up (job, datasets, device), waiting to join a generation {"attempt"}
+BOUNDARY = "boundary"  # stopped after a committed step, as voted {"generation", "next_unit"}
+FAILED = "failed"  # a collective failed; the step was undone {"generation", "next_unit", "reason"}
+HEARTBEAT = "heartbeat"  # {} every EDT_HEARTBEAT_INTERVAL seconds, from a thread
 STEP = "step"  # {"generation", "epoch", "step", "rank", "micro_batches", "stats" (rank 0 only)}
 EVAL = "eval"  # {"epoch", "iteration", "stats"}
 FINAL = "final"  # {"model_state", "optimizer_state"}
 ERROR = "error"  # {"worker_id", "traceback", "exception" (cloudpickled or None)}
-DONE = "done"  # {}
+DONE = "done"  # {"digest", "next_unit"}; the worker then waits for FINAL_REQUEST or STOP
 # Driver -> worker.
 JOB = "job"  # {"payload": cloudpickled job, "config", "plan", "worker_id"}
-GENERATION = "generation"  # {"generation", "rank", "world_size", "store": (host, port)}
-STOP = "stop"  # {}
+GENERATION = "generation"  # {"generation", "rank", "world_size", "store", "resume_unit", "source_rank"}
+PENDING = "pending"  # {"generation"}: someone waits to join; vote to switch at the next step
+FINAL_REQUEST = "final_request"  # {}: send FINAL
+ABORT = "abort"  # {"generation"}: a member was lost; give up collectives of that generation
+STOP = "stop"  # {}: exit now
 # Raised internally by the driver's reader threads.
 LOST = "lost"  # the connection closed
 
@@ -40,14 +48,14 @@ class Channel:
         self._conn = conn
         self._lock = threading.Lock()
 
-    def send(self, kind: str, payload: Optional[dict[str, Any]] = None) -> None:
+    def send(self, kind: str, payload: dict[str, Any] | None = None) -> None:
         # Plain pickle, not Connection.send's ForkingPickler: with torch loaded that one ships
         # tensors as shared-memory file descriptors, which only work between local processes.
         data = pickle.dumps((kind, payload or {}), protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
             self._conn.send_bytes(data)
 
-    def recv(self, timeout: Optional[float] = None) -> tuple[str, dict[str, Any]]:
+    def recv(self, timeout: float | None = None) -> tuple[str, dict[str, Any]]:
         """Next message; raises ``TimeoutError`` after ``timeout`` seconds, ``EOFError`` on close."""
         if timeout is not None and not self._conn.poll(timeout):
             raise TimeoutError(f"no message from the peer within {timeout:.1f} s")
@@ -74,9 +82,12 @@ class ControlServer:
     worker's first message (``HELLO``); a closed connection becomes a ``LOST`` event.
     """
 
-    def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, secret: bytes, host: str = "127.0.0.1", port: int = 0, allocate_id: Callable[[], int] | None = None
+    ) -> None:
+        self._allocate_id = allocate_id
         self._listener = Listener((host, port), family="AF_INET", authkey=secret)
-        self.events: "queue.Queue[tuple[int, str, dict[str, Any]]]" = queue.Queue()
+        self.events: queue.Queue[tuple[int, str, dict[str, Any]]] = queue.Queue()
         self.channels: dict[int, Channel] = {}
         self._closed = threading.Event()
         self._lock = threading.Lock()
@@ -106,6 +117,9 @@ class ControlServer:
             kind, payload = channel.recv(timeout=60.0)
             if kind != HELLO:
                 raise ValueError(f"expected {HELLO!r} first, got {kind!r}")
+            if payload.get("worker_id") is None and self._allocate_id is not None:
+                payload["worker_id"] = self._allocate_id()
+                channel.send(HELLO, {"worker_id": payload["worker_id"]})  # tell it its id
             worker_id = int(payload["worker_id"])
             with self._lock:
                 self.channels[worker_id] = channel
@@ -119,7 +133,7 @@ class ControlServer:
         finally:
             channel.close()
 
-    def send(self, worker_id: int, kind: str, payload: Optional[dict[str, Any]] = None) -> bool:
+    def send(self, worker_id: int, kind: str, payload: dict[str, Any] | None = None) -> bool:
         """Send to a worker; False when it is gone."""
         with self._lock:
             channel = self.channels.get(worker_id)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Hashable, Iterable, Iterator, Optional, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -34,7 +35,7 @@ class PrefetchLoader:
         self._dataset = dataset
         self._collate = collate
         self._threads = threads
-        self._pool: Optional[ThreadPoolExecutor] = (
+        self._pool: ThreadPoolExecutor | None = (
             ThreadPoolExecutor(threads, thread_name_prefix="fabric-data") if threads > 0 else None
         )
 

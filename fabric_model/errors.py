@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import cloudpickle
 
 
@@ -26,7 +24,7 @@ class JobError(RuntimeError):
     """The job could not start or could not go on (no worker left, a start that timed out)."""
 
 
-def encode_exception(exc: BaseException) -> Optional[bytes]:
+def encode_exception(exc: BaseException) -> bytes | None:
     """The exception, pickled so the caller can re-raise its own type; None if it won't pickle."""
     try:
         data = cloudpickle.dumps(exc)
@@ -36,10 +34,10 @@ def encode_exception(exc: BaseException) -> Optional[bytes]:
         return None
 
 
-def rebuild_exception(data: Optional[bytes], traceback_text: str, worker: str) -> BaseException:
+def rebuild_exception(data: bytes | None, traceback_text: str, worker: str) -> BaseException:
     """The exception to raise in the caller: the user's own type, caused by the worker traceback."""
     remote = RemoteTraceback(f'"""\n{worker} failed:\n{traceback_text}"""')
-    exc: Optional[BaseException] = None
+    exc: BaseException | None = None
     if data is not None:
         try:
             exc = cloudpickle.loads(data)

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO, Optional
+from typing import IO
 
 from .worker import LAUNCHED_ENV, SECRET_ENV
 
@@ -48,15 +48,29 @@ class LocalLauncher:
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
-    def start(self, worker_id: int, device: Optional[str]) -> subprocess.Popen[bytes]:
+    def start(self, worker_id: int, device: str | None) -> subprocess.Popen[bytes]:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         logfile = open(self.log_path(worker_id), "ab")
-        cmd = [sys.executable, "-m", "fabric_model", "worker", "--driver", f"{self.address[0]}:{self.address[1]}",
-               "--worker-id", str(worker_id)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "fabric_model",
+            "worker",
+            "--driver",
+            f"{self.address[0]}:{self.address[1]}",
+            "--worker-id",
+            str(worker_id),
+        ]
         if device:
             cmd += ["--device", device]
-        proc = subprocess.Popen(cmd, env=self._environment(), stdout=logfile, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, cwd=os.getcwd())
+        proc = subprocess.Popen(
+            cmd,
+            env=self._environment(),
+            stdout=logfile,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=os.getcwd(),
+        )
         self.processes[worker_id] = proc
         self._logs[worker_id] = logfile
         log.debug("started worker %d (pid %d)", worker_id, proc.pid)
@@ -65,6 +79,16 @@ class LocalLauncher:
     def exited(self) -> dict[int, int]:
         """Worker ids whose process has ended, with their exit codes."""
         return {wid: code for wid, p in self.processes.items() if (code := p.poll()) is not None}
+
+    def kill(self, worker_id: int) -> None:
+        """SIGKILL one worker (a frozen process ignores anything gentler) and reap it."""
+        proc = self.processes[worker_id]
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            log.error("worker %d (pid %d) did not die after SIGKILL", worker_id, proc.pid)
 
     def wait_all(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for every worker to exit by itself."""

@@ -1,10 +1,26 @@
-"""The worker's training loop: the steps of DESIGN §3 for one generation of workers."""
+"""The worker's training loop: the steps of DESIGN §3, across generations of workers (§4).
+
+A worker runs units (steps and validation slots, see :class:`~fabric_model.plan.Schedule`)
+from a position every member of its generation shares. Two things end a generation:
+
+- a collective fails (a peer died or hung): the interrupted step is undone, the worker
+  reports how far it got, and waits for the driver's next generation;
+- the members vote, inside the step's allreduce, to switch (someone asked to join): every
+  replica sees the same vote, so all stop after the same committed step.
+
+Entering a generation: join its process group, take the state from the member that holds
+the latest committed step (when members differ, or a newcomer needs it), resume at the
+agreed unit with that step's micro-batches re-divided among the new members.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
-from typing import Any, Callable, Hashable, Iterator, Optional
+from collections.abc import Callable, Hashable, Iterator
+from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
@@ -12,11 +28,12 @@ import torch
 from . import control
 from .adapters.base import FrameworkAdapter
 from .callbacks import call_hook, stat_means
-from .collective import Collective
+from .collective import Collective, CollectiveError
 from .config import TrainConfig
+from .context import WorkerContext
 from .control import Channel
 from .data import PrefetchLoader
-from .plan import Plan, assigned_micro_batches, epoch_permutation, eval_batches, micro_batch_seed
+from .plan import Plan, Schedule, assigned_micro_batches, epoch_permutation, eval_batches, micro_batch_seed
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +45,21 @@ class Job:
 
     adapter: FrameworkAdapter
     get_datasets: Callable[[], tuple[Any, Any]]
-    worker_logger: Optional[Any] = None
+    worker_logger: Any | None = None
+
+
+class Membership:
+    """What the inbox thread tells the loop: a generation change was asked for, and the
+    driver's messages the loop waits on."""
+
+    def __init__(self, expect: Callable[[str, timedelta], dict[str, Any]]) -> None:
+        self.pending_generation = -1  # written by the inbox thread
+        self.abort_generation = -1  # likewise: collectives of this generation and older give up
+        self.expect = expect
 
 
 class TrainingLoop:
-    """Runs the plan from a position to the end, as ``rank`` of ``world_size``."""
+    """Runs the schedule to its end as a member of successive generations."""
 
     def __init__(
         self,
@@ -40,82 +67,169 @@ class TrainingLoop:
         config: TrainConfig,
         plan: Plan,
         channel: Channel,
+        membership: Membership,
         collective: Collective,
-        train_set: Any,
-        test_set: Any,
+        datasets: tuple[Any, Any],
+        context: WorkerContext,
+        recovery_timeout: timedelta,
     ) -> None:
         self.job, self.config, self.plan = job, config, plan
         self.adapter = job.adapter
-        self.channel = channel
-        self.collective = collective
-        self.train_set, self.test_set = train_set, test_set
+        self.channel, self.membership, self.collective = channel, membership, collective
+        self.train_set, self.test_set = datasets
+        self.context = context
+        self.recovery_timeout = recovery_timeout
+        self.schedule = Schedule(plan, config.epochs, config.validation_freq, self.test_set is not None)
+        self.next_unit = 0
         self.iterations = 0  # steps this worker took part in
 
-    # -- schedule -------------------------------------------------------------------------
-    def _schedule(self, start_epoch: int) -> Iterator[tuple[Hashable, np.ndarray]]:
-        """The micro-batches this rank computes, in order, from ``start_epoch`` on."""
-        rank, world = self.collective.rank, self.collective.world_size
-        for epoch in range(start_epoch, self.config.epochs):
-            perm = epoch_permutation(self.plan.seed, epoch, self.plan.num_samples)
-            for step in range(self.plan.steps_per_epoch):
-                for j in assigned_micro_batches(self.plan.num_micro_batches(epoch, step), rank, world):
-                    yield (epoch, step, j), self.plan.micro_batch_indices(epoch, step, j, perm)
-
-    # -- the loop -------------------------------------------------------------------------
-    def run(self, start_epoch: int = 0) -> None:
-        loader = PrefetchLoader(self.train_set, self.adapter.collate, self.config.num_dataloader_threads)
+    # -- generations ----------------------------------------------------------------------
+    def run_joined(self) -> None:
+        """Train from the position of the generation entered (``enter``) to the schedule's end."""
         call_hook(self.job.worker_logger, "on_train_begin")
-        try:
-            batches = loader.iterate(self._schedule(start_epoch))
-            for epoch in range(start_epoch, self.config.epochs):
-                for step in range(self.plan.steps_per_epoch):
-                    self._step(epoch, step, batches)
-                if self.test_set is not None and (epoch + 1) % self.config.validation_freq == 0:
-                    self._validate(epoch)
-        finally:
-            loader.close()
+        while True:
+            try:
+                self._run_generation()
+                if self.next_unit >= self.schedule.total_units:
+                    break
+                kind, reason = control.BOUNDARY, "switch"
+            except CollectiveError as exc:
+                self.adapter.abort_step()
+                kind, reason = control.FAILED, str(exc).splitlines()[0][:300]
+            self.collective.shutdown()
+            self.channel.send(kind, self.position(reason))
+            self._reenter()
         call_hook(self.job.worker_logger, "on_train_end")
 
-    def _step(self, epoch: int, step: int, batches: Iterator[tuple[Hashable, np.ndarray, Any]]) -> None:
-        plan, adapter = self.plan, self.adapter
+    def _reenter(self) -> None:
+        """Enter the driver's next generation; a failure while entering waits for the one after."""
+        while True:
+            generation = self.membership.expect(control.GENERATION, self.recovery_timeout)
+            try:
+                self.enter(generation)
+                return
+            except CollectiveError as exc:
+                self.collective.shutdown()
+                self.channel.send(control.FAILED, self.position(str(exc).splitlines()[0][:300]))
+
+    def position(self, reason: str = "") -> dict[str, Any]:
+        return {"generation": self.collective.generation, "next_unit": self.next_unit, "reason": reason}
+
+    def enter(self, generation: dict[str, Any]) -> None:
+        """Join ``generation``; take the agreed state from its source member when told to."""
+        self.collective.configure(generation["generation"], generation["rank"], generation["world_size"])
+        self.context.generation = generation["generation"]
+        self.context.rank, self.context.world_size = generation["rank"], generation["world_size"]
+        source = generation["source_rank"]
+        if source >= 0:
+            data = self._state_bytes() if self.collective.rank == source else None
+            data = self.collective.broadcast_bytes(data, source)
+            if self.collective.rank != source:
+                self._load_state_bytes(data)
+        self.next_unit = generation["resume_unit"]
+
+    def _state_bytes(self) -> bytes:
+        buffer = io.BytesIO()
+        torch.save({"model": self.adapter.model_state(), "optimizer": self.adapter.optimizer_state()}, buffer)
+        return buffer.getvalue()
+
+    def _load_state_bytes(self, data: bytes) -> None:
+        state = torch.load(io.BytesIO(data), weights_only=True)  # never unpickle arbitrary objects
+        self.adapter.load_state(state["model"], state["optimizer"])
+
+    # -- one generation -------------------------------------------------------------------
+    def _run_generation(self) -> None:
+        """Run units until the schedule ends or the members agree to switch generation."""
+        loader = PrefetchLoader(self.train_set, self.adapter.collate, self.config.num_dataloader_threads)
+        try:
+            batches = loader.iterate(self._micro_batches(self.next_unit))
+            while self.next_unit < self.schedule.total_units:
+                epoch, step = self.schedule.locate(self.next_unit)
+                if step is None:
+                    if self.schedule.validation_due(epoch):
+                        self._validate(epoch)
+                    self.next_unit += 1
+                    continue
+                switch = self._step(epoch, step, batches)
+                self.next_unit += 1
+                if switch:
+                    return
+        finally:
+            loader.close()
+
+    def _micro_batches(self, start_unit: int) -> Iterator[tuple[Hashable, np.ndarray]]:
+        """The micro-batches this member computes, in order, from ``start_unit`` on."""
+        rank, world = self.collective.rank, self.collective.world_size
+        perm: np.ndarray | None = None
+        perm_epoch = -1
+        for unit in range(start_unit, self.schedule.total_units):
+            epoch, step = self.schedule.locate(unit)
+            if step is None:
+                continue
+            if epoch != perm_epoch:
+                perm, perm_epoch = epoch_permutation(self.plan.seed, epoch, self.plan.num_samples), epoch
+            for j in assigned_micro_batches(self.plan.num_micro_batches(epoch, step), rank, world):
+                yield (epoch, step, j), self.plan.micro_batch_indices(epoch, step, j, perm)
+
+    def _step(self, epoch: int, step: int, batches: Iterator[tuple[Hashable, np.ndarray, Any]]) -> bool:
+        """One step; returns whether the members voted to switch generation after it."""
+        plan, adapter, collective = self.plan, self.adapter, self.collective
+        self.context.epoch, self.context.step = epoch, step
+        self.context.global_step = epoch * plan.steps_per_epoch + step
         step_samples = plan.step_samples(epoch, step)
-        mine = assigned_micro_batches(plan.num_micro_batches(epoch, step), self.collective.rank, self.collective.world_size)
+        mine = assigned_micro_batches(plan.num_micro_batches(epoch, step), collective.rank, collective.world_size)
         adapter.begin_step()
         for j in mine:
             key, indices, batch = next(batches)
             assert key == (epoch, step, j), f"loader out of order: {key} != {(epoch, step, j)}"
-            adapter.train_micro_batch(batch, len(indices), step_samples, micro_batch_seed(plan.seed, epoch, step, j))
-        self.collective.all_reduce_sum(adapter.step_buffer)
-        stats = adapter.finish_step()
+            seed = micro_batch_seed(plan.seed, epoch, step, j)
+            adapter.train_micro_batch(batch, len(indices), step_samples, seed)
+        # The switch vote rides in the same allreduce, so every member reads the same sum.
+        if self.membership.pending_generation > collective.generation:
+            adapter.step_buffer[-1] = 1.0
+        collective.all_reduce_sum(adapter.step_buffer)
+        tail = adapter.finish_step()
+        stats, switch = tail[:-1], tail[-1] > 0
         self.iterations += 1
-        report: dict[str, Any] = {
-            "generation": self.collective.generation,
-            "epoch": epoch,
-            "step": step,
-            "rank": self.collective.rank,
-            "micro_batches": list(mine),
-        }
-        if self.collective.rank == 0:
-            report["stats"] = stats
-        self.channel.send(control.STEP, report)
+        self.channel.send(
+            control.STEP,
+            {
+                "generation": collective.generation,
+                "epoch": epoch,
+                "step": step,
+                "rank": collective.rank,
+                "world_size": collective.world_size,
+                "micro_batches": list(mine),
+                "stats": stats,
+            },
+        )
         if self.job.worker_logger is not None:
             metrics = stat_means(adapter.stat_names, stats)
-            call_hook(self.job.worker_logger, "log_train_metrics", metrics, self.iterations, epoch, self.collective.world_size)
+            call_hook(
+                self.job.worker_logger, "log_train_metrics", metrics, self.iterations, epoch, collective.world_size
+            )
+        return switch
 
     def _validate(self, epoch: int) -> None:
-        adapter = self.adapter
+        adapter, collective = self.adapter, self.collective
         sums = torch.zeros(len(adapter.stat_names) + 1, dtype=torch.float64)
         loader = PrefetchLoader(self.test_set, adapter.collate, self.config.num_dataloader_threads)
         try:
-            chunks = eval_batches(len(self.test_set), self.config.batch_size, self.collective.rank, self.collective.world_size)
+            chunks = eval_batches(len(self.test_set), self.config.batch_size, collective.rank, collective.world_size)
             for _, indices, batch in loader.iterate((i, idx) for i, idx in enumerate(chunks)):
                 sums += adapter.evaluate(batch, len(indices))
         finally:
             loader.close()
         reduced = sums.to(adapter.step_buffer.device)
-        self.collective.all_reduce_sum(reduced)
+        collective.all_reduce_sum(reduced)
         stats = reduced.cpu().tolist()
-        if self.collective.rank == 0:
+        if collective.rank == 0:
             self.channel.send(control.EVAL, {"epoch": epoch, "stats": stats})
         if self.job.worker_logger is not None:
-            call_hook(self.job.worker_logger, "log_test_metrics", stat_means(adapter.stat_names, stats), self.iterations, epoch)
+            call_hook(
+                self.job.worker_logger,
+                "log_test_metrics",
+                stat_means(adapter.stat_names, stats),
+                self.iterations,
+                epoch,
+            )

@@ -81,3 +81,38 @@ def eval_batches(num_samples: int, batch_size: int, rank: int, world_size: int) 
     """The test-set batches (in order, unshuffled) that worker ``rank`` evaluates."""
     starts = range(rank * batch_size, num_samples, world_size * batch_size)
     return [np.arange(s, min(s + batch_size, num_samples)) for s in starts]
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The run as a sequence of *units*: each epoch's steps, then its validation slot.
+
+    A worker's position is the index of the next unit to run; a generation change resumes
+    every worker at the same unit. Unit ``u`` is step ``u % (S + 1)`` of epoch ``u // (S + 1)``
+    when that is below ``S`` (steps per epoch), else the epoch's validation slot, which is a
+    no-op unless validation is due after that epoch.
+    """
+
+    plan: Plan
+    epochs: int
+    validation_freq: int
+    has_test: bool
+
+    @property
+    def units_per_epoch(self) -> int:
+        return self.plan.steps_per_epoch + 1
+
+    @property
+    def total_units(self) -> int:
+        return self.epochs * self.units_per_epoch
+
+    def locate(self, unit: int) -> tuple[int, int | None]:
+        """``(epoch, step)`` of a training unit, or ``(epoch, None)`` for a validation slot."""
+        epoch, k = divmod(unit, self.units_per_epoch)
+        return epoch, (k if k < self.plan.steps_per_epoch else None)
+
+    def unit(self, epoch: int, step: int) -> int:
+        return epoch * self.units_per_epoch + step
+
+    def validation_due(self, epoch: int) -> bool:
+        return self.has_test and (epoch + 1) % self.validation_freq == 0

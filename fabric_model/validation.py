@@ -5,7 +5,7 @@ Every error names the argument, the value received and what is accepted.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from .callbacks import HOOKS
 from .data import is_map_dataset
@@ -76,7 +76,8 @@ def check_logger(name: str, logger: Any) -> None:
 def check_datasets(get_datasets: Any) -> tuple[Any, Any]:
     """Call ``get_datasets`` once and check it returns a (train, test) pair of map-style datasets."""
     check_callable(
-        "get_datasets", get_datasets,
+        "get_datasets",
+        get_datasets,
         hint=" HINT: pass the function itself, get_datasets=my_fn, not its result my_fn().",
     )
     result = get_datasets()
@@ -97,11 +98,13 @@ def check_datasets(get_datasets: Any) -> tuple[Any, Any]:
                 "exactly-once micro-batches; wrap its samples in a list or a torch Dataset."
             )
     if len(train) == 0:
-        raise ValueError("Expected the train dataset returned by `get_datasets` to hold samples. Received: an empty dataset")
+        raise ValueError(
+            "Expected the train dataset returned by `get_datasets` to hold samples. Received: an empty dataset"
+        )
     return train, test
 
 
-def check_effective_batch(effective_batch_size: Optional[int], batch_size: int) -> None:
+def check_effective_batch(effective_batch_size: int | None, batch_size: int) -> None:
     check_positive_int("effective_batch_size", effective_batch_size, allow_none=True)
     if effective_batch_size is not None and effective_batch_size % batch_size != 0:
         raise ValueError(

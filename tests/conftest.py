@@ -8,10 +8,17 @@ import time
 import psutil
 import pytest
 
+# Variables that pytest and torch set for themselves on first use.
+_OWN_VARIABLES = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_")
+
+
+def _environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(_OWN_VARIABLES)}
+
 
 @pytest.fixture(autouse=True)
 def no_leaks():
-    env_before = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    env_before = _environment()
     yield
     me = psutil.Process()
     deadline = time.monotonic() + 5.0
@@ -26,8 +33,7 @@ def no_leaks():
         except psutil.NoSuchProcess:
             pass
     assert not leaked, f"the test left child processes running: {leaked}"
-    env_after = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
-    assert env_after == env_before, "the test changed os.environ"
+    assert _environment() == env_before, "the test changed os.environ"
     import torch.distributed as dist
 
     assert not (dist.is_available() and dist.is_initialized()), "the test left a process group initialized"

@@ -20,7 +20,7 @@ def make_data(n: int = 240, features: int = 12, classes: int = 3, seed: int = 0)
     x = torch.randn(n, features, generator=g)
     w = torch.randn(features, classes, generator=g)
     y = (x @ w).argmax(1)
-    return [(x[i], int(y[i])) for i in range(n)]
+    return [(x[i].clone(), int(y[i])) for i in range(n)]  # clone: a view would pickle the whole storage
 
 
 class MLP(nn.Module):
@@ -40,8 +40,9 @@ def accuracy(output, target):
     return (output.argmax(1) == target).float().mean()
 
 
-def reference_train(model, optimizer, dataset, *, seed: int, epochs: int, batch_size: int, micro_batches: int,
-                    loss_fn=F.cross_entropy):
+def reference_train(
+    model, optimizer, dataset, *, seed: int, epochs: int, batch_size: int, micro_batches: int, loss_fn=F.cross_entropy
+):
     """A plain single-process loop over the documented plan: same global batches, same order,
     the gradient of each global batch's mean loss, dropout seeded per micro-batch."""
     plan = Plan(len(dataset), batch_size, micro_batches, seed)
@@ -107,14 +108,20 @@ def sample_indices_of_steps(plan: Plan, train_records: list[dict]) -> dict[int, 
         perm = epoch_permutation(plan.seed, r["epoch"], plan.num_samples)
         for mbs in r["micro_batches"].values():
             for j in mbs:
-                used.setdefault(r["epoch"], []).extend(int(i) for i in plan.micro_batch_indices(r["epoch"], r["step"], j, perm))
+                used.setdefault(r["epoch"], []).extend(
+                    int(i) for i in plan.micro_batch_indices(r["epoch"], r["step"], j, perm)
+                )
     return used
 
 
 def fresh_model_and_optimizer(seed: int = 0, lr: float = 0.1, momentum: float = 0.9, adam: bool = False):
     torch.manual_seed(seed)
     model = MLP()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2) if adam else torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    opt = (
+        torch.optim.Adam(model.parameters(), lr=1e-2)
+        if adam
+        else torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    )
     return model, opt
 
 

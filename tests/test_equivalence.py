@@ -42,8 +42,9 @@ def test_weights_equal_single_process_loop(workers, reference_state, run_dir, tm
     dataset = IndexRecordingDataset(DATA, str(reads))
     model, opt = fresh_model_and_optimizer()
     fm = FabricModel(model, lambda: (dataset, DATA[:50]), F.cross_entropy, opt, metrics=[accuracy])
-    result = fm.train(EPOCHS, BATCH, workers, effective_batch_size=GLOBAL, seed=SEED, run_dir=run_dir,
-                      num_dataloader_threads=2)
+    result = fm.train(
+        EPOCHS, BATCH, workers, effective_batch_size=GLOBAL, seed=SEED, run_dir=run_dir, num_dataloader_threads=2
+    )
 
     # Invariant 2: the user's model holds the trained weights, equal to the reference loop's.
     assert max_rel_diff(model.state_dict(), reference_state) <= 1e-5
@@ -90,7 +91,8 @@ def test_batchnorm_statistics_do_not_depend_on_worker_count(tmp_path):
         model = BNNet()
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         FabricModel(model, lambda: (DATA, None), F.cross_entropy, opt).train(
-            1, BATCH, workers, effective_batch_size=GLOBAL, seed=SEED, run_dir=tmp_path / f"w{workers}")
+            1, BATCH, workers, effective_batch_size=GLOBAL, seed=SEED, run_dir=tmp_path / f"w{workers}"
+        )
         states.append(model.state_dict())
     assert max_rel_diff(states[1], states[0]) <= 1e-5
     assert int(states[1]["bn.num_batches_tracked"]) == Plan(len(DATA), BATCH, 3, SEED).steps_per_epoch

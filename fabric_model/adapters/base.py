@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -16,7 +17,7 @@ class FrameworkAdapter(abc.ABC):
     buffer is a flat float32 ``torch.Tensor`` laid out as::
 
         [ gradients (already weighted by n_j / N) | forward-updated buffers (same weighting) |
-          loss sum | metric sums ... | sample count ]
+          loss sum | metric sums ... | sample count | switch vote ]
 
     so a single collective carries everything a step needs (DESIGN §3).
     """
@@ -51,7 +52,17 @@ class FrameworkAdapter(abc.ABC):
 
     @abc.abstractmethod
     def finish_step(self) -> list[float]:
-        """Apply the reduced buffer: set buffers, step the optimizer. Returns the step's stat sums."""
+        """Apply the reduced buffer: set buffers, step the optimizer.
+
+        Returns the buffer's tail: stat sums, sample count, switch vote."""
+
+    @abc.abstractmethod
+    def abort_step(self) -> None:
+        """Undo what an unfinished step changed (forward-updated buffers), so it can be redone."""
+
+    @abc.abstractmethod
+    def load_state(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
+        """Take weights and optimizer state pulled from a peer."""
 
     @abc.abstractmethod
     def evaluate(self, batch: Any, num_samples: int) -> torch.Tensor:
@@ -66,7 +77,7 @@ class FrameworkAdapter(abc.ABC):
         """Optimizer state (moments, step counts), as CPU objects."""
 
 
-def metric_name(metric: Callable[..., Any], position: int, taken: Optional[set[str]] = None) -> str:
+def metric_name(metric: Callable[..., Any], position: int, taken: set[str] | None = None) -> str:
     """A readable, unique name for a metric callable (its ``__name__`` or ``name``)."""
     name = getattr(metric, "name", None) or getattr(metric, "__name__", None) or f"metric_{position}"
     if name == "<lambda>":

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import default_collate
@@ -66,7 +67,7 @@ class TorchAdapter(FrameworkAdapter):
         optimizer: torch.optim.Optimizer,
         loss_function: LossFn,
         metrics: Sequence[MetricFn] = (),
-        collate_fn: Optional[Callable[[Sequence[Any]], Any]] = None,
+        collate_fn: Callable[[Sequence[Any]], Any] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -76,6 +77,8 @@ class TorchAdapter(FrameworkAdapter):
         taken: set[str] = set()
         self.stat_names = ["loss"] + [metric_name(m, i, taken) for i, m in enumerate(self.metrics)]
         self.device = torch.device("cpu")
+        self._buf_start: list[torch.Tensor] = []
+        self._in_step = False
 
     # -- set-up ---------------------------------------------------------------------------
     def setup(self, device: str, num_threads: int) -> None:
@@ -88,16 +91,22 @@ class TorchAdapter(FrameworkAdapter):
         self.model.train()
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._buffers = list(self.model.buffers())
+        self._allocate()
+
+    def _allocate(self) -> None:
+        """The flat step buffer, with each parameter's .grad a view into it."""
         n_grad = sum(p.numel() for p in self._params)
         n_buf = sum(b.numel() for b in self._buffers)
-        n_stat = len(self.stat_names) + 1
+        n_stat = len(self.stat_names) + 2  # stat sums, sample count, the switch vote
         self._flat = torch.zeros(n_grad + n_buf + n_stat, dtype=torch.float32, device=self.device)
         self._grad_views: list[torch.Tensor] = []
         offset = 0
         for p in self._params:
             view = self._flat[offset : offset + p.numel()].view_as(p)
             if p.dtype != torch.float32:
-                raise TypeError(f"Only float32 parameters are supported; parameter of shape {tuple(p.shape)} is {p.dtype}.")
+                raise TypeError(
+                    f"Only float32 parameters are supported; parameter of shape {tuple(p.shape)} is {p.dtype}."
+                )
             self._grad_views.append(view)
             offset += p.numel()
         self._buf_views: list[torch.Tensor] = []
@@ -105,7 +114,8 @@ class TorchAdapter(FrameworkAdapter):
             self._buf_views.append(self._flat[offset : offset + b.numel()].view(b.shape))
             offset += b.numel()
         self._stats = self._flat[offset:]
-        self._buf_start: list[torch.Tensor] = []
+        for p, view in zip(self._params, self._grad_views):
+            p.grad = view
 
     def collate(self, samples: Sequence[Any]) -> Any:
         if self._collate_fn is not None:
@@ -122,6 +132,7 @@ class TorchAdapter(FrameworkAdapter):
         for p, view in zip(self._params, self._grad_views):
             p.grad = view
         self._buf_start = [b.detach().clone() for b in self._buffers]
+        self._in_step = True
 
     def train_micro_batch(self, batch: Any, num_samples: int, step_samples: int, seed: int) -> None:
         weight = num_samples / step_samples
@@ -141,8 +152,21 @@ class TorchAdapter(FrameworkAdapter):
                 view.add_(b.to(torch.float32), alpha=weight)
             self._stats[0] += loss.detach().float() * n
             for i, metric in enumerate(self.metrics, start=1):
-                self._stats[i] += torch.as_tensor(metric(output.detach(), target), dtype=torch.float32, device=self.device) * n
-            self._stats[-1] += n
+                self._stats[i] += (
+                    torch.as_tensor(metric(output.detach(), target), dtype=torch.float32, device=self.device) * n
+                )
+            self._stats[-2] += n  # [-1] is the switch vote
+
+    def abort_step(self) -> None:
+        # The step will be redone: forward-updated buffers go back to the step's start.
+        if not self._in_step:
+            return
+        self._in_step = False
+        # An abandoned collective may still write into the old buffer: take a fresh one.
+        self._allocate()
+        with torch.no_grad():
+            for b, start in zip(self._buffers, self._buf_start):
+                b.copy_(start)
 
     def _ensure_grad_views(self) -> None:
         # User code (a custom step, a callback) may have replaced or cleared .grad; put the
@@ -160,6 +184,7 @@ class TorchAdapter(FrameworkAdapter):
             for b, view in zip(self._buffers, self._buf_views):
                 b.copy_(view.round() if not b.is_floating_point() else view)
             self.optimizer.step()
+        self._in_step = False
         return self._stats.tolist()
 
     # -- evaluation and state -------------------------------------------------------------
@@ -174,6 +199,10 @@ class TorchAdapter(FrameworkAdapter):
             return torch.tensor([v * n for v in values] + [n], dtype=torch.float64)
         finally:
             self.model.train()
+
+    def load_state(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
+        self.model.load_state_dict(model_state)
+        self.optimizer.load_state_dict(optimizer_state)
 
     def model_state(self) -> dict[str, Any]:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}

@@ -1,0 +1,36 @@
+"""Where a worker is, readable from user code running inside it (loggers, losses, callbacks).
+
+from fabric_model import worker_context
+ctx = worker_context()      # None in the driver
+ctx.rank, ctx.world_size, ctx.generation, ctx.epoch, ctx.step, ctx.global_step
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class WorkerContext:
+    """Updated by the worker loop; read-only for user code."""
+
+    worker_id: int
+    rank: int = 0
+    world_size: int = 1
+    generation: int = -1
+    epoch: int = 0
+    step: int = 0  # the step within the epoch being computed or just committed
+    global_step: int = 0  # epoch * steps_per_epoch + step
+
+
+_current: WorkerContext | None = None
+
+
+def worker_context() -> WorkerContext | None:
+    """This worker's context, or None outside a worker."""
+    return _current
+
+
+def _install(context: WorkerContext) -> None:
+    global _current
+    _current = context

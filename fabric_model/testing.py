@@ -1,0 +1,198 @@
+"""Fault injection for testing elastic jobs, with no change to library code paths.
+
+Worker-side faults ride in a worker logger; adding a worker is a driver logger that starts
+one by hand, the way a user would on another host::
+
+    faults = FaultInjector([Kill(worker=1, step=5), Hang(worker=2, step=9)], marker_dir=tmp)
+    starter = WorkerStarter(run_dir, at_iterations=[7])
+    FabricModel(..., worker_logger_callback=faults, driver_logger_callback=starter).train(...)
+    starter.close()
+
+``step`` is the global step (``epoch * steps_per_epoch + step``); ``worker`` is the worker id.
+Each fault fires once per run (a marker file in ``marker_dir`` records it), so a step redone
+after recovery runs clean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .context import worker_context
+
+
+@dataclasses.dataclass(frozen=True)
+class Kill:
+    """SIGKILL worker ``worker`` in step ``step``: inside the step, just before its allreduce
+    (``before_allreduce``), or once the step has committed (``after_step``)."""
+
+    worker: int
+    step: int
+    when: str = "before_allreduce"
+
+
+@dataclasses.dataclass(frozen=True)
+class Hang:
+    """SIGSTOP worker ``worker`` just before the allreduce of step ``step`` (it freezes)."""
+
+    worker: int
+    step: int
+    when: str = "before_allreduce"
+
+
+@dataclasses.dataclass(frozen=True)
+class FailCollective:
+    """Make worker ``worker``'s allreduce in step ``step`` raise, as a broken link would."""
+
+    worker: int
+    step: int
+    when: str = "before_allreduce"
+
+
+Fault = Kill | Hang | FailCollective
+
+
+class FaultInjector:
+    """A worker logger that injects ``faults``; ``inner`` (the user's worker logger) still runs.
+
+    Args:
+        faults: the faults to inject.
+        marker_dir: a directory shared by the workers, recording which faults fired.
+        step_delay: seconds to sleep after each step, to pace a run so that a joining
+            worker (which takes seconds to start) lands mid-run.
+    """
+
+    def __init__(
+        self, faults: Sequence[Fault], marker_dir: str | os.PathLike[str], inner: Any = None, step_delay: float = 0.0
+    ) -> None:
+        self.faults = list(faults)
+        self.marker_dir = str(marker_dir)
+        self.inner = inner
+        self.step_delay = step_delay
+
+    # -- the hooks ------------------------------------------------------------------------
+    def on_train_begin(self) -> None:
+        self._patch_all_reduce()
+        _forward(self.inner, "on_train_begin")
+
+    def on_train_end(self) -> None:
+        _forward(self.inner, "on_train_end")
+
+    def log_train_metrics(self, metrics: dict[str, float], iteration: int, epoch: int, workers: int) -> None:
+        self._fire("after_step")
+        _forward(self.inner, "log_train_metrics", metrics, iteration, epoch, workers)
+        if self.step_delay:
+            time.sleep(self.step_delay)
+
+    def log_test_metrics(self, metrics: dict[str, float], iteration: int, epoch: int) -> None:
+        _forward(self.inner, "log_test_metrics", metrics, iteration, epoch)
+
+    # -- firing ---------------------------------------------------------------------------
+    def _patch_all_reduce(self) -> None:
+        # Wrap the worker's allreduce from the outside, in this worker process only.
+        from .collective import Collective, CollectiveError
+
+        original = Collective.all_reduce_sum
+        if getattr(original, "_fabric_fault_patch", False):
+            return
+        injector = self
+
+        def all_reduce_sum(collective: Collective, tensor: Any) -> None:
+            try:
+                injector._fire("before_allreduce")
+            except _InjectedFailure as exc:
+                raise CollectiveError(str(exc)) from exc
+            original(collective, tensor)
+
+        all_reduce_sum._fabric_fault_patch = True  # type: ignore[attr-defined]
+        Collective.all_reduce_sum = all_reduce_sum  # type: ignore[method-assign,assignment]
+
+    def _fire(self, when: str) -> None:
+        ctx = worker_context()
+        if ctx is None:
+            return
+        for i, fault in enumerate(self.faults):
+            if fault.when != when or fault.worker != ctx.worker_id or fault.step != ctx.global_step:
+                continue
+            if not self._claim(i):
+                continue
+            if isinstance(fault, Kill):
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif isinstance(fault, Hang):
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                raise _InjectedFailure(f"injected collective failure at step {fault.step} on worker {fault.worker}")
+
+    def _claim(self, index: int) -> bool:
+        """True the first time fault ``index`` fires in this run, across all processes."""
+        try:
+            os.close(os.open(os.path.join(self.marker_dir, f"fault-{index}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            return False
+
+
+class _InjectedFailure(RuntimeError):
+    pass
+
+
+class WorkerStarter:
+    """A driver logger that starts one extra worker by hand when ``iteration`` reaches each of
+    ``at_iterations``, with the command line a user would run on another host."""
+
+    def __init__(self, run_dir: str | os.PathLike[str], at_iterations: Sequence[int], inner: Any = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.at_iterations = sorted(at_iterations)
+        self.inner = inner
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    def on_train_begin(self) -> None:
+        _forward(self.inner, "on_train_begin")
+
+    def on_train_end(self) -> None:
+        _forward(self.inner, "on_train_end")
+
+    def log_test_metrics(self, metrics: dict[str, float], iteration: int, epoch: int) -> None:
+        _forward(self.inner, "log_test_metrics", metrics, iteration, epoch)
+
+    def log_train_metrics(self, metrics: dict[str, float], iteration: int, epoch: int, workers: int) -> None:
+        while self.at_iterations and iteration >= self.at_iterations[0]:
+            self.at_iterations.pop(0)
+            self.start()
+        _forward(self.inner, "log_train_metrics", metrics, iteration, epoch, workers)
+
+    def start(self, device: str | None = None) -> subprocess.Popen[bytes]:
+        info = json.loads((self.run_dir / "join.json").read_text())
+        env = dict(os.environ, FABRIC_MODEL_SECRET=info["secret"], PYTHONPATH=os.pathsep.join(sys.path))
+        cmd = [sys.executable, "-m", "fabric_model", "worker", "--driver", info["driver"]]
+        if device:
+            cmd += ["--device", device]
+        log = open(self.run_dir / "logs" / f"joined-{len(self.processes)}.log", "ab")
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        log.close()
+        self.processes.append(proc)
+        return proc
+
+    def close(self, timeout: float = 15.0) -> None:
+        """Wait for the started workers to exit (they do when the job ends); kill stragglers."""
+        deadline = time.monotonic() + timeout
+        for proc in self.processes:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _forward(logger: Any, hook: str, *args: Any) -> None:
+    method = getattr(logger, hook, None) if logger is not None else None
+    if callable(method):
+        method(*args)

@@ -1,0 +1,98 @@
+"""Failures: user errors come back with the worker's traceback; no exit path leaves a process."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch.nn.functional as F
+
+from fabric_model import FabricModel
+from fabric_model.errors import RemoteTraceback
+
+from .helpers import fresh_model_and_optimizer, make_data
+
+DATA = make_data(200)
+REPO = Path(__file__).resolve().parents[1]
+
+
+class BadLabels(Exception):
+    pass
+
+
+def loss_that_fails_on_a_large_batch(output, target):
+    # Fails in the worker only: the caller never runs the loss.
+    if output.shape[0] > 1:
+        raise BadLabels(f"labels out of range: {int(target.max())} (model has {output.shape[1]} outputs)")
+    return F.cross_entropy(output, target)
+
+
+def test_user_exception_returns_with_worker_traceback(run_dir):
+    model, opt = fresh_model_and_optimizer()
+    fm = FabricModel(model, lambda: (DATA, None), loss_that_fails_on_a_large_batch, opt)
+    start = time.monotonic()
+    with pytest.raises(BadLabels, match="labels out of range") as info:
+        fm.train(1, 16, 2, run_dir=run_dir)
+    assert time.monotonic() - start < 60  # a bound on hanging, not a speed claim
+    cause = info.value.__cause__
+    assert isinstance(cause, RemoteTraceback)
+    assert "loss_that_fails_on_a_large_batch" in cause.text  # the user's frame, from the worker
+    assert "worker" in cause.text
+
+
+DRIVER_SCRIPT = textwrap.dedent("""
+    import sys, torch, torch.nn.functional as F
+    sys.path.insert(0, {repo!r})
+    from tests.helpers import fresh_model_and_optimizer, make_data
+    from fabric_model import FabricModel
+    data = make_data(4000)
+    model, opt = fresh_model_and_optimizer()
+    FabricModel(model, lambda: (data, None), F.cross_entropy, opt).train(1000, 4, 2, run_dir={run_dir!r})
+""")
+
+
+def _start_driver(run_dir: Path) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    script = DRIVER_SCRIPT.format(repo=str(REPO), run_dir=str(run_dir))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    metrics = run_dir / "logs" / "metrics.jsonl"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (metrics.exists() and metrics.stat().st_size > 0):
+        assert proc.poll() is None, proc.stdout.read().decode()
+        time.sleep(0.1)
+    assert metrics.exists(), "training did not start within 60 s"
+    workers = psutil.Process(proc.pid).children()
+    assert len(workers) == 2
+    return proc, workers
+
+
+def _assert_gone(workers: list[psutil.Process], within: float) -> None:
+    _, alive = psutil.wait_procs(workers, timeout=within)
+    for p in alive:
+        p.kill()
+    assert not alive, f"workers still running: {[p.pid for p in alive]}"
+
+
+def test_ctrl_c_stops_everything(run_dir):
+    proc, workers = _start_driver(run_dir)
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert b"KeyboardInterrupt" in out
+    _assert_gone(workers, within=10)
+
+
+def test_killed_driver_takes_its_workers_along(run_dir):
+    proc, workers = _start_driver(run_dir)
+    proc.kill()
+    proc.wait(timeout=10)
+    proc.stdout.close()
+    _assert_gone(workers, within=10)

@@ -1,0 +1,103 @@
+"""The pure parts, no processes: plan, engine sizing, averaging, digests, errors."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from fabric_model.callbacks import EpochAverage, stat_means
+from fabric_model.config import size_engines, threads_per_worker
+from fabric_model.digest import state_digest
+from fabric_model.errors import RemoteTraceback, WorkerError, encode_exception, rebuild_exception
+from fabric_model.plan import Plan, assigned_micro_batches, epoch_permutation, eval_batches, micro_batch_seed
+
+
+def test_plan_cuts_every_epoch_into_exactly_once_micro_batches():
+    plan = Plan(num_samples=103, batch_size=8, micro_batches=3, seed=7)
+    assert plan.global_batch == 24 and plan.steps_per_epoch == 5
+    assert plan.step_samples(0, 4) == 7 and plan.num_micro_batches(0, 4) == 1
+    for epoch in range(2):
+        seen = [
+            int(i)
+            for s in range(plan.steps_per_epoch)
+            for j in range(plan.num_micro_batches(epoch, s))
+            for i in plan.micro_batch_indices(epoch, s, j)
+        ]
+        assert sorted(seen) == list(range(103))
+
+
+def test_permutation_depends_on_seed_and_epoch_only():
+    a = epoch_permutation(1, 0, 50)
+    assert np.array_equal(a, epoch_permutation(1, 0, 50))
+    assert not np.array_equal(a, epoch_permutation(1, 1, 50))
+    assert not np.array_equal(a, epoch_permutation(2, 0, 50))
+
+
+def test_micro_batch_seeds_are_distinct_and_stable():
+    seeds = {micro_batch_seed(0, e, s, j) for e in range(3) for s in range(10) for j in range(4)}
+    assert len(seeds) == 120
+    assert micro_batch_seed(5, 1, 2, 3) == micro_batch_seed(5, 1, 2, 3)
+    assert all(0 <= s < 2**63 for s in seeds)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 7])
+def test_assignment_divides_micro_batches_among_any_worker_count(k):
+    got = sorted(j for r in range(k) for j in assigned_micro_batches(5, r, k))
+    assert got == list(range(5))
+
+
+def test_eval_batches_cover_the_test_set_once():
+    got = sorted(int(i) for r in range(3) for b in eval_batches(50, 8, r, 3) for i in b)
+    assert got == list(range(50))
+
+
+def test_engine_sizing():
+    assert size_engines(32, 2, None) == type(size_engines(32, 2, None))(2, 2, 64)
+    s = size_engines(32, None, 128)
+    assert (s.micro_batches, s.max_workers, s.global_batch) == (4, 4, 128)
+    s = size_engines(32, 2, 128)  # fewer workers than micro-batches: accumulation
+    assert (s.micro_batches, s.max_workers, s.global_batch) == (4, 2, 128)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s = size_engines(32, 8, 128)
+    assert (s.micro_batches, s.max_workers) == (4, 4) and "exceeds" in str(caught[0].message)
+    assert size_engines(16, None, None).max_workers >= 1
+
+
+def test_threads_are_shared_fairly():
+    assert threads_per_worker(2, cpu_count=2) == 1
+    assert threads_per_worker(3, cpu_count=16) == 5
+    assert threads_per_worker(4, cpu_count=2) == 1
+
+
+def test_epoch_average_is_sample_weighted_and_resets_each_epoch():
+    avg = EpochAverage(["loss", "acc"])
+    avg.add(0, [10.0, 5.0, 10])  # 10 samples, mean loss 1.0
+    got = avg.add(0, [30.0, 0.0, 10])  # 10 samples, mean loss 3.0
+    assert got == {"loss": 2.0, "acc": 0.25}
+    assert avg.add(1, [4.0, 4.0, 4]) == {"loss": 1.0, "acc": 1.0}
+    assert stat_means(["loss"], [0.0, 0]) != stat_means(["loss"], [0.0, 0])  # nan when empty
+
+
+def test_digest_sees_every_value():
+    import torch
+
+    a = {"w": torch.ones(3), "opt": {"step": 1}}
+    assert state_digest(a) == state_digest({"w": torch.ones(3), "opt": {"step": 1}})
+    assert state_digest(a) != state_digest({"w": torch.tensor([1.0, 1.0, 1.0 + 1e-7]), "opt": {"step": 1}})
+    assert state_digest(a) != state_digest({"w": torch.ones(3), "opt": {"step": 2}})
+
+
+def test_rebuilt_exception_keeps_type_and_remote_traceback():
+    exc = rebuild_exception(encode_exception(KeyError("x")), "Traceback...\nKeyError: 'x'", "worker 1")
+    assert isinstance(exc, KeyError) and isinstance(exc.__cause__, RemoteTraceback)
+    assert "worker 1 failed" in exc.__cause__.text
+
+    class Unpicklable(Exception):
+        def __init__(self, a, b):
+            super().__init__(a)
+
+    exc = rebuild_exception(encode_exception(Unpicklable(1, 2)), "Traceback...\nUnpicklable: 1", "worker 0")
+    assert isinstance(exc, WorkerError) and "Unpicklable: 1" in str(exc)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import time
 from collections.abc import Callable, Hashable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -117,7 +118,9 @@ class TrainingLoop:
 
     def enter(self, generation: dict[str, Any]) -> None:
         """Join ``generation``; take the agreed state from its source member when told to."""
+        started = time.monotonic()
         self.collective.configure(generation["generation"], generation["rank"], generation["world_size"])
+        formed = time.monotonic()
         self.context.generation = generation["generation"]
         self.context.rank, self.context.world_size = generation["rank"], generation["world_size"]
         source = generation["source_rank"]
@@ -127,6 +130,16 @@ class TrainingLoop:
             if self.collective.rank != source:
                 self._load_state_bytes(data)
         self.next_unit = generation["resume_unit"]
+        log.info(
+            "generation %d: rank %d/%d at unit %d (group %.3f s, state %s %.3f s)",
+            generation["generation"],
+            self.collective.rank,
+            self.collective.world_size,
+            self.next_unit,
+            formed - started,
+            "pulled" if source >= 0 else "kept",
+            time.monotonic() - formed,
+        )
 
     def _state_bytes(self) -> bytes:
         buffer = io.BytesIO()

@@ -132,12 +132,22 @@ class FaultInjector:
                 raise _InjectedFailure(f"injected collective failure at step {fault.step} on worker {fault.worker}")
 
     def _claim(self, index: int) -> bool:
-        """True the first time fault ``index`` fires in this run, across all processes."""
+        """True the first time fault ``index`` fires in this run, across all processes.
+
+        The marker file holds the wall-clock time the fault fired (see :func:`fired_at`)."""
         try:
-            os.close(os.open(os.path.join(self.marker_dir, f"fault-{index}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            return True
+            fd = os.open(os.path.join(self.marker_dir, f"fault-{index}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             return False
+        os.write(fd, repr(time.time()).encode())
+        os.close(fd)
+        return True
+
+
+def fired_at(marker_dir: str | os.PathLike[str], index: int) -> float | None:
+    """When fault ``index`` of a :class:`FaultInjector` fired (``time.time()``), or None."""
+    path = Path(marker_dir) / f"fault-{index}"
+    return float(path.read_text()) if path.exists() else None
 
 
 class _InjectedFailure(RuntimeError):

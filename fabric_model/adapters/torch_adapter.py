@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -89,6 +90,10 @@ class TorchAdapter(FrameworkAdapter):
             torch.cuda.set_device(self.device)
         self.model.to(self.device)  # moves parameters in place, so the optimizer still holds them
         self.model.train()
+        # The optimizer's first load_state_dict / step imports torch._dynamo (over a second).
+        # Pay it now, while setting up, not while the running workers wait for a newcomer.
+        importlib.import_module("torch._dynamo")
+
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._buffers = list(self.model.buffers())
         self._allocate()

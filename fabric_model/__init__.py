@@ -5,12 +5,14 @@ FabricModel(model, get_datasets, loss_function, optimizer).train(epochs, batch_s
 """
 
 from .api import FabricModel, TrainResult
+from .callbacks import Callback
 from .context import WorkerContext, worker_context
 from .errors import JobError, WorkerError
 from .plan import epoch_permutation, micro_batch_seed
 
 __all__ = [
     "FabricModel",
+    "Callback",
     "TrainResult",
     "JobError",
     "WorkerError",

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import secrets
+import shutil
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -14,12 +16,15 @@ from typing import Any
 
 import cloudpickle
 
+from . import compat
 from . import validation as v
 from .adapters import detect_framework
-from .callbacks import ProgressBar
+from .callbacks import Callback, ProgressBar
 from .config import TrainConfig, get_timeout, local_device_count, size_engines, threads_per_worker
 from .loop import Job
 from .plan import Plan
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -75,7 +80,23 @@ class FabricModel:
         save_to_onnx: bool = False,
         keras_custom_objects: dict[str, Any] | None = None,
         fn_batch_collate: Callable[[Sequence[Any]], Any] | None = None,
+        *,
+        fn_step_train: Callable[..., Any] | None = None,
+        fn_test: Callable[..., Any] | None = None,
+        fn_args: Any = None,
+        user_callback: Sequence[Callback] | None = None,
+        driver_logger: Any = None,
+        worker_logger: Any = None,
+        enable_onnx: bool | None = None,
     ) -> None:
+        # IBM's keyword names (compat.CONSTRUCTOR_ALIASES).
+        driver_logger_callback = compat.pick(
+            "driver_logger_callback", driver_logger_callback, "driver_logger", driver_logger
+        )
+        worker_logger_callback = compat.pick(
+            "worker_logger_callback", worker_logger_callback, "worker_logger", worker_logger
+        )
+        save_to_onnx = compat.pick("save_to_onnx", save_to_onnx or None, "enable_onnx", enable_onnx) or save_to_onnx
         self.framework = detect_framework(model)
         if self.framework == "keras":
             raise NotImplementedError(
@@ -102,6 +123,16 @@ class FabricModel:
                 f"Received: keras_custom_objects={keras_custom_objects!r}"
             )
         v.check_callable("fn_batch_collate", fn_batch_collate, allow_none=True)
+        v.check_callable(
+            "fn_step_train",
+            fn_step_train,
+            allow_none=True,
+            hint=" HINT: step(model, data, eva, train_loader, fn_args) -> (metric, loss).",
+        )
+        v.check_callable(
+            "fn_test", fn_test, allow_none=True, hint=" HINT: fn_test(model, test_iter, fn_args) -> (metric, loss)."
+        )
+        self.user_callbacks = v.check_user_callbacks(user_callback)
         _check_torch_optimizer(model, optimizer)
         self.model, self.get_datasets, self.loss_function, self.optimizer = (
             model,
@@ -114,6 +145,8 @@ class FabricModel:
         self.save_to_onnx = save_to_onnx
         self.keras_custom_objects = keras_custom_objects
         self.fn_batch_collate = fn_batch_collate
+        self.fn_step_train, self.fn_test, self.fn_args = fn_step_train, fn_test, fn_args
+        self.run_dir: Path | None = None
 
     def train(
         self,
@@ -127,6 +160,8 @@ class FabricModel:
         *,
         seed: int | None = None,
         run_dir: str | os.PathLike[str] | None = None,
+        worker_memory: Any = None,
+        driver_memory: Any = None,
     ) -> TrainResult:
         """Train for ``epoch_number`` epochs; the user's ``model`` then holds the trained weights.
 
@@ -144,7 +179,12 @@ class FabricModel:
             seed: the run's seed; by default drawn from torch's global generator, so
                 ``torch.manual_seed(...)`` at the top of a script makes the run reproducible.
             run_dir: where logs go; default ``$RESULT_DIR`` or ``./fabric_runs/<run-id>``.
+            worker_memory, driver_memory: accepted for scripts written for IBM's FabricModel,
+                and ignored: memory is not capped (a note is logged).
         """
+        for name, value in (("worker_memory", worker_memory), ("driver_memory", driver_memory)):
+            if value is not None:
+                log.info("%s=%r is ignored: %s", name, value, compat.IGNORED_TRAIN_KEYWORDS[name])
         v.check_positive_int("epoch_number", epoch_number)
         v.check_positive_int("batch_size", batch_size)
         v.check_positive_int("engines_number", engines_number, allow_none=True)
@@ -165,7 +205,12 @@ class FabricModel:
         seed = _draw_seed() if seed is None else seed
         adapter = self._make_adapter()
         _check_first_sample(adapter, train_set)
-        job = Job(adapter, self.get_datasets, self.worker_logger_callback)
+        job = Job(
+            adapter,
+            self.get_datasets,
+            compat.adapt_logger(self.worker_logger_callback, in_worker=True),
+            list(self.user_callbacks),
+        )
         try:
             payload = cloudpickle.dumps(job)
         except Exception as exc:
@@ -197,7 +242,9 @@ class FabricModel:
         plan = Plan(num_samples=len(train_set), batch_size=batch_size, micro_batches=sizing.micro_batches, seed=seed)
         directory = _run_directory(run_dir)
         _write_run_record(directory, config, plan, self.framework)
-        logger = self.driver_logger_callback or ProgressBar(epoch_number, plan.steps_per_epoch, plan.global_batch)
+        logger = compat.adapt_logger(self.driver_logger_callback, in_worker=False) or ProgressBar(
+            epoch_number, plan.steps_per_epoch, plan.global_batch
+        )
 
         from .driver import Driver  # torch.distributed is imported only once training starts
 
@@ -215,12 +262,33 @@ class FabricModel:
         final = driver.run()
         self.model.load_state_dict(final.model_state)
         self.optimizer.load_state_dict(final.optimizer_state)
+        _save_model(directory, final.model_state)
+        self.run_dir = directory
         return TrainResult(directory, driver.train_history, driver.test_history, seed, driver.replica_digests)
+
+    def download(self, out_dir: str | os.PathLike[str] | None = None) -> str:
+        """Zip the last run's ``model/`` directory into ``out_dir`` (default: the run directory);
+        returns the zip's path."""
+        if self.run_dir is None or not (self.run_dir / "model").is_dir():
+            raise RuntimeError("Nothing to download yet: call train() first; download() zips the trained model.")
+        target = Path(out_dir) if out_dir is not None else self.run_dir
+        target.mkdir(parents=True, exist_ok=True)
+        archive = shutil.make_archive(str(target / "model"), "zip", root_dir=self.run_dir, base_dir="model")
+        return str(Path(archive).resolve())
 
     def _make_adapter(self) -> Any:
         from .adapters.torch_adapter import TorchAdapter
 
-        return TorchAdapter(self.model, self.optimizer, self.loss_function, self.metrics, self.fn_batch_collate)
+        return TorchAdapter(
+            self.model,
+            self.optimizer,
+            self.loss_function,
+            self.metrics,
+            self.fn_batch_collate,
+            self.fn_step_train,
+            self.fn_test,
+            self.fn_args,
+        )
 
 
 _LARGE_JOB_BYTES = 256 * 2**20
@@ -281,6 +349,18 @@ def _run_directory(run_dir: str | os.PathLike[str] | None) -> Path:
         path = Path("fabric_runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
     (path / "logs").mkdir(parents=True, exist_ok=True)
     return path.resolve()
+
+
+def _save_model(directory: Path, model_state: dict[str, Any]) -> None:
+    """The final weights in torch's own format: ``model/model.pt``, a state_dict
+    (load with ``torch.load(path, weights_only=True)``), written aside then renamed."""
+    import torch
+
+    model_dir = directory / "model"
+    model_dir.mkdir(exist_ok=True)
+    tmp = model_dir / ".model.pt.tmp"
+    torch.save(model_state, tmp)
+    os.replace(tmp, model_dir / "model.pt")
 
 
 def _write_run_record(directory: Path, config: TrainConfig, plan: Plan, framework: str) -> None:

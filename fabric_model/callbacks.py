@@ -102,3 +102,53 @@ class ProgressBar:
         values = " ".join(f"val_{k}={v:.4f}" for k, v in metrics.items())
         self.stream.write(f"epoch {epoch + 1}/{self.epochs} validation: {values}\n")
         self.stream.flush()
+
+
+class Callback:
+    """Base class for user callbacks (``user_callback=[...]``); every hook is a no-op.
+
+    Callbacks run **in every worker**, on that worker's replica, so a change they make (a
+    learning rate set in ``on_epoch_begin``) reaches every replica identically. Where each
+    hook runs:
+
+    - ``on_train_begin()`` / ``on_train_end()``: once per worker, when it starts training
+      (a worker that joins mid-run calls it on joining) and when the schedule ends;
+    - ``on_epoch_begin(epoch)``: before the first step of each epoch (a worker that joins
+      mid-epoch starts from the optimizer state it pulled, which carries any learning rate
+      set earlier); ``on_epoch_end(epoch)``: after the epoch's last step, before validation;
+    - ``on_batch_begin(step)`` / ``on_batch_end(step)``: around each optimizer step (``step``
+      within the epoch; a step redone after a failure runs them again).
+
+    Attributes:
+        params: ``optimizer``, ``epochs``, ``batch_size``, ``steps_per_epoch``, ``seed``.
+        model: the worker's model (on its device).
+    """
+
+    params: dict[str, Any]
+    model: Any
+
+    def set_context(self, model: Any, params: dict[str, Any]) -> None:
+        self.model, self.params = model, params
+
+    def on_train_begin(self) -> None:
+        pass
+
+    def on_train_end(self) -> None:
+        pass
+
+    def on_epoch_begin(self, epoch: int) -> None:
+        pass
+
+    def on_epoch_end(self, epoch: int) -> None:
+        pass
+
+    def on_batch_begin(self, step: int) -> None:
+        pass
+
+    def on_batch_end(self, step: int) -> None:
+        pass
+
+
+def run_callbacks(callbacks: Sequence[Callback], hook: str, *args: Any) -> None:
+    for callback in callbacks:
+        getattr(callback, hook)(*args)

@@ -28,7 +28,7 @@ import torch
 
 from . import control
 from .adapters.base import FrameworkAdapter
-from .callbacks import call_hook, stat_means
+from .callbacks import Callback, call_hook, run_callbacks, stat_means
 from .collective import Collective, CollectiveError
 from .config import TrainConfig
 from .context import WorkerContext
@@ -47,6 +47,7 @@ class Job:
     adapter: FrameworkAdapter
     get_datasets: Callable[[], tuple[Any, Any]]
     worker_logger: Any | None = None
+    callbacks: list[Callback] = dataclasses.field(default_factory=list)
 
 
 class Membership:
@@ -88,6 +89,7 @@ class TrainingLoop:
     def run_joined(self) -> None:
         """Train from the position of the generation entered (``enter``) to the schedule's end."""
         call_hook(self.job.worker_logger, "on_train_begin")
+        run_callbacks(self.job.callbacks, "on_train_begin")
         while True:
             try:
                 self._run_generation()
@@ -100,6 +102,7 @@ class TrainingLoop:
             self.collective.shutdown()
             self.channel.send(kind, self.position(reason))
             self._reenter()
+        run_callbacks(self.job.callbacks, "on_train_end")
         call_hook(self.job.worker_logger, "on_train_end")
 
     def _reenter(self) -> None:
@@ -163,8 +166,14 @@ class TrainingLoop:
                         self._validate(epoch)
                     self.next_unit += 1
                     continue
+                if step == 0:
+                    run_callbacks(self.job.callbacks, "on_epoch_begin", epoch)
+                run_callbacks(self.job.callbacks, "on_batch_begin", step)
                 switch = self._step(epoch, step, batches)
                 self.next_unit += 1
+                run_callbacks(self.job.callbacks, "on_batch_end", step)
+                if step == self.plan.steps_per_epoch - 1:
+                    run_callbacks(self.job.callbacks, "on_epoch_end", epoch)
                 if switch:
                     return
         finally:
@@ -225,12 +234,11 @@ class TrainingLoop:
 
     def _validate(self, epoch: int) -> None:
         adapter, collective = self.adapter, self.collective
-        sums = torch.zeros(len(adapter.stat_names) + 1, dtype=torch.float64)
         loader = PrefetchLoader(self.test_set, adapter.collate, self.config.num_dataloader_threads)
         try:
             chunks = eval_batches(len(self.test_set), self.config.batch_size, collective.rank, collective.world_size)
-            for _, indices, batch in loader.iterate((i, idx) for i, idx in enumerate(chunks)):
-                sums += adapter.evaluate(batch, len(indices))
+            batches = loader.iterate((i, idx) for i, idx in enumerate(chunks))
+            sums = adapter.evaluate_batches((indices, batch) for _, indices, batch in batches)
         finally:
             loader.close()
         reduced = sums.to(adapter.step_buffer.device)

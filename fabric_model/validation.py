@@ -73,6 +73,32 @@ def check_logger(name: str, logger: Any) -> None:
         )
 
 
+def check_user_callbacks(callbacks: Any) -> list[Any]:
+    from .callbacks import Callback
+
+    if callbacks is None:
+        return []
+    if isinstance(callbacks, Callback):
+        return [callbacks]
+    if not isinstance(callbacks, (list, tuple)):
+        raise TypeError(
+            f"Expected `user_callback` to be a list of fabric_model.Callback objects. "
+            f"Received: user_callback={_show(callbacks)}"
+        )
+    for i, c in enumerate(callbacks):
+        if not isinstance(c, Callback):
+            hint = (
+                f" HINT: pass an instance, {c.__name__}()"
+                if isinstance(c, type)
+                else " HINT: derive your class from fabric_model.Callback"
+            )
+            raise TypeError(
+                f"Expected every item of `user_callback` to be a fabric_model.Callback. "
+                f"Received: user_callback[{i}]={_show(c)}.{hint}"
+            )
+    return list(callbacks)
+
+
 def check_datasets(get_datasets: Any) -> tuple[Any, Any]:
     """Call ``get_datasets`` once and check it returns a (train, test) pair of map-style datasets."""
     check_callable(

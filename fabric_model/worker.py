@@ -152,6 +152,16 @@ def run(address: tuple[str, int], secret: bytes, worker_id: int | None, device: 
         device = device or job_msg.get("device") or "cpu"
         job.adapter.setup(device, int(job_msg.get("threads", 1)))
         datasets = job.get_datasets()
+        job.adapter.train_set = datasets[0]
+        params = {
+            "optimizer": job.adapter.optimizer,
+            "epochs": config.epochs,
+            "batch_size": config.batch_size,
+            "steps_per_epoch": plan.steps_per_epoch,
+            "seed": plan.seed,
+        }
+        for callback in job.callbacks:
+            callback.set_context(job.adapter.model, params)
         membership = inbox.membership
         collective = Collective(
             tuple(job_msg["store"]),

@@ -24,6 +24,11 @@ class FrameworkAdapter(abc.ABC):
 
     #: Names of the statistics at the tail of the step buffer: "loss", metrics..., in order.
     stat_names: list[str]
+    #: The user's model and optimizer, as the worker holds them (callbacks see these).
+    model: Any
+    optimizer: Any
+    #: The worker's training dataset, handed to a custom step as ``train_loader``.
+    train_set: Any = None
 
     @abc.abstractmethod
     def setup(self, device: str, num_threads: int) -> None:
@@ -63,6 +68,10 @@ class FrameworkAdapter(abc.ABC):
     @abc.abstractmethod
     def load_state(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
         """Take weights and optimizer state pulled from a peer."""
+
+    @abc.abstractmethod
+    def evaluate_batches(self, batches: Any) -> torch.Tensor:
+        """Stat sums over an iterator of ``(indices, batch)`` test batches, float64 on the CPU."""
 
     @abc.abstractmethod
     def evaluate(self, batch: Any, num_samples: int) -> torch.Tensor:

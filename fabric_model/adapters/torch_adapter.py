@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -69,14 +69,22 @@ class TorchAdapter(FrameworkAdapter):
         loss_function: LossFn,
         metrics: Sequence[MetricFn] = (),
         collate_fn: Callable[[Sequence[Any]], Any] | None = None,
+        step_fn: Callable[..., Any] | None = None,
+        test_fn: Callable[..., Any] | None = None,
+        fn_args: Any = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.loss_function = loss_function
         self.metrics = list(metrics)
         self._collate_fn = collate_fn
+        self.step_fn, self.test_fn, self.fn_args = step_fn, test_fn, fn_args
+        self.train_set: Any = None  # handed to a custom step as its ``train_loader``
         taken: set[str] = set()
-        self.stat_names = ["loss"] + [metric_name(m, i, taken) for i, m in enumerate(self.metrics)]
+        if step_fn is not None:
+            self.stat_names = ["loss", "metric"]  # what a custom step returns
+        else:
+            self.stat_names = ["loss"] + [metric_name(m, i, taken) for i, m in enumerate(self.metrics)]
         self.device = torch.device("cpu")
         self._buf_start: list[torch.Tensor] = []
         self._in_step = False
@@ -90,6 +98,10 @@ class TorchAdapter(FrameworkAdapter):
             torch.cuda.set_device(self.device)
         self.model.to(self.device)  # moves parameters in place, so the optimizer still holds them
         self.model.train()
+        # What IBM's custom steps expect to find on the model.
+        optimizer, loss_function = self.optimizer, self.loss_function
+        self.model.get_optimizer = lambda: optimizer
+        self.model.get_loss_function = lambda: loss_function
         # The optimizer's first load_state_dict / step imports torch._dynamo (over a second).
         # Pay it now, while setting up, not while the running workers wait for a newcomer.
         importlib.import_module("torch._dynamo")
@@ -119,6 +131,7 @@ class TorchAdapter(FrameworkAdapter):
             self._buf_views.append(self._flat[offset : offset + b.numel()].view(b.shape))
             offset += b.numel()
         self._stats = self._flat[offset:]
+        self._scratch: torch.Tensor | None = None
         for p, view in zip(self._params, self._grad_views):
             p.grad = view
 
@@ -147,6 +160,9 @@ class TorchAdapter(FrameworkAdapter):
         for b, start in zip(self._buffers, self._buf_start):
             b.copy_(start)
         torch.manual_seed(seed)
+        if self.step_fn is not None:
+            self._custom_micro_batch(inputs, target, weight, num_samples)
+            return
         output = self.model(*inputs) if isinstance(inputs, tuple) else self.model(inputs)
         loss = self.loss_function(output, target)
         self._ensure_grad_views()
@@ -161,6 +177,42 @@ class TorchAdapter(FrameworkAdapter):
                     torch.as_tensor(metric(output.detach(), target), dtype=torch.float32, device=self.device) * n
                 )
             self._stats[-2] += n  # [-1] is the switch vote
+
+    def _custom_micro_batch(self, inputs: Any, target: Any, weight: float, n: int) -> None:
+        """Run the user's step; its backward fills a scratch gradient, added here with its weight."""
+        assert self.step_fn is not None
+        if self._scratch is None:
+            self._scratch = torch.zeros(sum(p.numel() for p in self._params), device=self.device)
+        self._scratch.zero_()
+        offset = 0
+        for p in self._params:
+            p.grad = self._scratch[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        shadowed = "step" in vars(self.optimizer)
+        previous = vars(self.optimizer).get("step")
+        self.optimizer.step = _forbidden_step
+        try:
+            metric, loss = self.step_fn(self.model, (inputs, target), self.metrics, self.train_set, self.fn_args)
+        finally:
+            if shadowed:
+                self.optimizer.step = previous
+            else:
+                del self.optimizer.step
+        scratch = self._scratch
+        offset = 0
+        for p in self._params:  # the user may have replaced .grad (clipping does not)
+            if p.grad is not None and p.grad.data_ptr() != scratch[offset].data_ptr():
+                scratch[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+            offset += p.numel()
+        with torch.no_grad():
+            self._flat[: scratch.numel()].add_(scratch, alpha=weight)
+            for p, view in zip(self._params, self._grad_views):
+                p.grad = view
+            for b, view in zip(self._buffers, self._buf_views):
+                view.add_(b.to(torch.float32), alpha=weight)
+            self._stats[0] += _scalar(loss, self.device) * n
+            self._stats[1] += _scalar(metric, self.device) * n
+            self._stats[-2] += n
 
     def abort_step(self) -> None:
         # The step will be redone: forward-updated buffers go back to the step's start.
@@ -193,6 +245,30 @@ class TorchAdapter(FrameworkAdapter):
         return self._stats.tolist()
 
     # -- evaluation and state -------------------------------------------------------------
+    def evaluate_batches(self, batches: Iterator[tuple[Any, Any]]) -> torch.Tensor:
+        """Stat sums over ``(indices, batch)`` pairs: the user's ``fn_test`` if given."""
+        if self.test_fn is None:
+            total = torch.zeros(len(self.stat_names) + 1, dtype=torch.float64)
+            for indices, batch in batches:
+                total += self.evaluate(batch, len(indices))
+            return total
+        count = 0
+
+        def test_iter() -> Iterator[tuple[Any, Any]]:
+            nonlocal count
+            for indices, batch in batches:
+                count += len(indices)
+                yield split_batch(to_device(batch, self.device))
+
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                metric, loss = self.test_fn(self.model, test_iter(), self.fn_args)
+        finally:
+            self.model.train()
+        values = [float(_scalar(loss, torch.device("cpu"))), float(_scalar(metric, torch.device("cpu")))]
+        return torch.tensor([v * count for v in values] + [count], dtype=torch.float64)
+
     @torch.no_grad()
     def evaluate(self, batch: Any, num_samples: int) -> torch.Tensor:
         self.model.eval()
@@ -200,7 +276,10 @@ class TorchAdapter(FrameworkAdapter):
             inputs, target = split_batch(to_device(batch, self.device))
             output = self.model(*inputs) if isinstance(inputs, tuple) else self.model(inputs)
             n = num_samples
-            values = [float(self.loss_function(output, target))] + [float(m(output, target)) for m in self.metrics]
+            metrics = [float(m(output, target)) for m in self.metrics]
+            if self.step_fn is not None:  # stats are (loss, metric): the first metric, if any, stands for it
+                metrics = metrics[:1] or [float("nan")]
+            values = [float(self.loss_function(output, target))] + metrics
             return torch.tensor([v * n for v in values] + [n], dtype=torch.float64)
         finally:
             self.model.train()
@@ -214,6 +293,22 @@ class TorchAdapter(FrameworkAdapter):
 
     def optimizer_state(self) -> dict[str, Any]:
         return _to_cpu(self.optimizer.state_dict())
+
+
+def _forbidden_step(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError(
+        "fn_step_train called optimizer.step(): leave the step to fabric_model, which applies it once per global "
+        "batch, after the gradients of all workers are summed. Call only loss.backward() (and clip, if you wish)."
+    )
+
+
+def _scalar(value: Any, device: torch.device) -> torch.Tensor:
+    """A float32 scalar tensor from a tensor, a number or None (0)."""
+    if value is None:
+        return torch.zeros((), device=device)
+    if isinstance(value, torch.Tensor):
+        return value.detach().float().reshape(()).to(device)
+    return torch.tensor(float(value), device=device)
 
 
 def _to_cpu(obj: Any) -> Any:

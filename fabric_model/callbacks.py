@@ -57,11 +57,17 @@ class MetricsLog:
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "a", encoding="utf-8")
+        self._file = open(path, "w", encoding="utf-8")  # one run per directory
+        self._flushed = time.monotonic()
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        # Flushing every step costs the driver CPU that the workers share; once a second
+        # keeps the file fresh for someone watching it. Every record but a step is flushed.
+        now = time.monotonic()
+        if record.get("type") != "train" or now - self._flushed > 1.0:
+            self._file.flush()
+            self._flushed = now
 
     def close(self) -> None:
         self._file.close()
@@ -82,6 +88,9 @@ class ProgressBar:
 
     def log_train_metrics(self, metrics: dict[str, float], iteration: int, epoch: int, workers: int) -> None:
         now = time.monotonic()
+        if self._steps_at_t0 == 0:  # rate from the first step on: start-up is not throughput
+            self._t0, self._steps_at_t0 = now, iteration
+            return
         step_in_epoch = iteration - epoch * self.steps_per_epoch
         last = step_in_epoch == self.steps_per_epoch
         if now - self._last_draw < 0.2 and not last:

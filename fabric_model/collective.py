@@ -85,6 +85,20 @@ class Collective:
         if self.world_size > 1:
             self._wait(self._group.allreduce([tensor]), "allreduce")
 
+    def all_reduce_start(self, tensor: torch.Tensor) -> Any:
+        """Start summing ``tensor`` in place; pass the result to ``wait`` (None for a group of one)."""
+        if self.world_size == 1:
+            return None
+        if self.should_abort(self.generation):
+            self._abandon()
+            raise CollectiveError(f"allreduce of generation {self.generation} aborted by the driver")
+        return self._group.allreduce([tensor])
+
+    def wait(self, work: Any) -> None:
+        """Wait for an operation from ``all_reduce_start`` (abortable, bounded)."""
+        if work is not None:
+            self._wait(work, "allreduce")
+
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """Copy ``tensor`` from rank ``src`` to every rank, in place."""
         if self.world_size > 1:

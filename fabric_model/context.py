@@ -2,12 +2,13 @@
 
 from fabric_model import worker_context
 ctx = worker_context()      # None in the driver
-ctx.rank, ctx.world_size, ctx.generation, ctx.epoch, ctx.step, ctx.global_step
+ctx.rank, ctx.world_size, ctx.generation, ctx.epoch, ctx.step, ctx.global_step, ctx.join_pending
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 
 @dataclasses.dataclass
@@ -21,6 +22,13 @@ class WorkerContext:
     epoch: int = 0
     step: int = 0  # the step within the epoch being computed or just committed
     global_step: int = 0  # epoch * steps_per_epoch + step
+    #: Set by the worker: whether a worker is waiting to join this generation.
+    pending_join: Callable[[], bool] = dataclasses.field(default=lambda: False, repr=False)
+
+    @property
+    def join_pending(self) -> bool:
+        """True while a worker waits to join: the members switch after their next step."""
+        return self.pending_join()
 
 
 _current: WorkerContext | None = None

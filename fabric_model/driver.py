@@ -394,7 +394,8 @@ class Driver:
             "source_rank": source,
         }
         self._metrics.write(record)
-        log.warning(
+        log.log(
+            logging.INFO if reason == "start" else logging.WARNING,
             "generation %d: %d worker(s) %s, resuming at unit %d (%s)",
             self.generation,
             len(members),

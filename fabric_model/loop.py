@@ -200,16 +200,16 @@ class TrainingLoop:
         self.context.global_step = epoch * plan.steps_per_epoch + step
         step_samples = plan.step_samples(epoch, step)
         mine = assigned_micro_batches(plan.num_micro_batches(epoch, step), collective.rank, collective.world_size)
-        adapter.begin_step()
-        for j in mine:
+        adapter.begin_step(collective)
+        for position, j in enumerate(mine):
             key, indices, batch = next(batches)
             assert key == (epoch, step, j), f"loader out of order: {key} != {(epoch, step, j)}"
             seed = micro_batch_seed(plan.seed, epoch, step, j)
-            adapter.train_micro_batch(batch, len(indices), step_samples, seed)
+            adapter.train_micro_batch(batch, len(indices), step_samples, seed, last=position == len(mine) - 1)
         # The switch vote rides in the same allreduce, so every member reads the same sum.
         if self.membership.pending_generation > collective.generation:
             adapter.step_buffer[-1] = 1.0
-        collective.all_reduce_sum(adapter.step_buffer)
+        adapter.all_reduce(collective)
         tail = adapter.finish_step()
         stats, switch = tail[:-1], tail[-1] > 0
         self.iterations += 1

@@ -57,7 +57,19 @@ class FailCollective:
     when: str = "before_allreduce"
 
 
-Fault = Kill | Hang | FailCollective
+@dataclasses.dataclass(frozen=True)
+class HoldForJoin:
+    """Every worker waits after step ``step`` until a worker is waiting to join (at most
+    ``timeout`` seconds), so that a join started around then lands right after it, however
+    long the newcomer takes to start: joins in tests become deterministic, not paced."""
+
+    step: int
+    timeout: float = 120.0
+    when: str = "after_step"
+    worker: int | None = None  # every worker
+
+
+Fault = Kill | Hang | FailCollective | HoldForJoin
 
 
 class FaultInjector:
@@ -100,27 +112,35 @@ class FaultInjector:
         # Wrap the worker's allreduce from the outside, in this worker process only.
         from .collective import Collective, CollectiveError
 
-        original = Collective.all_reduce_sum
+        original = Collective.all_reduce_start
         if getattr(original, "_fabric_fault_patch", False):
             return
         injector = self
 
-        def all_reduce_sum(collective: Collective, tensor: Any) -> None:
+        def all_reduce_start(collective: Collective, tensor: Any) -> Any:
             try:
                 injector._fire("before_allreduce")
             except _InjectedFailure as exc:
                 raise CollectiveError(str(exc)) from exc
-            original(collective, tensor)
+            return original(collective, tensor)
 
-        all_reduce_sum._fabric_fault_patch = True  # type: ignore[attr-defined]
-        Collective.all_reduce_sum = all_reduce_sum  # type: ignore[method-assign,assignment]
+        all_reduce_start._fabric_fault_patch = True  # type: ignore[attr-defined]
+        Collective.all_reduce_start = all_reduce_start  # type: ignore[method-assign,assignment]
 
     def _fire(self, when: str) -> None:
         ctx = worker_context()
         if ctx is None:
             return
         for i, fault in enumerate(self.faults):
-            if fault.when != when or fault.worker != ctx.worker_id or fault.step != ctx.global_step:
+            if fault.when != when or fault.step != ctx.global_step:
+                continue
+            if fault.worker is not None and fault.worker != ctx.worker_id:
+                continue
+            if isinstance(fault, HoldForJoin):
+                if self._claim(f"{i}-{ctx.worker_id}"):
+                    deadline = time.monotonic() + fault.timeout
+                    while not ctx.join_pending and time.monotonic() < deadline:
+                        time.sleep(0.02)
                 continue
             if not self._claim(i):
                 continue
@@ -131,7 +151,7 @@ class FaultInjector:
             else:
                 raise _InjectedFailure(f"injected collective failure at step {fault.step} on worker {fault.worker}")
 
-    def _claim(self, index: int) -> bool:
+    def _claim(self, index: int | str) -> bool:
         """True the first time fault ``index`` fires in this run, across all processes.
 
         The marker file holds the wall-clock time the fault fired (see :func:`fired_at`)."""

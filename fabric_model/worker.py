@@ -171,6 +171,7 @@ def run(address: tuple[str, int], secret: bytes, worker_id: int | None, device: 
             should_abort=lambda generation: membership.abort_generation >= generation,
         )
         context = WorkerContext(worker_id)
+        context.pending_join = lambda: membership.pending_generation > context.generation
         _install(context)
         recovery = get_timeout("EDT_RECOVERY_TIME_OUT")
 

@@ -4,8 +4,9 @@ The 8x8 digit images (1,797 of them, shipped with scikit-learn, no download) are
 standardized and split 80/20 into train and test sets. FabricModel trains the model
 data-parallel on ``--engines`` worker processes (default 2): each step, every worker
 computes the gradient of one micro-batch of ``--batch-size`` samples, the gradients are
-summed, and every worker applies the same SGD update. The script prints the final test
-accuracy and exits with status 1 if it is below 95%.
+averaged over the global batch, and every worker applies the same SGD update. The script
+prints the final test accuracy and exits with status 1 if it is below 95%. Logs and
+per-step metrics go to ``./fabric_runs/<run-id>/``. Takes about 20 s on 2 CPU cores.
 
 Run it from the repository root:
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from fabric_model import FabricModel
 from fabric_model.plan import Plan
-from fabric_model.testing import FailCollective, FaultInjector, Hang, Kill, WorkerStarter
+from fabric_model.testing import FailCollective, FaultInjector, Hang, HoldForJoin, Kill, WorkerStarter
 
 from .helpers import (
     fresh_model_and_optimizer,
@@ -88,10 +88,14 @@ def test_kill_join_kill_keeps_the_result(seed, undisturbed, run_dir, tmp_path, n
     rng = random.Random(seed)
     first, second = rng.sample([0, 1, 2], 2)
     kill1 = rng.randrange(1, 8)
-    join_at = kill1 + rng.randrange(1, 3)
-    kill2 = rng.randrange(18, 26)
-    faults = [Kill(first, kill1, rng.choice(["before_allreduce", "after_step"])), Kill(second, kill2)]
-    model, result = train(run_dir, tmp_path, faults, joins=[join_at], step_delay=0.15)
+    join_at = kill1 + rng.randrange(1, 3)  # the driver starts a worker once join_at steps are committed
+    kill2 = rng.randrange(join_at + 3, 26)  # the join lands after step join_at + 1 (HoldForJoin)
+    faults = [
+        Kill(first, kill1, rng.choice(["before_allreduce", "after_step"])),
+        HoldForJoin(join_at),
+        Kill(second, kill2),
+    ]
+    model, result = train(run_dir, tmp_path, faults, joins=[join_at])
     assert_invariants(run_dir, result, model, undisturbed)
     sizes = [g["workers"] for g in generations(run_dir)]
     assert sizes[0] == 3 and 2 in sizes and sizes.count(3) >= 2, f"kill, join, kill not all seen: {sizes}"
@@ -122,7 +126,7 @@ def test_failed_collective_is_retried_by_the_same_workers(undisturbed, run_dir, 
 
 
 def test_a_lost_worker_is_replaced(undisturbed, run_dir, tmp_path):
-    model, result = train(run_dir, tmp_path, [Kill(1, 2)], step_delay=0.15)
+    model, result = train(run_dir, tmp_path, [Kill(1, 2), HoldForJoin(3)])
     assert_invariants(run_dir, result, model, undisturbed)
     sizes = [g["workers"] for g in generations(run_dir)]
     assert sizes[:2] == [3, 2] and sizes[-1] == 3, sizes  # the replacement joined
@@ -130,7 +134,7 @@ def test_a_lost_worker_is_replaced(undisturbed, run_dir, tmp_path):
 
 
 def test_join_moves_adam_state(undisturbed_adam, run_dir, tmp_path, no_replacement):
-    model, result = train(run_dir, tmp_path, [Kill(1, 2)], joins=[4], workers=2, adam=True, step_delay=0.15)
+    model, result = train(run_dir, tmp_path, [Kill(1, 2), HoldForJoin(4)], joins=[4], workers=2, adam=True)
     assert_invariants(run_dir, result, model, undisturbed_adam, tolerance=1e-4)
     sizes = [g["workers"] for g in generations(run_dir)]
     assert sizes[-1] == 2 and 1 in sizes, sizes

@@ -39,11 +39,16 @@ class FrameworkAdapter(abc.ABC):
         """Turn a list of dataset samples into one batch (the user's ``fn_batch_collate`` if given)."""
 
     @abc.abstractmethod
-    def begin_step(self) -> None:
-        """Zero the step buffer and remember the step's starting buffer values."""
+    def begin_step(self, collective: Any = None) -> None:
+        """Zero the step buffer and remember the step's starting buffer values. With a
+        ``collective``, the last micro-batch may start reducing gradients during backward."""
 
     @abc.abstractmethod
-    def train_micro_batch(self, batch: Any, num_samples: int, step_samples: int, seed: int) -> None:
+    def all_reduce(self, collective: Any) -> None:
+        """Sum the step buffer across the group (finishing what backward started)."""
+
+    @abc.abstractmethod
+    def train_micro_batch(self, batch: Any, num_samples: int, step_samples: int, seed: int, last: bool = False) -> None:
         """Forward and backward one micro-batch of ``num_samples`` out of the step's ``step_samples``.
 
         Adds the gradient of its mean loss, weighted by ``num_samples / step_samples``, to the

@@ -74,10 +74,15 @@ class Collective:
         store = dist.PrefixStore(f"generation/{generation}/", self._store)
         if world_size == 1:
             return  # nothing to exchange: no group, no sockets
-        if self.backend == "nccl":
-            self._group = dist.ProcessGroupNCCL(store, rank, world_size, dist.ProcessGroupNCCL.Options())
-        else:
-            self._group = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
+        try:
+            if self.backend == "nccl":
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = self.timeout
+                self._group = dist.ProcessGroupNCCL(store, rank, world_size, options)
+            else:
+                self._group = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
+        except RuntimeError as exc:  # a peer that died or froze before the group formed
+            raise CollectiveError(f"forming generation {generation} failed: {exc}") from exc
         log.debug("joined generation %d as rank %d/%d", generation, rank, world_size)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
@@ -148,6 +153,8 @@ class Collective:
 
     def _abandon(self) -> None:
         if self._group is not None:
+            if self.backend == "nccl":
+                self._group.abort()  # NCCL can abort; its watchdog would otherwise kill us later
             self._abandoned.append(self._group)
             self._group = None
 

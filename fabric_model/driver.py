@@ -66,6 +66,7 @@ class _Worker:
     last_seen: float
     state: str = "starting"  # starting -> ready -> member -> done | gone
     joined_steps: int = 0  # steps committed while a member
+    attempt: int = 1  # its latest READY's attempt number
 
 
 @dataclasses.dataclass
@@ -117,6 +118,8 @@ class Driver:
         self._replacements: list[tuple[float, int]] = []  # (when, slot)
         self._next_id = len(devices)
         self._aborted_generation = -1
+        self._final_from = -1
+        self._finish_started = 0.0
         self._average = EpochAverage(stat_names)
         self._metrics = MetricsLog(run_dir / "logs" / "metrics.jsonl")
         self._heartbeat_timeout = get_timeout("EDT_HEARTBEAT_TIME_OUT").total_seconds()
@@ -178,6 +181,8 @@ class Driver:
             else:
                 self.handle(worker_id, kind, payload)
             self.tick()
+            if self._finishing and time.monotonic() - self._finish_started > self._recovery_timeout:
+                raise JobError(f"no final state from worker {self._final_from} within {self._recovery_timeout:.0f} s")
             if self.generation < 0 and time.monotonic() - started > start_timeout:
                 ready = [w for w, i in self.workers.items() if i.state == "ready"]
                 if not ready:
@@ -213,13 +218,15 @@ class Driver:
                 },
             )
         elif kind == control.READY:
-            self._on_ready(worker_id)
+            self._on_ready(worker_id, int(payload.get("attempt", 1)))
         elif kind == control.STEP:
-            self._on_step(worker_id, payload)
+            if payload["generation"] == self.generation:  # older ones were settled when it ended
+                self._on_step(worker_id, payload)
         elif kind == control.EVAL:
             self._on_eval(payload)
         elif kind in (control.BOUNDARY, control.FAILED):
-            self._report(worker_id, int(payload["next_unit"]), payload.get("reason") or kind)
+            if payload.get("generation") == self.generation and worker_id in self.members:
+                self._report(worker_id, int(payload["next_unit"]), payload.get("reason") or kind)
         elif kind == control.DONE:
             info.state = "done"
             self._done[worker_id] = int(payload["next_unit"])
@@ -256,8 +263,14 @@ class Driver:
         ):
             self._finish()
 
-    def _on_ready(self, worker_id: int) -> None:
+    def _on_ready(self, worker_id: int, attempt: int) -> None:
         info = self.workers[worker_id]
+        info.attempt = attempt
+        if info.state == "member" and worker_id in self.members:
+            # Its pull failed: the members may be blocked waiting for it in this generation.
+            if self.change is None:
+                self._begin_change(f"worker {worker_id} failed to enter generation {self.generation}")
+            self._abort_members()
         taken = sum(1 for w, i in self.workers.items() if i.state in ("member", "ready", "done") and w != worker_id)
         if taken >= len(self.devices) or self._finishing:
             log.info("worker %d refused: already %d workers (engines_number)", worker_id, taken)
@@ -275,7 +288,8 @@ class Driver:
 
     def _on_error(self, worker_id: int, payload: dict[str, Any]) -> None:
         exc = rebuild_exception(payload.get("exception"), payload.get("traceback", ""), f"worker {worker_id}")
-        if not payload.get("collective"):
+        member = worker_id in self.members and self.workers[worker_id].state == "member"
+        if not payload.get("collective") and member:
             lines = (payload.get("traceback") or "").strip().splitlines()
             signature = (lines[-1] if lines else repr(exc), self.committed_unit)
             self._user_errors[signature] += 1
@@ -288,6 +302,9 @@ class Driver:
         info = self.workers[worker_id]
         if info.state == "gone":
             return
+        if self._finishing and self._final is None and worker_id == self._final_from:
+            info.state = "gone"
+            self._request_final(exclude=worker_id)
         was_member = info.state in ("member", "done") and worker_id in self.members
         info.state = "gone"
         if worker_id in self._launcher.processes and self._launcher.processes[worker_id].poll() is None:
@@ -327,11 +344,9 @@ class Driver:
 
     def _try_complete_change(self, now: float) -> None:
         assert self.change is not None
+        # Members still heartbeating are busy (a long step, a validation); they report at their
+        # next micro-batch or collective. Silent ones are removed by the heartbeat check.
         waiting = [m for m in self.members if self.workers[m].state in ("member",) and m not in self.change.reports]
-        if waiting and now - self.change.started > self._recovery_timeout:
-            for m in waiting:
-                self._lose(m, f"no report within {self._recovery_timeout:.0f} s (EDT_RECOVERY_TIME_OUT)")
-            waiting = []
         if waiting:
             return
         reports = {w: u for w, u in self.change.reports.items() if self.workers[w].state != "gone"}
@@ -376,6 +391,7 @@ class Driver:
                 worker_id,
                 control.GENERATION,
                 {
+                    "attempt": self.workers[worker_id].attempt,
                     "generation": self.generation,
                     "rank": rank,
                     "world_size": len(members),
@@ -407,9 +423,18 @@ class Driver:
     def _finish(self) -> None:
         """Training is over: ask one finished replica for the final state."""
         self._finishing = True
-        finished = [w for w in self.members if self._done.get(w, -1) >= self.schedule.total_units]
+        self._finish_started = time.monotonic()
+        self._request_final()
+
+    def _request_final(self, exclude: int = -1) -> None:
+        finished = [
+            w
+            for w in self.members
+            if self._done.get(w, -1) >= self.schedule.total_units and w != exclude and self.workers[w].state != "gone"
+        ]
         if not finished:
-            raise JobError("training ended without a finished replica")
+            raise JobError("training ended, but every finished replica was lost before sending the final state")
+        self._final_from = finished[0]
         self._server.send(finished[0], control.FINAL_REQUEST)
 
     # -- progress -------------------------------------------------------------------------
@@ -452,6 +477,7 @@ class Driver:
         assert reports.stats is not None
         self.iteration += 1
         self.committed_unit = max(self.committed_unit, self.schedule.unit(epoch, step) + 1)
+        self._last_user_error = None  # training moved on: an earlier error is not this run's cause
         averages = self._average.add(epoch, reports.stats)
         if step == self.plan.steps_per_epoch - 1:
             self.train_history.append({"epoch": epoch, **averages})

@@ -109,6 +109,8 @@ class TrainingLoop:
         """Enter the driver's next generation; a failure while entering waits for the one after."""
         while True:
             generation = self.membership.expect(control.GENERATION, self.recovery_timeout)
+            if generation["generation"] <= self.collective.generation:
+                continue  # a late answer for a generation already left
             try:
                 self.enter(generation)
                 return
@@ -179,6 +181,16 @@ class TrainingLoop:
         finally:
             loader.close()
 
+    def _check_abort(self) -> None:
+        """Leave a long step or validation early when the driver ends this generation."""
+        if self.membership.abort_generation >= self.collective.generation:
+            raise CollectiveError(f"generation {self.collective.generation} aborted by the driver")
+
+    def _abortable(self, batches: Iterator[tuple[Hashable, np.ndarray, Any]]) -> Iterator[tuple[np.ndarray, Any]]:
+        for _, indices, batch in batches:
+            self._check_abort()
+            yield indices, batch
+
     def _micro_batches(self, start_unit: int) -> Iterator[tuple[Hashable, np.ndarray]]:
         """The micro-batches this member computes, in order, from ``start_unit`` on."""
         rank, world = self.collective.rank, self.collective.world_size
@@ -202,6 +214,7 @@ class TrainingLoop:
         mine = assigned_micro_batches(plan.num_micro_batches(epoch, step), collective.rank, collective.world_size)
         adapter.begin_step(collective)
         for position, j in enumerate(mine):
+            self._check_abort()
             key, indices, batch = next(batches)
             assert key == (epoch, step, j), f"loader out of order: {key} != {(epoch, step, j)}"
             seed = micro_batch_seed(plan.seed, epoch, step, j)
@@ -238,14 +251,15 @@ class TrainingLoop:
         try:
             chunks = eval_batches(len(self.test_set), self.config.batch_size, collective.rank, collective.world_size)
             batches = loader.iterate((i, idx) for i, idx in enumerate(chunks))
-            sums = adapter.evaluate_batches((indices, batch) for _, indices, batch in batches)
+            sums = adapter.evaluate_batches(self._abortable(batches))
         finally:
             loader.close()
         reduced = sums.to(adapter.step_buffer.device)
         collective.all_reduce_sum(reduced)
         stats = reduced.cpu().tolist()
-        if collective.rank == 0:
-            self.channel.send(control.EVAL, {"epoch": epoch, "stats": stats})
+        # Every rank reports: if rank 0's allreduce failed where others' succeeded, the
+        # validation still counts (the driver keeps the first report of an epoch).
+        self.channel.send(control.EVAL, {"epoch": epoch, "stats": stats})
         if self.job.worker_logger is not None:
             call_hook(
                 self.job.worker_logger,

@@ -118,8 +118,13 @@ def _join(loop_factory: Callable[[], TrainingLoop], inbox: Inbox, channel: Chann
     loop = loop_factory()
     for attempt in range(1, limit + 1):
         channel.send(control.READY, {"attempt": attempt})
+        deadline = time.monotonic() + pull_timeout.total_seconds()
         try:
-            generation = inbox.expect(control.GENERATION, pull_timeout)
+            while True:  # an answer to an earlier attempt may still arrive: skip it
+                left = timedelta(seconds=max(0.0, deadline - time.monotonic()))
+                generation = inbox.expect(control.GENERATION, left)
+                if generation.get("attempt", attempt) == attempt:
+                    break
             loop.enter(generation)
             return loop
         except (TimeoutError, CollectiveError) as exc:
@@ -201,7 +206,9 @@ def run(address: tuple[str, int], secret: bytes, worker_id: int | None, device: 
                     "worker_id": worker_id,
                     "traceback": text,
                     "exception": encode_exception(exc),
-                    "collective": isinstance(exc, CollectiveError),
+                    # Not the user's error: the driver must not count it against their code.
+                    "collective": isinstance(exc, (CollectiveError, TimeoutError, KeyboardInterrupt))
+                    or type(exc).__module__.startswith("torch.distributed"),
                 },
             )
         except (OSError, EOFError):

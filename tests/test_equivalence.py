@@ -96,3 +96,32 @@ def test_batchnorm_statistics_do_not_depend_on_worker_count(tmp_path):
         states.append(model.state_dict())
     assert max_rel_diff(states[1], states[0]) <= 1e-5
     assert int(states[1]["bn.num_batches_tracked"]) == Plan(len(DATA), BATCH, 3, SEED).steps_per_epoch
+
+
+class UnusedAndConstants(torch.nn.Module):
+    """A parameter the forward never uses, and buffers the forward never changes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(12, 3)
+        self.unused = torch.nn.Linear(3, 3)
+        self.register_buffer("counter", torch.tensor([2**25 + 1], dtype=torch.int64))
+        self.register_buffer("third", torch.tensor([1 / 3], dtype=torch.float64))
+        self.register_buffer("scale", torch.tensor([0.7]))
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+
+def test_untouched_parameters_and_buffers_stay_exact(run_dir):
+    torch.manual_seed(0)
+    model = UnusedAndConstants()
+    before = copy.deepcopy(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    FabricModel(model, lambda: (DATA, None), F.cross_entropy, opt).train(2, BATCH, 2, seed=SEED, run_dir=run_dir)
+    after = model.state_dict()
+    # As on one device after zero_grad(): no gradient, so neither weight decay nor momentum moves it.
+    assert torch.equal(after["unused.weight"], before["unused.weight"])
+    assert not torch.equal(after["fc.weight"], before["fc.weight"])
+    for name in ("counter", "third", "scale"):
+        assert torch.equal(after[name], before[name]) and after[name].dtype == before[name].dtype, name

@@ -119,8 +119,9 @@ class TorchAdapter(FrameworkAdapter):
         """The flat step buffer, with each parameter's .grad a view into it."""
         n_grad = sum(p.numel() for p in self._params)
         n_buf = sum(b.numel() for b in self._buffers)
+        n_flags = len(self._params)  # 1 where some micro-batch produced a gradient
         n_stat = len(self.stat_names) + 2  # stat sums, sample count, the switch vote
-        self._flat = torch.zeros(n_grad + n_buf + n_stat, dtype=torch.float32, device=self.device)
+        self._flat = torch.zeros(n_grad + n_buf + n_flags + n_stat, dtype=torch.float32, device=self.device)
         self._grad_views: list[torch.Tensor] = []
         offset = 0
         for p in self._params:
@@ -135,6 +136,8 @@ class TorchAdapter(FrameworkAdapter):
         for b in self._buffers:
             self._buf_views.append(self._flat[offset : offset + b.numel()].view(b.shape))
             offset += b.numel()
+        self._got_grad = self._flat[offset : offset + n_flags]
+        offset += n_flags
         self._stats = self._flat[offset:]
         self._scratch: torch.Tensor | None = None
         for p, view in zip(self._params, self._grad_views):
@@ -174,7 +177,8 @@ class TorchAdapter(FrameworkAdapter):
         self._deferred_error: Exception | None = None
 
     def _on_grad_ready(self, index: int) -> None:
-        """A parameter's gradient is final for this step: launch its bucket once full, in order."""
+        """A parameter received a gradient; on the last micro-batch, launch its bucket once full, in order."""
+        self._got_grad[index] = 1.0
         if not self._overlap:
             return
         bucket = self._bucket_of[index]
@@ -228,8 +232,7 @@ class TorchAdapter(FrameworkAdapter):
             self._overlap = False
         n = num_samples
         with torch.no_grad():
-            for b, view in zip(self._buffers, self._buf_views):
-                view.add_(b.to(torch.float32), alpha=weight)
+            self._add_buffer_deltas(weight)
             self._stats[0] += loss.detach().float() * n
             for i, metric in enumerate(self.metrics, start=1):
                 self._stats[i] += (
@@ -274,8 +277,7 @@ class TorchAdapter(FrameworkAdapter):
             self._flat[: scratch.numel()].add_(scratch, alpha=weight)
             for p, view in zip(self._params, self._grad_views):
                 p.grad = view
-            for b, view in zip(self._buffers, self._buf_views):
-                view.add_(b.to(torch.float32), alpha=weight)
+            self._add_buffer_deltas(weight)
             self._stats[0] += _scalar(loss, self.device) * n
             self._stats[1] += _scalar(metric, self.device) * n
             self._stats[-2] += n
@@ -316,12 +318,25 @@ class TorchAdapter(FrameworkAdapter):
                 view.copy_(p.grad)
                 p.grad = view
 
+    def _add_buffer_deltas(self, weight: float) -> None:
+        # Reduce what the forward pass changed, not the values: a buffer the forward leaves
+        # alone (a mask, a large counter, a float64 constant) then stays exactly as it was.
+        for b, start, view in zip(self._buffers, self._buf_start, self._buf_views):
+            view.add_((b - start).to(torch.float32), alpha=weight)
+
     def finish_step(self) -> list[float]:
         with torch.no_grad():
             self._ensure_grad_views()
-            for b, view in zip(self._buffers, self._buf_views):
-                b.copy_(view.round() if not b.is_floating_point() else view)
+            for b, start, view in zip(self._buffers, self._buf_start, self._buf_views):
+                b.copy_(start + (view if b.is_floating_point() else view.round().to(b.dtype)))
+            # A parameter no worker produced a gradient for keeps .grad None through the step,
+            # as after zero_grad() on one device: weight decay and momentum leave it alone.
+            unused = [i for i, got in enumerate(self._got_grad.tolist()) if got == 0.0]
+            for i in unused:
+                self._params[i].grad = None
             self.optimizer.step()
+            for i in unused:
+                self._params[i].grad = self._grad_views[i]
         self._in_step = False
         return self._stats.tolist()
 

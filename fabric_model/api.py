@@ -16,11 +16,12 @@ from typing import Any
 
 import cloudpickle
 
-from . import compat
+from . import checkpoint, compat
 from . import validation as v
 from .adapters import detect_framework
 from .callbacks import Callback, ProgressBar
 from .config import TrainConfig, get_timeout, local_device_count, size_engines, threads_per_worker
+from .data import is_batch_level
 from .loop import Job
 from .plan import Plan
 
@@ -47,11 +48,11 @@ class TrainResult:
 
 
 class FabricModel:
-    """Trains a single-device PyTorch model data-parallel on up to ``engines_number`` workers.
+    """Trains a single-device PyTorch or Keras model data-parallel on up to ``engines_number`` workers.
 
     Args:
-        model: a ``torch.nn.Module``. (``tf.keras.Model`` is recognised; its adapter arrives
-            with the Keras issue and is rejected with a clear error until then.)
+        model: a ``torch.nn.Module`` or a Keras 3 ``keras.Model`` (see the README's "Keras
+            models": names are accepted for a Keras loss, optimizer and metrics).
         get_datasets: a function returning ``(train_dataset, test_dataset)``: map-style
             datasets (``__len__`` and ``__getitem__``) whose samples are ``(input, target)``
             tuples or dicts with a ``target``/``label`` key; ``test_dataset`` may be None.
@@ -61,9 +62,11 @@ class FabricModel:
         metrics: callables ``metric(output, target)`` returning a batch mean.
         worker_logger_callback: a logger run in every worker (see :mod:`fabric_model.callbacks`).
         driver_logger_callback: a logger run in the caller; replaces the default progress bar.
-        save_to_onnx: accepted and validated; ONNX export arrives with the checkpoints issue
-            and a warning says so when True.
-        keras_custom_objects: custom classes for rebuilding a Keras model (Keras issue).
+        save_to_onnx: after training, also write ``model/model.onnx`` (dynamic batch dimension),
+            checked with onnxruntime against the framework on a real batch. A failed export is
+            a warning (the trained model is kept); missing packages fail before training.
+        keras_custom_objects: ``{"name": class}`` of the custom layers, models, losses and
+            metrics a Keras model needs to be rebuilt in each worker.
         fn_batch_collate: ``collate(list_of_samples) -> (inputs, target)``; the default stacks
             tensors, numpy arrays and numbers, and recurses into tuples and dicts.
     """
@@ -98,22 +101,27 @@ class FabricModel:
         )
         save_to_onnx = compat.pick("save_to_onnx", save_to_onnx or None, "enable_onnx", enable_onnx) or save_to_onnx
         self.framework = detect_framework(model)
-        if self.framework == "keras":
-            raise NotImplementedError(
-                "Received a tf.keras.Model: Keras models are not supported by this version of fabric_model yet; "
-                "pass a torch.nn.Module."
-            )
+        keras_model = self.framework == "keras"
+        if keras_model:
+            for name, value in (("fn_step_train", fn_step_train), ("fn_test", fn_test)):
+                if value is not None:
+                    raise TypeError(
+                        f"`{name}` is supported for torch models only. Received: {name}={value!r} with a Keras model. "
+                        "HINT: a Keras model's custom training belongs in its train_step-free call(); "
+                        "leave the step to fabric_model."
+                    )
         v.check_callable(
             "get_datasets",
             get_datasets,
             hint=" HINT: pass the function itself, get_datasets=my_fn, not its result my_fn().",
         )
-        v.check_callable(
-            "loss_function",
-            loss_function,
-            hint=" HINT: pass e.g. torch.nn.functional.cross_entropy or torch.nn.CrossEntropyLoss().",
-        )
-        self.metrics = v.check_metrics(metrics)
+        if not keras_model:
+            v.check_callable(
+                "loss_function",
+                loss_function,
+                hint=" HINT: pass e.g. torch.nn.functional.cross_entropy or torch.nn.CrossEntropyLoss().",
+            )
+        self.metrics = _check_keras_metrics(metrics) if keras_model else v.check_metrics(metrics)
         v.check_logger("worker_logger_callback", worker_logger_callback)
         v.check_logger("driver_logger_callback", driver_logger_callback)
         v.check_bool("save_to_onnx", save_to_onnx)
@@ -133,7 +141,13 @@ class FabricModel:
             "fn_test", fn_test, allow_none=True, hint=" HINT: fn_test(model, test_iter, fn_args) -> (metric, loss)."
         )
         self.user_callbacks = v.check_user_callbacks(user_callback)
-        _check_torch_optimizer(model, optimizer)
+        if keras_model:
+            from .adapters.keras_names import resolve_loss, resolve_optimizer
+
+            resolve_loss(loss_function)  # names checked here, in the caller
+            resolve_optimizer(optimizer)
+        else:
+            _check_torch_optimizer(model, optimizer)
         self.model, self.get_datasets, self.loss_function, self.optimizer = (
             model,
             get_datasets,
@@ -160,6 +174,8 @@ class FabricModel:
         *,
         seed: int | None = None,
         run_dir: str | os.PathLike[str] | None = None,
+        resume: bool = False,
+        keep_checkpoints: int = checkpoint.DEFAULT_KEEP,
         worker_memory: Any = None,
         driver_memory: Any = None,
     ) -> TrainResult:
@@ -172,13 +188,18 @@ class FabricModel:
                 batch ``batch_size * engines_number``. Default: one per local GPU (1 on CPU).
             num_dataloader_threads: threads per worker reading upcoming micro-batches (0: none).
             validation_freq: validate after every ``validation_freq``-th epoch.
-            checkpoint_freq: epochs between checkpoints (0: never); accepted and validated,
-                checkpoints arrive with the checkpoints issue.
+            checkpoint_freq: write a checkpoint (``run_dir/checkpoints/``) after every
+                ``checkpoint_freq``-th epoch (0: never).
             effective_batch_size: the global batch, a multiple of ``batch_size``; see
                 :func:`fabric_model.config.size_engines` for how it combines with engines_number.
             seed: the run's seed; by default drawn from torch's global generator, so
                 ``torch.manual_seed(...)`` at the top of a script makes the run reproducible.
             run_dir: where logs go; default ``$RESULT_DIR`` or ``./fabric_runs/<run-id>``.
+            resume: continue the run in ``run_dir`` (or ``$RESULT_DIR``) from its newest complete
+                checkpoint, with its seed and plan; the dataset length, ``batch_size`` and the
+                global batch must match it, ``engines_number`` may differ. Without a checkpoint,
+                training starts from the beginning (a warning is logged).
+            keep_checkpoints: how many of the newest checkpoints to keep (older ones are deleted).
             worker_memory, driver_memory: accepted for scripts written for IBM's FabricModel,
                 and ignored: memory is not capped (a note is logged).
         """
@@ -191,17 +212,28 @@ class FabricModel:
         v.check_positive_int("num_dataloader_threads", num_dataloader_threads, minimum=0)
         v.check_positive_int("validation_freq", validation_freq)
         v.check_positive_int("checkpoint_freq", checkpoint_freq, minimum=0)
+        v.check_bool("resume", resume)
+        v.check_positive_int("keep_checkpoints", keep_checkpoints)
         v.check_effective_batch(effective_batch_size, batch_size)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise TypeError(f"Expected `seed` to be a non-negative int or None. Received: seed={seed!r}")
-        if save_onnx_warning := self.save_to_onnx:
-            warnings.warn(
-                "save_to_onnx=True: ONNX export is not available in this version; no model.onnx is written.",
-                stacklevel=2,
-            )
-        del save_onnx_warning
+        if self.save_to_onnx:
+            _check_onnx_available(self.framework, self.model)  # a missing package fails now, not after training
         train_set, test_set = v.check_datasets(self.get_datasets)
-        sizing = size_engines(batch_size, engines_number, effective_batch_size)
+        # A batch-level dataset (keras.utils.PyDataset) yields whole batches: the plan counts
+        # its items, each item is one micro-batch, and batch_size must be the dataset's own.
+        batch_level = is_batch_level(train_set)
+        items_per_micro_batch = 1 if batch_level else batch_size
+        if batch_level:
+            _check_batch_level(train_set, batch_size)
+        sizing = size_engines(
+            items_per_micro_batch,
+            engines_number,
+            None if effective_batch_size is None else effective_batch_size // batch_size * items_per_micro_batch,
+        )
+        resumed = None
+        if resume:  # the run's own seed and newest checkpoint; its plan is checked below
+            resumed, seed = checkpoint.find_resume_point(run_dir, seed)
         seed = _draw_seed() if seed is None else seed
         adapter = self._make_adapter()
         _check_first_sample(adapter, train_set)
@@ -239,7 +271,19 @@ class FabricModel:
             collective_timeout_s=get_timeout("EDT_COLLECTIVE_TIME_OUT").total_seconds(),
             backend="nccl" if gpus else "gloo",
         )
-        plan = Plan(num_samples=len(train_set), batch_size=batch_size, micro_batches=sizing.micro_batches, seed=seed)
+        plan = Plan(
+            num_samples=len(train_set), batch_size=items_per_micro_batch, micro_batches=sizing.micro_batches, seed=seed
+        )
+        if resumed is not None:
+            checkpoint.check_resumable(
+                resumed,
+                plan=plan,
+                framework=self.framework,
+                epochs=epoch_number,
+                batch_size=batch_size,
+                engines_number=engines_number,
+                effective_batch_size=effective_batch_size,
+            )
         directory = _run_directory(run_dir)
         _write_run_record(directory, config, plan, self.framework)
         logger = compat.adapt_logger(self.driver_logger_callback, in_worker=False) or ProgressBar(
@@ -258,11 +302,20 @@ class FabricModel:
             devices,
             threads_per_worker(1 if gpus else sizing.max_workers),
             logger,
+            framework=self.framework,
+            keep_checkpoints=keep_checkpoints,
+            resume=resumed,
         )
         final = driver.run()
-        self.model.load_state_dict(final.model_state)
-        self.optimizer.load_state_dict(final.optimizer_state)
-        _save_model(directory, final.model_state)
+        if self.framework == "keras":
+            adapter.load_state(final.model_state, final.optimizer_state)  # into the user's model and optimizer
+            _save_keras_model(directory, self.model)
+        else:
+            self.model.load_state_dict(final.model_state)
+            self.optimizer.load_state_dict(final.optimizer_state)
+            _save_model(directory, final.model_state)
+        if self.save_to_onnx:
+            _export_onnx(self.framework, self.model, adapter, train_set, directory)
         self.run_dir = directory
         return TrainResult(directory, driver.train_history, driver.test_history, seed, driver.replica_digests)
 
@@ -277,6 +330,17 @@ class FabricModel:
         return str(Path(archive).resolve())
 
     def _make_adapter(self) -> Any:
+        if self.framework == "keras":
+            from .adapters.keras_adapter import KerasAdapter
+
+            return KerasAdapter(
+                self.model,
+                self.optimizer,
+                self.loss_function,
+                self.metrics,
+                self.keras_custom_objects,
+                self.fn_batch_collate,
+            )
         from .adapters.torch_adapter import TorchAdapter
 
         return TorchAdapter(
@@ -320,18 +384,30 @@ def _check_torch_optimizer(model: Any, optimizer: Any) -> None:
 
 
 def _check_first_sample(adapter: Any, train_set: Any) -> None:
-    """Read and collate the first training sample, so a wrong sample shape fails here."""
-    from .adapters.torch_adapter import split_batch
-
+    """Read and collate the first training sample, so a wrong sample shape fails here; a Keras
+    model is then rebuilt once, as the workers will rebuild it."""
+    keras_model = type(adapter).__name__ == "KerasAdapter"
     try:
-        batch = adapter.collate([train_set[0]])
-        split_batch(batch)
+        if is_batch_level(train_set):
+            batch = train_set[0]
+        else:
+            batch = adapter.collate([train_set[0]])
+        if keras_model:
+            from .adapters.keras_adapter import split_keras_batch
+
+            split_keras_batch(batch)
+        else:
+            from .adapters.torch_adapter import split_batch
+
+            split_batch(batch)
     except Exception as exc:
         raise TypeError(
             f"Could not make a batch from the first training sample: {exc}. Expected samples to be "
             "(input, target) tuples or dicts with a 'target' or 'label' key, of tensors, numpy arrays or numbers "
             "(or pass `fn_batch_collate` returning (inputs, target))."
         ) from exc
+    if keras_model:
+        adapter.check_rebuild(batch)
 
 
 def _draw_seed() -> int:
@@ -361,6 +437,75 @@ def _save_model(directory: Path, model_state: dict[str, Any]) -> None:
     tmp = model_dir / ".model.pt.tmp"
     torch.save(model_state, tmp)
     os.replace(tmp, model_dir / "model.pt")
+
+
+def _save_keras_model(directory: Path, model: Any) -> None:
+    """The final model in Keras' own format: ``model/model.keras`` (``keras.saving.load_model``),
+    written aside then renamed."""
+    model_dir = directory / "model"
+    model_dir.mkdir(exist_ok=True)
+    tmp = model_dir / ".model.tmp.keras"  # Keras insists on the .keras suffix
+    model.save(tmp)
+    os.replace(tmp, model_dir / "model.keras")
+
+
+def _check_onnx_available(framework: str, model: Any) -> None:
+    from .export import ExportError, _require
+
+    try:
+        for module in ("onnx", "onnxruntime", "onnxscript" if framework == "torch" else "tf2onnx"):
+            _require(module, framework, model)
+    except ExportError as exc:
+        raise ImportError(f"save_to_onnx=True needs the ONNX packages: {exc}") from None
+
+
+def _export_onnx(framework: str, model: Any, adapter: Any, train_set: Any, directory: Path) -> None:
+    """``model/model.onnx`` from the trained model, traced on the first training batch. A failure
+    is a warning, not an error: the trained model is already in ``model`` and ``model/``."""
+    from .export import ExportError, export_onnx
+
+    try:
+        if is_batch_level(train_set):
+            batch = train_set[0]
+        else:
+            batch = adapter.collate([train_set[i] for i in range(min(len(train_set), 4))])
+        if framework == "keras":
+            from .adapters.keras_adapter import split_keras_batch
+
+            inputs = split_keras_batch(batch)[0]
+        else:
+            from .adapters.torch_adapter import split_batch
+
+            inputs = split_batch(batch)[0]
+        diff = export_onnx(framework, model, inputs, directory / "model" / "model.onnx")
+        log.info("model/model.onnx written; onnxruntime vs %s: max abs difference %.3g", framework, diff)
+    except ExportError as exc:
+        warnings.warn(f"save_to_onnx=True, but the ONNX export failed; no model.onnx was written. {exc}", stacklevel=3)
+
+
+def _check_batch_level(train_set: Any, batch_size: int) -> None:
+    own = getattr(train_set, "batch_size", None)
+    if isinstance(own, int) and own != batch_size:
+        raise ValueError(
+            f"Expected `batch_size` to be the batch size of the train dataset, a {type(train_set).__name__} that "
+            f"yields whole batches of {own}. Received: batch_size={batch_size}. HINT: pass batch_size={own}; each "
+            "of its batches is one micro-batch."
+        )
+
+
+def _check_keras_metrics(metrics: Any) -> list[Any]:
+    from .adapters.keras_names import resolve_metric
+
+    if metrics is None:
+        return []
+    if not isinstance(metrics, (list, tuple)):
+        raise TypeError(
+            "Expected `metrics` to be a list of Keras metric names ('accuracy'), keras.metrics.Metric objects or "
+            f"callables metric(y_true, y_pred). Received: metrics={metrics!r}. HINT: wrap it in a list."
+        )
+    for i, m in enumerate(metrics):
+        resolve_metric(m, i)
+    return list(metrics)
 
 
 def _write_run_record(directory: Path, config: TrainConfig, plan: Plan, framework: str) -> None:

@@ -30,9 +30,10 @@ EVAL = "eval"  # {"epoch", "iteration", "stats"}
 FINAL = "final"  # {"model_state", "optimizer_state"}
 ERROR = "error"  # {"worker_id", "traceback", "exception" (cloudpickled or None)}
 DONE = "done"  # {"digest", "next_unit"}; the worker then waits for FINAL_REQUEST or STOP
+CHECKPOINT = "checkpoint"  # {"generation", "unit", "epoch", "path" and "seconds", or "error"}: rank 0 wrote one
 # Driver -> worker.
 JOB = "job"  # {"payload": cloudpickled job, "config", "plan", "worker_id"}
-GENERATION = "generation"  # {"generation", "rank", "world_size", "store", "resume_unit", "source_rank"}
+GENERATION = "generation"  # {"generation", "rank", "world_size", "store", "resume_unit", "source_rank", "checkpoint"}
 PENDING = "pending"  # {"generation"}: someone waits to join; vote to switch at the next step
 FINAL_REQUEST = "final_request"  # {}: send FINAL
 ABORT = "abort"  # {"generation"}: a member was lost; give up collectives of that generation

@@ -67,3 +67,18 @@ class PrefetchLoader:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def is_batch_level(dataset: Any) -> bool:
+    """A Keras ``PyDataset`` / ``Sequence``: each item is already a whole batch ``(x, y)``.
+
+    Recognised by class, without importing Keras where the user does not use it."""
+    for cls in type(dataset).__mro__:
+        if cls.__name__ in {"PyDataset", "Sequence"} and (cls.__module__ or "").startswith(("keras", "tensorflow")):
+            return True
+    return False
+
+
+def first_of(samples: Sequence[Any]) -> Any:
+    """The collate of a batch-level dataset: a micro-batch is one of its items, as it is."""
+    return samples[0]

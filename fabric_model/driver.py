@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 import os
 import queue
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import control
+from . import checkpoint, control
 from .callbacks import EpochAverage, MetricsLog, call_hook, stat_means
 from .config import TrainConfig, get_timeout
 from .control import ControlServer
@@ -90,6 +91,10 @@ class Driver:
         devices: list[str | None],
         threads: int,
         logger: Any,
+        *,
+        framework: str = "torch",
+        keep_checkpoints: int = checkpoint.DEFAULT_KEEP,
+        resume: checkpoint.CheckpointInfo | None = None,
     ) -> None:
         self.payload, self.config, self.plan = payload, config, plan
         self.schedule = Schedule(plan, config.epochs, config.validation_freq, has_test)
@@ -121,7 +126,13 @@ class Driver:
         self._final_from = -1
         self._finish_started = 0.0
         self._average = EpochAverage(stat_names)
-        self._metrics = MetricsLog(run_dir / "logs" / "metrics.jsonl")
+        self.framework, self.keep_checkpoints, self.resumed_from = framework, keep_checkpoints, resume
+        self.checkpoint_dir = run_dir / "checkpoints"
+        self.checkpoints: dict[int, Path] = {}  # unit -> a complete checkpoint of this run
+        metrics = run_dir / "logs" / "metrics.jsonl"
+        if resume is not None:
+            self._replay(metrics, resume.unit)
+        self._metrics = _AppendingLog(metrics) if resume is not None else MetricsLog(metrics)
         self._heartbeat_timeout = get_timeout("EDT_HEARTBEAT_TIME_OUT").total_seconds()
         self._recovery_timeout = get_timeout("EDT_RECOVERY_TIME_OUT").total_seconds()
 
@@ -141,6 +152,7 @@ class Driver:
         _write_join_info(self.run_dir, self._server.address, secret)
         stop_timeout = get_timeout("EDT_STOP_TIME_OUT").total_seconds()
         try:
+            self._prepare_checkpoints()
             for slot in range(len(self.devices)):
                 self._start(slot, worker_id=slot)
             call_hook(self.logger, "on_train_begin")
@@ -224,6 +236,8 @@ class Driver:
                 self._on_step(worker_id, payload)
         elif kind == control.EVAL:
             self._on_eval(payload)
+        elif kind == control.CHECKPOINT:
+            self._on_checkpoint(worker_id, payload)
         elif kind in (control.BOUNDARY, control.FAILED):
             if payload.get("generation") == self.generation and worker_id in self.members:
                 self._report(worker_id, int(payload["next_unit"]), payload.get("reason") or kind)
@@ -289,12 +303,15 @@ class Driver:
     def _on_error(self, worker_id: int, payload: dict[str, Any]) -> None:
         exc = rebuild_exception(payload.get("exception"), payload.get("traceback", ""), f"worker {worker_id}")
         member = worker_id in self.members and self.workers[worker_id].state == "member"
-        if not payload.get("collective") and member:
+        if not payload.get("collective"):
             lines = (payload.get("traceback") or "").strip().splitlines()
-            signature = (lines[-1] if lines else repr(exc), self.committed_unit)
+            # A worker that fails while setting up (get_datasets, rebuilding the model) has no
+            # unit; the same error from every slot, or USER_ERROR_LIMIT times, is the user's.
+            signature = (lines[-1] if lines else repr(exc), self.committed_unit if member else -1)
             self._user_errors[signature] += 1
             self._last_user_error = exc
-            if self._user_errors[signature] >= USER_ERROR_LIMIT or self._user_errors[signature] >= len(self.members):
+            peers = len(self.members) if member else len(self.devices)
+            if self._user_errors[signature] >= USER_ERROR_LIMIT or self._user_errors[signature] >= peers:
                 raise exc
         self._lose(worker_id, f"error: {str(exc)[:200]}")
 
@@ -358,17 +375,21 @@ class Driver:
             self._finish()
             return
         ready = [w for w, i in self.workers.items() if i.state == "ready"]
-        if not reports and self.committed_unit > 0:
+        if not reports and self.committed_unit > 0 and self._checkpoint_at(self.committed_unit) is None:
+            # With a checkpoint of the committed position, fresh workers start from it instead.
+            hint = "resume from the newest checkpoint with train(..., resume=True)" if self.checkpoints else ""
             raise self._last_user_error or JobError(
-                f"every worker holding the training state was lost ({self.change.reason}); "
-                "the run cannot go on without a checkpoint"
+                f"every worker holding the training state was lost ({self.change.reason}) and no checkpoint "
+                f"holds the last committed step; {hint or 'the run has no checkpoint to go on from'}"
             )
         if not reports and not ready:
-            if not self._replacements:
+            starting = [w for w, i in self.workers.items() if i.state == "starting"]
+            waited = now - self.change.started
+            if (not self._replacements and not starting) or waited > self._recovery_timeout:
                 raise self._last_user_error or JobError(
-                    f"no worker left and none can be started ({self.change.reason})"
+                    f"no worker left and none became ready in {waited:.0f} s ({self.change.reason})"
                 )
-            return  # wait for a replacement to become ready
+            return  # wait for a replacement (started or due) to become ready
         self._form_generation(self.change.reason, reports)
 
     def _form_generation(self, reason: str, reports: dict[int, int] | None = None) -> None:
@@ -381,6 +402,16 @@ class Driver:
         members = survivors + newcomers
         needs_state = bool(survivors) and (bool(newcomers) or len(holders) < len(survivors))
         source = members.index(holders[0]) if needs_state else -1
+        # Nobody holds the state past the start: every member loads the checkpoint of `resume`.
+        restore = self._checkpoint_at(resume) if not survivors and resume > 0 else None
+        if not survivors and resume > 0 and restore is None:
+            raise JobError(f"no worker holds the state of unit {resume} and no checkpoint does")
+        settings = {
+            "dir": str(self.checkpoint_dir),
+            "framework": self.framework,
+            "written": max(self.checkpoints, default=-1),
+            "restore": str(restore) if restore is not None else None,
+        }
         self.generation += 1
         self.members = members
         self.change = None
@@ -397,6 +428,7 @@ class Driver:
                     "world_size": len(members),
                     "resume_unit": resume,
                     "source_rank": source,
+                    "checkpoint": settings,
                 },
             )
         record = {
@@ -409,6 +441,8 @@ class Driver:
             "resume_unit": resume,
             "source_rank": source,
         }
+        if restore is not None:
+            record["checkpoint"] = restore.name
         self._metrics.write(record)
         log.log(
             logging.INFO if reason == "start" else logging.WARNING,
@@ -436,6 +470,97 @@ class Driver:
             raise JobError("training ended, but every finished replica was lost before sending the final state")
         self._final_from = finished[0]
         self._server.send(finished[0], control.FINAL_REQUEST)
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def _prepare_checkpoints(self) -> None:
+        """A fresh run starts with no checkpoint; a resumed one keeps those up to its own."""
+        directory, resumed = self.checkpoint_dir, self.resumed_from
+        checkpoint.remove_temp_files(directory)  # no writer of this run has started yet
+        if resumed is None:
+            old = checkpoint.list_checkpoints(directory)
+            if old:  # else a later resume=True could pick another run's checkpoint
+                log.warning("removing %d checkpoint(s) of an earlier run in %s", len(old), directory)
+            for _, path in old:
+                path.unlink(missing_ok=True)
+            return
+        checkpoint.set_aside_after(directory, resumed.unit)
+        self.checkpoints = dict(checkpoint.list_checkpoints(directory))
+        self.checkpoints[resumed.unit] = resumed.path
+        self._metrics.write(
+            {
+                "type": "resume",
+                "time": time.time(),
+                "checkpoint": resumed.path.name,
+                "resume_unit": resumed.unit,
+                "epoch": resumed.epoch,
+                "iteration": self.iteration,
+            }
+        )
+        log.info("resuming from %s at unit %d (epoch %d done)", resumed.path.name, resumed.unit, resumed.epoch + 1)
+
+    def _checkpoint_at(self, unit: int) -> Path | None:
+        """This run's complete checkpoint of ``unit``; one on disk whose report has not arrived
+        (its writer died right after the rename) counts too: complete files only get that name."""
+        path = self.checkpoints.get(unit, self.checkpoint_dir / checkpoint.checkpoint_name(unit))
+        if not path.exists():
+            return None
+        self.checkpoints[unit] = path
+        return path
+
+    def _on_checkpoint(self, worker_id: int, payload: dict[str, Any]) -> None:
+        unit, epoch = int(payload["unit"]), int(payload["epoch"])
+        record: dict[str, Any] = {"type": "checkpoint", "time": time.time(), "unit": unit, "epoch": epoch}
+        record.update(worker=worker_id, generation=payload.get("generation"))
+        if payload.get("error"):
+            record["error"] = payload["error"]
+            log.warning(
+                "checkpoint after epoch %d failed on worker %d: %s; the previous one stays the newest and "
+                "training goes on",
+                epoch + 1,
+                worker_id,
+                payload["error"],
+            )
+        else:
+            path = Path(payload["path"])
+            self.checkpoints[unit] = path
+            # Only now that the new one is durable may the oldest go.
+            removed = checkpoint.prune(self.checkpoint_dir, self.keep_checkpoints)
+            self.checkpoints = {u: p for u, p in self.checkpoints.items() if p not in removed}
+            record.update(path=f"checkpoints/{path.name}", seconds=payload.get("seconds"))
+            record["removed"] = [p.name for p in removed]
+            log.info("checkpoint %s after epoch %d", path.name, epoch + 1)
+        self._metrics.write(record)
+
+    def _replay(self, metrics: Path, unit: int) -> None:
+        """Take the position and history below ``unit`` (where a resumed run goes on) from the
+        metrics log of the earlier attempts; later records there are redone and superseded."""
+        steps = self.plan.steps_per_epoch
+        epoch, k = divmod(unit, self.schedule.units_per_epoch)
+        self.committed_unit, self.iteration = unit, epoch * steps + min(k, steps)
+        try:
+            data = metrics.read_bytes()
+        except FileNotFoundError:
+            return
+        keep = data.rfind(b"\n") + 1
+        if keep < len(data):  # a driver killed mid-line: cut the partial record before appending
+            with open(metrics, "r+b") as f:
+                f.truncate(keep)
+        train: dict[tuple[int, int], dict[str, Any]] = {}
+        test: dict[int, dict[str, Any]] = {}
+        for line in data[:keep].splitlines():
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            # A later attempt's record of the same step or validation wins.
+            if r.get("type") == "train" and self.schedule.unit(r["epoch"], r["step"]) < unit:
+                train[(r["epoch"], r["step"])] = r
+            elif r.get("type") == "test" and self.schedule.unit(r["epoch"], steps) < unit:
+                test[r["epoch"]] = r
+        self.train_history = [
+            {"epoch": e, **r["epoch_metrics"]} for (e, s), r in sorted(train.items()) if s == steps - 1
+        ]
+        self.test_history = [{"epoch": e, **r["metrics"]} for e, r in sorted(test.items())]
 
     # -- progress -------------------------------------------------------------------------
     def _on_step(self, worker_id: int, payload: dict[str, Any]) -> None:
@@ -545,3 +670,13 @@ def _write_join_info(run_dir: Path, address: tuple[str, int], secret: bytes) -> 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump({"driver": f"{address[0]}:{address[1]}", "secret": secret.hex()}, f)
+
+
+class _AppendingLog(MetricsLog):
+    """The metrics log of a resumed run: the earlier attempts' records stay, new ones follow
+    (``MetricsLog`` starts the file afresh)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "a", encoding="utf-8")
+        self._flushed = time.monotonic()

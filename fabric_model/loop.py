@@ -29,11 +29,12 @@ import torch
 from . import control
 from .adapters.base import FrameworkAdapter
 from .callbacks import Callback, call_hook, run_callbacks, stat_means
+from .checkpoint import CheckpointWriter, load_checkpoint
 from .collective import Collective, CollectiveError
 from .config import TrainConfig
 from .context import WorkerContext
 from .control import Channel
-from .data import PrefetchLoader
+from .data import PrefetchLoader, first_of, is_batch_level
 from .plan import Plan, Schedule, assigned_micro_batches, epoch_permutation, eval_batches, micro_batch_seed
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class TrainingLoop:
         self.schedule = Schedule(plan, config.epochs, config.validation_freq, self.test_set is not None)
         self.next_unit = 0
         self.iterations = 0  # steps this worker took part in
+        self.checkpoints = CheckpointWriter(self.schedule, config.checkpoint_freq, config.batch_size)
 
     # -- generations ----------------------------------------------------------------------
     def run_joined(self) -> None:
@@ -129,6 +131,10 @@ class TrainingLoop:
         self.context.generation = generation["generation"]
         self.context.rank, self.context.world_size = generation["rank"], generation["world_size"]
         source = generation["source_rank"]
+        restore = self.checkpoints.update(generation.get("checkpoint"))
+        if restore is not None:  # a resumed run (or no holder of the state left): every member loads it
+            state = load_checkpoint(restore, self.plan)
+            self.adapter.load_state(state["model"], state["optimizer"])
         if source >= 0:
             data = self._state_bytes() if self.collective.rank == source else None
             data = self.collective.broadcast_bytes(data, source)
@@ -142,7 +148,7 @@ class TrainingLoop:
             self.collective.world_size,
             self.next_unit,
             formed - started,
-            "pulled" if source >= 0 else "kept",
+            "pulled" if source >= 0 else ("loaded" if restore is not None else "kept"),
             time.monotonic() - formed,
         )
 
@@ -155,13 +161,21 @@ class TrainingLoop:
         state = torch.load(io.BytesIO(data), weights_only=True)  # never unpickle arbitrary objects
         self.adapter.load_state(state["model"], state["optimizer"])
 
+    def _checkpoint_if_due(self) -> None:
+        """Rank 0 writes the checkpoint due before ``next_unit`` (all replicas are identical)."""
+        if self.checkpoints.due(self.next_unit, self.collective.rank):
+            state = (self.adapter.model_state(), self.adapter.optimizer_state())
+            report = self.checkpoints.write(self.next_unit, self.plan, *state)
+            self.channel.send(control.CHECKPOINT, {"generation": self.collective.generation, **report})
+
     # -- one generation -------------------------------------------------------------------
     def _run_generation(self) -> None:
         """Run units until the schedule ends or the members agree to switch generation."""
-        loader = PrefetchLoader(self.train_set, self.adapter.collate, self.config.num_dataloader_threads)
+        loader = PrefetchLoader(self.train_set, self._collate_for(self.train_set), self.config.num_dataloader_threads)
         try:
             batches = loader.iterate(self._micro_batches(self.next_unit))
             while self.next_unit < self.schedule.total_units:
+                self._checkpoint_if_due()
                 epoch, step = self.schedule.locate(self.next_unit)
                 if step is None:
                     if self.schedule.validation_due(epoch):
@@ -180,6 +194,9 @@ class TrainingLoop:
                     return
         finally:
             loader.close()
+
+    def _collate_for(self, dataset: Any) -> Callable[[Any], Any]:
+        return first_of if is_batch_level(dataset) else self.adapter.collate
 
     def _check_abort(self) -> None:
         """Leave a long step or validation early when the driver ends this generation."""
@@ -247,9 +264,11 @@ class TrainingLoop:
 
     def _validate(self, epoch: int) -> None:
         adapter, collective = self.adapter, self.collective
-        loader = PrefetchLoader(self.test_set, adapter.collate, self.config.num_dataloader_threads)
+        loader = PrefetchLoader(self.test_set, self._collate_for(self.test_set), self.config.num_dataloader_threads)
         try:
-            chunks = eval_batches(len(self.test_set), self.config.batch_size, collective.rank, collective.world_size)
+            # A batch-level dataset's items are batches already: one item per evaluation batch.
+            chunk = 1 if is_batch_level(self.test_set) else self.config.batch_size
+            chunks = eval_batches(len(self.test_set), chunk, collective.rank, collective.world_size)
             batches = loader.iterate((i, idx) for i, idx in enumerate(chunks))
             sums = adapter.evaluate_batches(self._abortable(batches))
         finally:

@@ -155,6 +155,10 @@ def run(address: tuple[str, int], secret: bytes, worker_id: int | None, device: 
         plan: Plan = job_msg["plan"]
         job: Job = cloudpickle.loads(job_msg["payload"])
         device = device or job_msg.get("device") or "cpu"
+        # Installed before any user code runs here, so get_datasets can ask where it is.
+        context = WorkerContext(worker_id)
+        context.pending_join = lambda: inbox.membership.pending_generation > context.generation
+        _install(context)
         job.adapter.setup(device, int(job_msg.get("threads", 1)))
         datasets = job.get_datasets()
         job.adapter.train_set = datasets[0]
@@ -175,9 +179,6 @@ def run(address: tuple[str, int], secret: bytes, worker_id: int | None, device: 
             device,
             should_abort=lambda generation: membership.abort_generation >= generation,
         )
-        context = WorkerContext(worker_id)
-        context.pending_join = lambda: membership.pending_generation > context.generation
-        _install(context)
         recovery = get_timeout("EDT_RECOVERY_TIME_OUT")
 
         def make_loop() -> TrainingLoop:

@@ -33,6 +33,30 @@ def loss_that_fails_on_a_large_batch(output, target):
     return F.cross_entropy(output, target)
 
 
+class MissingShard(Exception):
+    pass
+
+
+def datasets_missing_in_workers():
+    # The caller's check passes; every worker fails while setting up, before its first step.
+    from fabric_model import worker_context
+
+    if worker_context() is not None:
+        raise MissingShard("/data/shard-0 not found on this host")
+    return DATA, None
+
+
+def test_error_while_a_worker_sets_up_fails_the_job_instead_of_restarting_it(run_dir):
+    model, opt = fresh_model_and_optimizer()
+    fm = FabricModel(model, datasets_missing_in_workers, F.cross_entropy, opt)
+    with pytest.raises(MissingShard, match="shard-0") as info:
+        fm.train(1, 8, 2, run_dir=run_dir)
+    assert isinstance(info.value.__cause__, RemoteTraceback)
+    assert "datasets_missing_in_workers" in str(info.value.__cause__)
+    started = len(list((run_dir / "logs").glob("worker-*.log")))
+    assert started == 2, f"{started} workers started for an error in the user's set-up code"
+
+
 def test_user_exception_returns_with_worker_traceback(run_dir):
     model, opt = fresh_model_and_optimizer()
     fm = FabricModel(model, lambda: (DATA, None), loss_that_fails_on_a_large_batch, opt)

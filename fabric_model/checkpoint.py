@@ -1,0 +1,402 @@
+"""Checkpoints and resume (DESIGN §5).
+
+A checkpoint is the state after the last step of every ``checkpoint_freq``-th epoch: one
+``torch.save`` file, ``<run_dir>/checkpoints/ckpt-unit-<unit, 8 digits>.pt``, named after
+the *unit* the run goes on from (that epoch's validation slot, see
+:class:`~fabric_model.plan.Schedule`). It holds a dict of plain values and tensors::
+
+    {"format": FORMAT, "framework": "torch" | "keras", "unit": next unit to run,
+     "epoch": e, "step": last step of e, "steps_done": steps committed so far,
+     "batch_size": train()'s batch_size, "plan": {num_samples, batch_size, micro_batches, seed},
+     "model": adapter.model_state(), "optimizer": adapter.optimizer_state(), "time": ...}
+
+The data order and every RNG of a run are functions of ``(seed, epoch, step,
+micro-batch)``, so the plan and the unit are the whole data and RNG position.
+
+Writes are atomic: a temporary file in the same directory, fsynced, renamed over the final
+name, then the directory fsynced. A crash in the middle leaves a temporary file that every
+reader ignores and the driver removes; the newest complete checkpoint is never touched.
+Reading uses ``torch.load(..., weights_only=True)`` only: nothing but tensors and plain
+values is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import re
+import signal
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from .plan import Plan, Schedule
+
+log = logging.getLogger(__name__)
+
+FORMAT = "fabric_model.checkpoint/1"
+#: Checkpoints a run keeps by default (``train(keep_checkpoints=...)``); older ones are deleted.
+DEFAULT_KEEP = 3
+#: Test-only fault hook, read by the writer: ``"kill:<unit>"`` SIGKILLs the writing process
+#: halfway through the first checkpoint at or after ``unit``; ``"enospc:<unit>"`` fails every
+#: write at or after ``unit`` halfway with ``OSError(ENOSPC)``, as a full disk would.
+FAULT_ENV = "FABRIC_MODEL_TEST_CHECKPOINT_FAULT"
+
+_NAME = re.compile(r"^ckpt-unit-(\d{8})\.pt$")
+_TEMP = re.compile(r"^\.ckpt-unit-\d{8}\.pt\.(\d+)\.tmp$")
+_FAULT_AFTER_BYTES = 1024
+
+
+def checkpoint_name(unit: int) -> str:
+    return f"ckpt-unit-{unit:08d}.pt"
+
+
+def checkpoint_due(schedule: Schedule, freq: int, unit: int) -> bool:
+    """Whether a checkpoint is taken before running ``unit``: the validation slot that
+    follows the last step of every ``freq``-th epoch."""
+    if freq <= 0 or not 0 <= unit < schedule.total_units:
+        return False
+    epoch, step = schedule.locate(unit)
+    return step is None and (epoch + 1) % freq == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """What a complete checkpoint says about itself (its tensors are not kept)."""
+
+    path: Path
+    unit: int
+    epoch: int
+    steps_done: int
+    framework: str
+    batch_size: int
+    plan: Plan
+
+
+# -- writing -------------------------------------------------------------------------------
+def write_checkpoint(directory: Path, unit: int, state: dict[str, Any]) -> Path:
+    """Write ``state`` as the checkpoint of ``unit`` atomically; returns its path.
+
+    Raises ``OSError`` (a full disk, say) after removing its temporary file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / checkpoint_name(unit)
+    tmp = directory / f".{final.name}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as raw:
+            target: Any = _FaultyFile(raw, fault) if (fault := _fault(unit)) else raw
+            torch.save(state, target)
+            raw.flush()
+            os.fsync(raw.fileno())
+        os.replace(tmp, final)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        # torch's archive writer answers a failed write (a full disk) with a RuntimeError when it
+        # closes the archive: surface the OSError underneath, which the caller handles.
+        cause = _os_error_in(exc)
+        if cause is not None and cause is not exc:
+            raise cause from None
+        raise
+    _fsync_directory(directory)  # the rename itself survives a power loss
+    return final
+
+
+def _os_error_in(exc: BaseException) -> OSError | None:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fault(unit: int) -> str | None:
+    raw = os.environ.get(FAULT_ENV)
+    if not raw:
+        return None
+    mode, _, at = raw.partition(":")
+    if mode not in ("kill", "enospc") or not at.isdigit():
+        raise ValueError(f"Expected {FAULT_ENV} to be 'kill:<unit>' or 'enospc:<unit>'. Received: {raw!r}")
+    return mode if unit >= int(at) else None
+
+
+class _FaultyFile:
+    """A file that fails after ``_FAULT_AFTER_BYTES`` bytes, part of the checkpoint written."""
+
+    def __init__(self, raw: IO[bytes], mode: str) -> None:
+        self.raw, self.mode, self.written = raw, mode, 0
+
+    def write(self, data: bytes) -> int:
+        room = _FAULT_AFTER_BYTES - self.written
+        if len(data) < room:
+            self.written += len(data)
+            return self.raw.write(data)
+        self.raw.write(bytes(memoryview(data)[:room]))
+        self.raw.flush()
+        os.fsync(self.raw.fileno())
+        if self.mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (injected by " + FAULT_ENV + ")")
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+
+class CheckpointWriter:
+    """The worker's side: knows when a checkpoint is due and writes it.
+
+    The driver sends ``{"dir", "framework", "written", "restore"}`` with every generation:
+    ``written`` is the newest checkpoint it has recorded (rank 0 of a generation entered at a
+    due unit writes it when the previous rank 0 could not), ``restore`` a checkpoint every
+    member loads before training (a resumed run, or every holder of the state lost)."""
+
+    def __init__(self, schedule: Schedule, freq: int, batch_size: int) -> None:
+        self.schedule, self.freq, self.batch_size = schedule, freq, batch_size
+        self.directory: Path | None = None
+        self.framework = ""
+        self.written = -1
+
+    def update(self, message: dict[str, Any] | None) -> Path | None:
+        """Take a generation's checkpoint settings; returns the checkpoint to restore, if any."""
+        if not message:
+            self.directory = None
+            return None
+        self.directory, self.framework = Path(message["dir"]), str(message["framework"])
+        self.written = max(self.written, int(message["written"]))
+        return Path(message["restore"]) if message.get("restore") else None
+
+    def due(self, unit: int, rank: int) -> bool:
+        return (
+            self.directory is not None
+            and rank == 0
+            and unit > self.written
+            and checkpoint_due(self.schedule, self.freq, unit)
+        )
+
+    def write(self, unit: int, plan: Plan, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> dict:
+        """Write the checkpoint of ``unit``; returns the report for the driver (``error`` set on
+        an ``OSError``: the previous checkpoint stays the newest and training goes on)."""
+        assert self.directory is not None
+        epoch, _ = self.schedule.locate(unit)
+        steps = plan.steps_per_epoch
+        state = {
+            "format": FORMAT,
+            "framework": self.framework,
+            "unit": unit,
+            "epoch": epoch,
+            "step": steps - 1,
+            "steps_done": (epoch + 1) * steps,
+            "batch_size": self.batch_size,
+            "plan": dataclasses.asdict(plan),
+            "model": model_state,
+            "optimizer": optimizer_state,
+            "time": time.time(),
+        }
+        self.written = unit  # once per unit, failed or not: the next due unit tries again
+        started = time.monotonic()
+        try:
+            path = write_checkpoint(self.directory, unit, state)
+        except OSError as exc:
+            log.warning("checkpoint of unit %d not written: %s", unit, exc)
+            return {"unit": unit, "epoch": epoch, "error": str(exc)}
+        seconds = time.monotonic() - started
+        log.info("checkpoint %s written in %.3f s", path.name, seconds)
+        return {"unit": unit, "epoch": epoch, "path": str(path), "seconds": seconds}
+
+
+# -- reading -------------------------------------------------------------------------------
+def load_checkpoint(path: Path, plan: Plan | None = None) -> dict[str, Any]:
+    """A checkpoint's contents (tensors on the CPU), checked; with ``plan``, it must be its plan."""
+    state = torch.load(path, map_location="cpu", weights_only=True)  # never unpickle arbitrary objects
+    info = _info(path, state)
+    if plan is not None and info.plan != plan:
+        raise ValueError(f"Checkpoint {path} belongs to another plan: {info.plan}, this run's is {plan}")
+    return state
+
+
+def read_info(path: Path) -> CheckpointInfo:
+    """A checkpoint's metadata; raises when the file is not a complete checkpoint. Tensors are
+    memory-mapped, not read."""
+    return _info(path, torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+
+
+def _info(path: Path, state: Any) -> CheckpointInfo:
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a fabric_model checkpoint (format {FORMAT})")
+    missing = {"unit", "epoch", "steps_done", "framework", "batch_size", "plan", "model", "optimizer"} - set(state)
+    if missing:
+        raise ValueError(f"{path} lacks {sorted(missing)}")
+    return CheckpointInfo(
+        path=path,
+        unit=int(state["unit"]),
+        epoch=int(state["epoch"]),
+        steps_done=int(state["steps_done"]),
+        framework=str(state["framework"]),
+        batch_size=int(state["batch_size"]),
+        plan=Plan(**state["plan"]),
+    )
+
+
+def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """``(unit, path)`` of the files named as checkpoints, oldest first (temporary files never)."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    return sorted(found)
+
+
+def newest_checkpoint(directory: Path) -> CheckpointInfo | None:
+    """The newest checkpoint that reads back complete; unreadable ones are skipped (logged)."""
+    for unit, path in reversed(list_checkpoints(directory)):
+        try:
+            info = read_info(path)
+        except Exception as exc:  # truncated, foreign or corrupt: any reason makes it unusable
+            log.warning("skipping checkpoint %s: %s", path, str(exc).splitlines()[0] if str(exc) else repr(exc))
+            continue
+        if info.unit == unit:
+            return info
+        log.warning("skipping checkpoint %s: it holds unit %d", path, info.unit)
+    return None
+
+
+# -- the driver's housekeeping -------------------------------------------------------------
+def prune(directory: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` checkpoints (and temporary files of dead writers)."""
+    remove_temp_files(directory, only_dead_writers=True)
+    removed = [path for _, path in list_checkpoints(directory)[:-keep]]
+    for path in removed:
+        path.unlink(missing_ok=True)
+    return removed
+
+
+def remove_temp_files(directory: Path, only_dead_writers: bool = False) -> None:
+    """Remove the leftovers of interrupted writes."""
+    if not directory.is_dir():
+        return
+    for path in directory.iterdir():
+        match = _TEMP.match(path.name)
+        if match and not (only_dead_writers and _alive(int(match.group(1)))):
+            path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def set_aside_after(directory: Path, unit: int) -> None:
+    """Rename checkpoints past ``unit`` (the one resumed from) that failed to read, so they are
+    neither counted as the newest nor kept instead of good ones."""
+    for later, path in list_checkpoints(directory):
+        if later > unit:
+            path.rename(path.with_name(path.name + ".unreadable"))
+            log.warning("set aside unreadable checkpoint %s", path.name)
+
+
+# -- resume, checked in the caller before anything starts -----------------------------------
+def resume_directory(run_dir: str | os.PathLike[str] | None) -> Path:
+    """The run directory ``resume=True`` continues: ``run_dir``, else ``$RESULT_DIR``."""
+    if run_dir is not None:
+        return Path(run_dir).resolve()
+    if os.environ.get("RESULT_DIR"):
+        return Path(os.environ["RESULT_DIR"]).resolve()
+    raise ValueError(
+        "Expected `run_dir` (or the RESULT_DIR environment variable) to name the run to continue with "
+        "resume=True. Received: run_dir=None and no RESULT_DIR. HINT: without either, every run gets a new "
+        "directory under ./fabric_runs/; pass run_dir=<that directory>."
+    )
+
+
+def find_resume_point(
+    run_dir: str | os.PathLike[str] | None, seed: int | None
+) -> tuple[CheckpointInfo | None, int | None]:
+    """The newest complete checkpoint of the run to continue and the seed to use.
+
+    With no checkpoint (a first attempt, or a job that died before its first one) training
+    starts from the beginning, with a logged warning, and with the seed that ``run.json``
+    recorded, so that the restarted run is the run that was started.
+    """
+    directory = resume_directory(run_dir)
+    info = newest_checkpoint(directory / "checkpoints")
+    if info is None:
+        recorded = _recorded_seed(directory)
+        chosen = seed if seed is not None else recorded
+        log.warning(
+            "resume=True: %s holds no complete checkpoint; training starts from the beginning%s",
+            directory,
+            f" (seed {chosen}, from run.json)" if seed is None and recorded is not None else "",
+        )
+        return None, chosen
+    if seed is not None and seed != info.plan.seed:
+        raise ValueError(
+            f"Expected `seed` to be None or {info.plan.seed}, the seed of the run being resumed ({info.path}). "
+            f"Received: seed={seed}. HINT: leave seed out when resuming; pass resume=False for a new run."
+        )
+    log.info("resuming from %s: epoch %d done, unit %d", info.path, info.epoch + 1, info.unit)
+    return info, info.plan.seed
+
+
+def _recorded_seed(directory: Path) -> int | None:
+    import json
+
+    try:
+        return int(json.loads((directory / "run.json").read_text())["plan"]["seed"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_resumable(
+    info: CheckpointInfo,
+    *,
+    plan: Plan,
+    framework: str,
+    epochs: int,
+    batch_size: int,
+    engines_number: int | None,
+    effective_batch_size: int | None,
+) -> None:
+    """Refuse a resume whose steps would differ from the checkpointed run's."""
+    where = f"the run being resumed ({info.path})"
+    if framework != info.framework:
+        raise ValueError(f"Expected a {info.framework} model, as in {where}. Received: a {framework} model.")
+    if plan.num_samples != info.plan.num_samples:
+        raise ValueError(
+            f"Expected the training dataset from `get_datasets` to hold {info.plan.num_samples} items, as in {where}. "
+            f"Received: {plan.num_samples}. HINT: the data order is fixed by the dataset length; pass resume=False "
+            "to train afresh on different data."
+        )
+    if batch_size != info.batch_size:
+        raise ValueError(
+            f"Expected `batch_size` to be {info.batch_size}, as in {where}. Received: batch_size={batch_size}."
+        )
+    if plan.micro_batches != info.plan.micro_batches:
+        want = info.batch_size * info.plan.micro_batches
+        raise ValueError(
+            f"Expected the global batch to be {want} samples, as in {where}. "
+            f"Received: {batch_size * plan.micro_batches} (batch_size={batch_size}, engines_number={engines_number}, "
+            f"effective_batch_size={effective_batch_size}). "
+            f"HINT: pass effective_batch_size={want}; any engines_number then runs the same steps."
+        )
+    if plan != info.plan:
+        raise ValueError(f"Expected the plan of {where}: {info.plan}. Received: {plan}.")
+    if epochs < info.epoch + 1:
+        raise ValueError(
+            f"Expected `epoch_number` to be at least {info.epoch + 1}: {where} has trained {info.epoch + 1} epochs. "
+            f"Received: epoch_number={epochs}."
+        )

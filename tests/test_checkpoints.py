@@ -1,0 +1,360 @@
+"""Checkpoints and resume (DESIGN §5): atomic writes, keep-last-K, the newest complete one,
+whole-job kills, interrupted writes, and resuming on another number of workers."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fabric_model import FabricModel
+from fabric_model.checkpoint import (
+    FAULT_ENV,
+    FORMAT,
+    CheckpointWriter,
+    checkpoint_due,
+    checkpoint_name,
+    list_checkpoints,
+    load_checkpoint,
+    newest_checkpoint,
+    prune,
+    read_info,
+)
+from fabric_model.errors import JobError
+from fabric_model.plan import Plan, Schedule
+from fabric_model.testing import FaultInjector, Kill
+
+from .helpers import fresh_model_and_optimizer, make_data, max_rel_diff, records, reference_train
+
+SEED, EPOCHS, BATCH, GLOBAL = 7, 3, 8, 24
+DATA = make_data(240)  # 10 steps an epoch
+TEST = DATA[:40]
+PLAN = Plan(len(DATA), BATCH, GLOBAL // BATCH, SEED)
+SCHEDULE = Schedule(PLAN, EPOCHS, 1, True)
+UNITS = SCHEDULE.units_per_epoch  # 10 steps and the validation slot
+REPO = Path(__file__).resolve().parents[1]
+
+
+def ckpt_unit(epoch: int) -> int:
+    """The unit a checkpoint taken after ``epoch`` resumes at: that epoch's validation slot."""
+    return (epoch + 1) * UNITS - 1
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model, opt = fresh_model_and_optimizer()
+    reference_train(model, opt, DATA, seed=SEED, epochs=EPOCHS, batch_size=BATCH, micro_batches=GLOBAL // BATCH)
+    return copy.deepcopy(model.state_dict())
+
+
+def train(run_dir, workers, **kwargs):
+    model, opt = fresh_model_and_optimizer()
+    fm = FabricModel(model, lambda: (DATA, TEST), F.cross_entropy, opt)
+    result = fm.train(EPOCHS, BATCH, workers, effective_batch_size=GLOBAL, run_dir=run_dir, **kwargs)
+    return model, result
+
+
+def units_in(directory: Path) -> list[int]:
+    return [u for u, _ in list_checkpoints(directory)]
+
+
+# -- checkpoint.py on its own ----------------------------------------------------------------
+def _writer(directory: Path) -> CheckpointWriter:
+    writer = CheckpointWriter(SCHEDULE, 1, BATCH)
+    writer.update({"dir": str(directory), "framework": "torch", "written": -1, "restore": None})
+    return writer
+
+
+def _state():
+    model, opt = fresh_model_and_optimizer()
+    F.cross_entropy(model(DATA[0][0][None]), torch.tensor([DATA[0][1]])).backward()
+    opt.step()  # momentum buffers: the optimizer state is not empty
+    return model.state_dict(), opt.state_dict()
+
+
+def _write(directory: Path, unit: int) -> dict:
+    return _writer(directory).write(unit, PLAN, *_state())
+
+
+def test_checkpoint_due_after_every_freq_th_epoch():
+    assert [u for u in range(SCHEDULE.total_units) if checkpoint_due(SCHEDULE, 1, u)] == [10, 21, 32]
+    assert [u for u in range(SCHEDULE.total_units) if checkpoint_due(SCHEDULE, 2, u)] == [21]
+    assert not any(checkpoint_due(SCHEDULE, 0, u) for u in range(SCHEDULE.total_units))
+    writer = _writer(Path("unused"))
+    writer.written = 10
+    assert not writer.due(10, 0) and not writer.due(21, 1) and writer.due(21, 0)
+
+
+def test_checkpoint_is_written_atomically_and_reads_back(tmp_path):
+    report = _write(tmp_path, 21)
+    assert report["path"] == str(tmp_path / checkpoint_name(21)) and "error" not in report
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt-unit-00000021.pt"]  # no temporary file left
+    model_state, optimizer_state = _state()
+    state = load_checkpoint(tmp_path / checkpoint_name(21), PLAN)
+    assert max_rel_diff(state["model"], model_state) == 0
+    assert state["optimizer"]["state"][0]["momentum_buffer"].equal(optimizer_state["state"][0]["momentum_buffer"])
+    info = read_info(tmp_path / checkpoint_name(21))
+    assert (info.unit, info.epoch, info.steps_done, info.framework, info.plan) == (21, 1, 20, "torch", PLAN)
+    with pytest.raises(ValueError, match="another plan"):
+        load_checkpoint(tmp_path / checkpoint_name(21), Plan(200, BATCH, 3, SEED))
+
+
+class Payload:
+    """Not a tensor, nor a plain value: a weights_only load must refuse it."""
+
+
+def test_loading_never_unpickles_arbitrary_objects(tmp_path):
+    path = tmp_path / checkpoint_name(10)
+    torch.save({"format": FORMAT, "unit": 10, "model": {"w": Payload()}}, path)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        load_checkpoint(path)
+    assert newest_checkpoint(tmp_path) is None
+
+
+def test_prune_keeps_the_newest_k_and_removes_dead_writers_leftovers(tmp_path):
+    for unit in (10, 21, 32, 43):
+        _write(tmp_path, unit)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / f".ckpt-unit-00000054.pt.{dead.pid}.tmp").write_bytes(b"partial")
+    live = tmp_path / f".ckpt-unit-00000054.pt.{os.getpid()}.tmp"  # a writer still writing
+    live.write_bytes(b"partial")
+    removed = prune(tmp_path, 2)
+    assert [p.name for p in removed] == [checkpoint_name(10), checkpoint_name(21)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, checkpoint_name(32), checkpoint_name(43)]
+
+
+def test_newest_complete_checkpoint_skips_temporary_and_corrupt_files(tmp_path, caplog):
+    _write(tmp_path, 10)
+    _write(tmp_path, 21)
+    whole = (tmp_path / checkpoint_name(21)).read_bytes()
+    (tmp_path / checkpoint_name(32)).write_bytes(whole[: len(whole) // 2])  # truncated
+    (tmp_path / checkpoint_name(43)).write_bytes(b"not a checkpoint")
+    (tmp_path / f".{checkpoint_name(54)}.1.tmp").write_bytes(whole)  # complete bytes, but never renamed
+    with caplog.at_level(logging.WARNING, logger="fabric_model.checkpoint"):
+        info = newest_checkpoint(tmp_path)
+    assert info is not None and info.unit == 21
+    assert "skipping checkpoint" in caplog.text and checkpoint_name(32) in caplog.text
+
+
+def test_full_disk_mid_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    _write(tmp_path, 10)
+    monkeypatch.setenv(FAULT_ENV, "enospc:21")
+    report = _write(tmp_path, 21)
+    assert "No space left on device" in report["error"]
+    assert [p.name for p in tmp_path.iterdir()] == [checkpoint_name(10)]  # temp removed, previous intact
+    load_checkpoint(tmp_path / checkpoint_name(10), PLAN)
+
+
+def test_resume_refuses_what_it_cannot_continue(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    _write(run_dir / "checkpoints", 21)  # epoch 1 done
+    model, opt = fresh_model_and_optimizer()
+
+    def attempt(epochs=EPOCHS, batch=BATCH, workers=2, data=DATA, **kw):
+        fm = FabricModel(model, lambda: (data, None), F.cross_entropy, opt)
+        kw.setdefault("effective_batch_size", GLOBAL)
+        kw.setdefault("run_dir", run_dir)
+        return fm.train(epochs, batch, workers, resume=True, **kw)
+
+    cases = [
+        ({"batch": 4}, r"Expected `batch_size` to be 8.*Received: batch_size=4"),
+        ({"data": DATA[:200]}, r"training dataset .* 240 items.*Received: 200"),
+        ({"effective_batch_size": None}, r"global batch to be 24 .*Received: 16 .*effective_batch_size=24"),
+        ({"seed": 1}, r"Expected `seed` to be None or 7.*Received: seed=1"),
+        ({"epochs": 1}, r"`epoch_number` to be at least 2.*Received: epoch_number=1"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            attempt(**kwargs)
+    monkeypatch.delenv("RESULT_DIR", raising=False)
+    with pytest.raises(ValueError, match=r"Expected `run_dir` .* Received: run_dir=None"):
+        attempt(run_dir=None)
+    with pytest.raises(TypeError, match="resume"):
+        FabricModel(model, lambda: (DATA, None), F.cross_entropy, opt).train(1, BATCH, resume="yes")
+
+
+# -- whole jobs ------------------------------------------------------------------------------
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {repo!r})
+    import torch.nn.functional as F
+    from tests.helpers import fresh_model_and_optimizer, make_data
+    from fabric_model import FabricModel
+    from fabric_model.testing import FaultInjector
+
+    class Progress:
+        def log_train_metrics(self, metrics, iteration, epoch, workers):
+            with open({progress!r}, "w") as f:
+                f.write(str(iteration))
+
+    data = make_data(240)
+    model, opt = fresh_model_and_optimizer()
+    pace = FaultInjector([], {markers!r}, step_delay={delay})
+    fm = FabricModel(model, lambda: (data, data[:40]), F.cross_entropy, opt, worker_logger_callback=pace,
+                     driver_logger_callback=Progress())
+    result = fm.train({epochs}, {batch}, {workers}, effective_batch_size={global_batch}, seed={seed},
+                      run_dir={run_dir!r}, resume={resume})
+    print(json.dumps({{"history": len(result.history), "tests": len(result.test_history), "seed": result.seed}}))
+""")
+
+
+def start_script(tmp_path: Path, run_dir: Path, name: str, *, workers: int, resume: bool, delay: float = 0.0):
+    progress = tmp_path / f"{name}.progress"
+    script = SCRIPT.format(
+        repo=str(REPO),
+        progress=str(progress),
+        markers=str(tmp_path),
+        delay=delay,
+        epochs=EPOCHS,
+        batch=BATCH,
+        workers=workers,
+        global_batch=GLOBAL,
+        seed=SEED,
+        run_dir=str(run_dir),
+        resume=resume,
+    )
+    path = tmp_path / f"{name}.py"
+    path.write_text(script)
+    out = open(tmp_path / f"{name}.out", "wb")
+    # Its own session: the test can kill the whole job without touching pytest.
+    proc = subprocess.Popen([sys.executable, str(path)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    out.close()
+    return proc, progress
+
+
+def output(tmp_path: Path, name: str) -> str:
+    return (tmp_path / f"{name}.out").read_text(errors="replace")
+
+
+def wait_until(condition, timeout: float, proc: subprocess.Popen, what: str, tmp_path: Path, name: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the job ended before {what}:\n{output(tmp_path, name)}"
+        assert time.monotonic() < deadline, f"not {what} within {timeout} s:\n{output(tmp_path, name)}"
+        time.sleep(0.05)
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=10)
+
+
+def steps_after_last_resume(run_dir: Path) -> list[tuple[int, int]]:
+    lines = [json.loads(x) for x in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+    last = max(i for i, r in enumerate(lines) if r["type"] == "resume")
+    return sorted((r["epoch"], r["step"]) for r in lines[last:] if r["type"] == "train")
+
+
+def test_whole_job_killed_mid_epoch_resumes_to_the_undisturbed_weights(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    ckpt_dir = run_dir / "checkpoints"
+    proc, progress = start_script(tmp_path, run_dir, "first", workers=2, resume=False, delay=0.15)
+    done = 0  # steps committed, as the driver's logger last wrote
+    try:
+
+        def past_a_checkpoint() -> bool:
+            nonlocal done
+            done = max(done, int(progress.read_text() or 0) if progress.exists() else 0)
+            return bool(units_in(ckpt_dir)) and done >= 13  # epoch 1, step 2 committed
+
+        wait_until(past_a_checkpoint, 120, proc, "3 steps past the first checkpoint", tmp_path, "first")
+        workers = psutil.Process(proc.pid).children()
+        assert len(workers) == 2
+        proc.kill()  # the driver; its workers die with it (PR_SET_PDEATHSIG)
+        proc.wait(timeout=10)
+        _, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive, f"workers outlived the driver: {[p.pid for p in alive]}"
+    finally:
+        kill_session(proc)
+    info = newest_checkpoint(ckpt_dir)
+    assert info is not None and info.steps_done < done, "no work lost past the checkpoint"
+    copy_dir = tmp_path / "copy"
+    shutil.copytree(run_dir, copy_dir)
+
+    proc, _ = start_script(tmp_path, run_dir, "resumed", workers=2, resume=True)
+    try:
+        proc.wait(timeout=150)
+    finally:
+        kill_session(proc)
+    assert proc.returncode == 0, output(tmp_path, "resumed")
+    summary = json.loads(output(tmp_path, "resumed").strip().splitlines()[-1])
+    assert summary == {"history": EPOCHS, "tests": EPOCHS, "seed": SEED}
+    final = torch.load(run_dir / "model" / "model.pt", weights_only=True)
+    assert max_rel_diff(final, reference) < 1e-5
+    resumed = records(run_dir, "resume")[-1]
+    assert resumed["resume_unit"] == info.unit
+    steps = [(e, s) for e in range(info.epoch + 1, EPOCHS) for s in range(PLAN.steps_per_epoch)]
+    assert steps_after_last_resume(run_dir) == steps  # each step after the checkpoint once, in the same log
+
+    # The same checkpoint, resumed on one worker accumulating the 3 micro-batches of a step.
+    model, result = train(copy_dir, 1, resume=True)
+    assert result.seed == SEED
+    assert max_rel_diff(model.state_dict(), reference) < 1e-5
+
+
+def test_writer_killed_mid_write_leaves_the_previous_checkpoint(run_dir, monkeypatch, reference):
+    monkeypatch.setenv(FAULT_ENV, "kill:21")  # the only worker dies writing the checkpoint of epoch 1
+    with pytest.raises(JobError, match="resume=True"):
+        train(run_dir, 1, seed=SEED)
+    ckpt_dir = run_dir / "checkpoints"
+    assert units_in(ckpt_dir) == [ckpt_unit(0)]
+    partial = [p for p in ckpt_dir.iterdir() if p.name.startswith(f".{checkpoint_name(ckpt_unit(1))}.")]
+    assert len(partial) == 1 and 0 < partial[0].stat().st_size < (ckpt_dir / checkpoint_name(10)).stat().st_size
+    assert newest_checkpoint(ckpt_dir).unit == ckpt_unit(0)
+    monkeypatch.delenv(FAULT_ENV)
+
+    model, result = train(run_dir, 2, resume=True)
+    assert max_rel_diff(model.state_dict(), reference) < 1e-5
+    assert [h["epoch"] for h in result.history] == list(range(EPOCHS))
+    assert not partial[0].exists()
+    assert units_in(ckpt_dir) == [ckpt_unit(e) for e in range(EPOCHS)]
+
+
+def test_full_disk_keeps_training_and_resume_uses_the_last_good_checkpoint(run_dir, monkeypatch, caplog, reference):
+    monkeypatch.setenv(FAULT_ENV, "enospc:21")  # every checkpoint from epoch 1's on fails
+    with caplog.at_level(logging.WARNING, logger="fabric_model"):
+        model, _ = train(run_dir, 2, resume=True, seed=SEED)  # nothing to resume yet: starts afresh
+    assert "holds no complete checkpoint" in caplog.text
+    assert max_rel_diff(model.state_dict(), reference) < 1e-5
+    ckpt_dir = run_dir / "checkpoints"
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == [checkpoint_name(ckpt_unit(0))]
+    failed = [r for r in records(run_dir, "checkpoint") if "error" in r]
+    assert [r["unit"] for r in failed] == [ckpt_unit(1), ckpt_unit(2)]
+    assert all("No space left" in r["error"] for r in failed)
+    monkeypatch.delenv(FAULT_ENV)
+
+    model, result = train(run_dir, 1, resume=True, keep_checkpoints=2)
+    assert max_rel_diff(model.state_dict(), reference) < 1e-5
+    assert records(run_dir, "resume")[-1]["resume_unit"] == ckpt_unit(0)
+    assert units_in(ckpt_dir) == [ckpt_unit(1), ckpt_unit(2)]  # keep_checkpoints=2
+    assert len(result.history) == EPOCHS and len(result.test_history) == EPOCHS
+
+
+def test_losing_every_worker_right_after_a_checkpoint_goes_on_from_it(run_dir, tmp_path, reference):
+    # The only worker dies in the first step after epoch 0's checkpoint; its replacement loads it.
+    model, opt = fresh_model_and_optimizer()
+    faults = FaultInjector([Kill(0, PLAN.steps_per_epoch)], tmp_path)
+    fm = FabricModel(model, lambda: (DATA, TEST), F.cross_entropy, opt, worker_logger_callback=faults)
+    result = fm.train(EPOCHS, BATCH, 1, effective_batch_size=GLOBAL, seed=SEED, run_dir=run_dir)
+    last = records(run_dir, "generation")[-1]
+    assert (last["checkpoint"], last["resume_unit"]) == (checkpoint_name(ckpt_unit(0)), ckpt_unit(0))
+    assert max_rel_diff(model.state_dict(), reference) < 1e-5
+    assert len(result.history) == EPOCHS

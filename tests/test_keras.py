@@ -90,8 +90,9 @@ def tape_reference():
     return trainable(model)
 
 
-@pytest.mark.parametrize("workers", [1, 2, 3])
-def test_same_weights_for_1_2_3_workers_as_a_gradient_tape_loop(workers, tape_reference, run_dir, tmp_path):
+@pytest.mark.parametrize(("workers", "batch"), [(1, 3 * BATCH), (1, BATCH), (2, BATCH), (3, BATCH)])
+def test_same_weights_for_1_2_3_workers_as_a_gradient_tape_loop(workers, batch, tape_reference, run_dir, tmp_path):
+    """(1, 48): one worker, one micro-batch a step, which runs the whole step in one function."""
     model = mlp()
     recording = IndexRecordingDataset(DATA, str(tmp_path))
     metrics = [
@@ -100,12 +101,12 @@ def test_same_weights_for_1_2_3_workers_as_a_gradient_tape_loop(workers, tape_re
         keras.metrics.sparse_top_k_categorical_accuracy,
     ]
     result = FabricModel(model, lambda: (recording, DATA[:40]), LOSS, sgd(), metrics=metrics).train(
-        EPOCHS, BATCH, workers, effective_batch_size=3 * BATCH, seed=SEED, run_dir=run_dir
+        EPOCHS, batch, workers, effective_batch_size=3 * BATCH, seed=SEED, run_dir=run_dir
     )
     assert max_rel_diff(trainable(model), tape_reference) < 1e-5
     assert len(result.replica_digests) == workers and len(set(result.replica_digests.values())) == 1
     # Exactly once: by the committed steps' reports and by what the workers actually read.
-    plan = Plan(len(DATA), BATCH, 3, SEED)
+    plan = Plan(len(DATA), batch, 3 * BATCH // batch, SEED)
     used = sample_indices_of_steps(plan, records(run_dir, "train"))
     reads = sorted(i for pid, got in reads_by_pid(tmp_path).items() if pid != os.getpid() for i in got)
     for epoch in range(EPOCHS):

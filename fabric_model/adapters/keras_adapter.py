@@ -235,6 +235,10 @@ class KerasAdapter(FrameworkAdapter):
         self._size = self._n_grad + self._n_fwd + self._n_flags + len(self.stat_names) + 2
         self._metrics_resolved: list[Any] | None = None
         self._tf_micro = tf.function(self._micro_batch, reduce_retracing=True)
+        self._tf_solo = tf.function(self._solo_step, reduce_retracing=True)
+        self._solo: tuple[Any, ...] | None = None
+        self._solo_possible = False
+        self._micro_batches_run = 0
         self._tf_apply = tf.function(self._apply, reduce_retracing=True)
         self._tf_eval = tf.function(self._evaluate, reduce_retracing=True)
         self._tf_snapshot = tf.function(self._snapshot)
@@ -274,11 +278,10 @@ class KerasAdapter(FrameworkAdapter):
 
         return tf.reduce_mean(tf.cast(self.loss_function(y, out), tf.float32))
 
-    def _micro_batch(self, x: Any, y: Any, weight: Any, seed: Any, acc: Any = None) -> Any:
+    def _forward_backward(self, x: Any, y: Any, seed: Any) -> tuple[list[Any], list[Any], list[Any]]:
+        """(gradients, None where a variable got none; stat sums; ...) of one micro-batch, traced."""
         import tensorflow as tf
 
-        for v, start in zip(self._fwd_vars, self._fwd_start):
-            v.assign(start)
         for k, v in enumerate(self._seed_vars):
             v.assign(tf.cast(tf.stack([seed, tf.constant(k, tf.int64)]), v.dtype))
         with tf.GradientTape() as tape:
@@ -286,15 +289,39 @@ class KerasAdapter(FrameworkAdapter):
             loss = self._loss(y, out)
             total = loss + tf.add_n(self.model.losses) if self.model.losses else loss
         grads = tape.gradient(total, self._train_vars)
+        n = tf.cast(_leading_dim(y), tf.float32)
+        return list(grads), self._stat_values(y, out, loss, n), [n]
+
+    def _micro_batch(self, x: Any, y: Any, weight: Any, seed: Any, acc: Any = None) -> Any:
+        import tensorflow as tf
+
+        for v, start in zip(self._fwd_vars, self._fwd_start):
+            v.assign(start)
+        grads, stats, count = self._forward_backward(x, y, seed)
         flags = [tf.constant([0.0 if g is None else 1.0]) for g in grads]
         grads = [tf.zeros_like(v) if g is None else g for g, v in zip(grads, self._train_vars)]
         parts = [tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads]
         parts += [tf.reshape(v.value - s, [-1]) for v, s in zip(self._fwd_vars, self._fwd_start)]
-        weighted = tf.concat(parts, 0) * weight if parts else tf.zeros([0])
-        n = tf.cast(_leading_dim(y), tf.float32)
-        tail = tf.stack(self._stat_values(y, out, loss, n) + [n, tf.constant(0.0)])
+        weighted = tf.concat(parts, 0) if parts else tf.zeros([0])
+        if weight is not None:  # None: the step's only micro-batch, weight 1 (saves a pass over the buffer)
+            weighted = weighted * weight
+        tail = tf.stack(stats + count + [tf.constant(0.0)])
         flat = tf.concat([weighted] + flags + [tail], 0)
         return flat if acc is None else acc + flat
+
+    def _solo_step(self, x: Any, y: Any, seed: Any) -> Any:
+        """A whole step when this is the only worker and the step one micro-batch: forward,
+        backward and the optimizer in one compiled function, with nothing to exchange (the
+        same arithmetic as the general path, without its flat buffer)."""
+        import tensorflow as tf
+
+        grads, stats, count = self._forward_backward(x, y, seed)
+        pairs = [(tf.convert_to_tensor(g), v) for g, v in zip(grads, self._train_vars) if g is not None]
+        if pairs:
+            self.optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
+        for v in self._seed_vars:
+            v.assign(tf.zeros_like(v))
+        return tf.stack(stats + count)
 
     def _apply(self, flat: Any, used: tuple[bool, ...]) -> None:
         import tensorflow as tf
@@ -340,7 +367,9 @@ class KerasAdapter(FrameworkAdapter):
         return self._view
 
     def begin_step(self, collective: Any = None) -> None:
-        self._acc, self._view = None, None
+        self._acc, self._view, self._solo = None, None, None
+        self._solo_possible = collective is not None and collective.world_size == 1
+        self._micro_batches_run = 0
         if self._fwd_vars:
             self._tf_snapshot()
         self._in_step = True
@@ -349,9 +378,16 @@ class KerasAdapter(FrameworkAdapter):
         import tensorflow as tf
 
         x, y = split_keras_batch(batch)
+        first, self._micro_batches_run = self._micro_batches_run == 0, self._micro_batches_run + 1
         with tf.device(self._tf_device):
-            weight = tf.constant(num_samples / step_samples, tf.float32)
             seed_t = tf.constant(seed, tf.int64)
+            if self._solo_possible and first and last and num_samples == step_samples:
+                # Alone with one micro-batch: run the whole step in finish_step, in one function.
+                # Until then nothing has changed, so an aborted step has nothing to undo.
+                self._solo = (x, y, seed_t)
+                self._view = torch.zeros(len(self.stat_names) + 2)  # stat sums, count, vote
+                return
+            weight = None if num_samples == step_samples else tf.constant(num_samples / step_samples, tf.float32)
             self._acc = self._tf_micro(x, y, weight, seed_t, self._acc)
         # A view of TensorFlow's buffer, not a copy: the allreduce writes into it in place.
         self._view = torch.from_dlpack(self._acc)
@@ -363,6 +399,14 @@ class KerasAdapter(FrameworkAdapter):
             torch.cuda.current_stream(buffer.device).synchronize()
 
     def finish_step(self) -> list[float]:
+        if self._solo is not None:
+            import tensorflow as tf
+
+            with tf.device(self._tf_device):
+                stats = self._tf_solo(*self._solo).numpy().tolist()
+            vote = float(self.step_buffer[-1])
+            self._solo, self._view, self._in_step = None, None, False
+            return stats + [vote]
         buffer = self.step_buffer
         flags = buffer[self._n_grad + self._n_fwd : self._n_grad + self._n_fwd + self._n_flags]
         used = tuple(bool(f > 0) for f in flags.tolist())
@@ -376,7 +420,7 @@ class KerasAdapter(FrameworkAdapter):
             return
         self._in_step = False
         # An abandoned collective may still write into the old buffer: never reuse it.
-        self._acc, self._view = None, None
+        self._acc, self._view, self._solo = None, None, None
         for v, start in zip(self._fwd_vars, self._fwd_start):
             v.assign(start)
 

@@ -38,6 +38,9 @@ class TrainResult:
         test_history: per validation, the test metrics.
         seed: the seed the run used (pass it back as ``seed=`` to repeat the run).
         replica_digests: per worker, a SHA-256 of its final weights and optimizer state.
+        onnx_max_diff: with ``save_to_onnx``, the largest absolute difference between
+            onnxruntime on ``model/model.onnx`` and the framework's own output on real batches
+            (None when no file was written).
     """
 
     run_dir: Path
@@ -45,6 +48,7 @@ class TrainResult:
     test_history: list[dict[str, float]]
     seed: int
     replica_digests: dict[int, str]
+    onnx_max_diff: float | None = None
 
 
 class FabricModel:
@@ -57,9 +61,11 @@ class FabricModel:
             datasets (``__len__`` and ``__getitem__``) whose samples are ``(input, target)``
             tuples or dicts with a ``target``/``label`` key; ``test_dataset`` may be None.
             It is called once in the caller (to check it) and once in each worker.
-        loss_function: ``loss(output, target)`` returning the batch-mean loss.
-        optimizer: an optimizer over ``model``'s parameters.
-        metrics: callables ``metric(output, target)`` returning a batch mean.
+        loss_function: torch: ``loss(output, target)`` returning the batch-mean loss. Keras: a
+            ``keras.losses`` instance, a loss name, or ``loss(y_true, y_pred)`` (Keras' order).
+        optimizer: an optimizer over ``model``'s parameters (Keras: an instance or a name).
+        metrics: torch: callables ``metric(output, target)`` returning a batch mean. Keras:
+            names ("accuracy"), ``keras.metrics.Metric`` instances or ``metric(y_true, y_pred)``.
         worker_logger_callback: a logger run in every worker (see :mod:`fabric_model.callbacks`).
         driver_logger_callback: a logger run in the caller; replaces the default progress bar.
         save_to_onnx: after training, also write ``model/model.onnx`` (dynamic batch dimension),
@@ -192,8 +198,10 @@ class FabricModel:
                 ``checkpoint_freq``-th epoch (0: never).
             effective_batch_size: the global batch, a multiple of ``batch_size``; see
                 :func:`fabric_model.config.size_engines` for how it combines with engines_number.
-            seed: the run's seed; by default drawn from torch's global generator, so
-                ``torch.manual_seed(...)`` at the top of a script makes the run reproducible.
+            seed: the run's seed; by default drawn from the framework's global generator
+                (torch's; for Keras, NumPy's, which ``keras.utils.set_random_seed`` seeds), so
+                ``torch.manual_seed(0)`` or ``keras.utils.set_random_seed(0)`` at the top of a
+                script makes the run reproducible.
             run_dir: where logs go; default ``$RESULT_DIR`` or ``./fabric_runs/<run-id>``.
             resume: continue the run in ``run_dir`` (or ``$RESULT_DIR``) from its newest complete
                 checkpoint, with its seed and plan; the dataset length, ``batch_size`` and the
@@ -234,7 +242,7 @@ class FabricModel:
         resumed = None
         if resume:  # the run's own seed and newest checkpoint; its plan is checked below
             resumed, seed = checkpoint.find_resume_point(run_dir, seed)
-        seed = _draw_seed() if seed is None else seed
+        seed = _draw_seed(self.framework) if seed is None else seed
         adapter = self._make_adapter()
         _check_first_sample(adapter, train_set)
         job = Job(
@@ -314,10 +322,15 @@ class FabricModel:
             self.model.load_state_dict(final.model_state)
             self.optimizer.load_state_dict(final.optimizer_state)
             _save_model(directory, final.model_state)
+        onnx_diff = None
         if self.save_to_onnx:
-            _export_onnx(self.framework, self.model, adapter, train_set, directory)
+            onnx_diff = _export_onnx(self.framework, self.model, adapter, train_set, directory)
+            if onnx_diff is not None and isinstance(logger, ProgressBar):  # the default logger shows it
+                logger.note(f"model/model.onnx written; onnxruntime vs {self.framework}: max abs diff {onnx_diff:.3g}")
         self.run_dir = directory
-        return TrainResult(directory, driver.train_history, driver.test_history, seed, driver.replica_digests)
+        return TrainResult(
+            directory, driver.train_history, driver.test_history, seed, driver.replica_digests, onnx_diff
+        )
 
     def download(self, out_dir: str | os.PathLike[str] | None = None) -> str:
         """Zip the last run's ``model/`` directory into ``out_dir`` (default: the run directory);
@@ -410,7 +423,14 @@ def _check_first_sample(adapter: Any, train_set: Any) -> None:
         adapter.check_rebuild(batch)
 
 
-def _draw_seed() -> int:
+def _draw_seed(framework: str) -> int:
+    """A seed from the global generator that the framework's own seeding call sets:
+    ``torch.manual_seed`` for torch; for Keras NumPy's, which ``keras.utils.set_random_seed``
+    (and ``np.random.seed``) seeds. Keras 3 on TensorFlow does not seed torch."""
+    if framework == "keras":
+        import numpy as np
+
+        return int(np.random.randint(0, 2**31 - 1))
     import torch
 
     return int(torch.randint(0, 2**31 - 1, (1,)).item())
@@ -459,9 +479,11 @@ def _check_onnx_available(framework: str, model: Any) -> None:
         raise ImportError(f"save_to_onnx=True needs the ONNX packages: {exc}") from None
 
 
-def _export_onnx(framework: str, model: Any, adapter: Any, train_set: Any, directory: Path) -> None:
-    """``model/model.onnx`` from the trained model, traced on the first training batch. A failure
-    is a warning, not an error: the trained model is already in ``model`` and ``model/``."""
+def _export_onnx(framework: str, model: Any, adapter: Any, train_set: Any, directory: Path) -> float | None:
+    """``model/model.onnx`` from the trained model, traced on the first training batch; returns
+    onnxruntime's max abs difference from the framework, also logged and written to
+    ``logs/metrics.jsonl`` as a ``type: "onnx"`` line. A failure is a warning (and such a line
+    with the error), not an exception: the trained model is already in ``model`` and ``model/``."""
     from .export import ExportError, export_onnx
 
     try:
@@ -478,9 +500,18 @@ def _export_onnx(framework: str, model: Any, adapter: Any, train_set: Any, direc
 
             inputs = split_batch(batch)[0]
         diff = export_onnx(framework, model, inputs, directory / "model" / "model.onnx")
-        log.info("model/model.onnx written; onnxruntime vs %s: max abs difference %.3g", framework, diff)
     except ExportError as exc:
+        _append_log(directory, {"type": "onnx", "path": None, "error": str(exc)})
         warnings.warn(f"save_to_onnx=True, but the ONNX export failed; no model.onnx was written. {exc}", stacklevel=3)
+        return None
+    _append_log(directory, {"type": "onnx", "path": "model/model.onnx", "max_abs_diff": diff})
+    log.info("model/model.onnx written; onnxruntime vs %s on real batches: max abs difference %.3g", framework, diff)
+    return diff
+
+
+def _append_log(directory: Path, record: dict[str, Any]) -> None:
+    with open(directory / "logs" / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({**record, "time": time.time()}) + "\n")
 
 
 def _check_batch_level(train_set: Any, batch_size: int) -> None:

@@ -112,6 +112,11 @@ class ProgressBar:
         self.stream.write(f"epoch {epoch + 1}/{self.epochs} validation: {values}\n")
         self.stream.flush()
 
+    def note(self, line: str) -> None:
+        """A line of its own under the bar (what happened after training, say)."""
+        self.stream.write(line + "\n")
+        self.stream.flush()
+
 
 class Callback:
     """Base class for user callbacks (``user_callback=[...]``); every hook is a no-op.

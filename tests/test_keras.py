@@ -139,14 +139,25 @@ def keras_train(run_dir, marker_dir, faults=(), joins=(), workers=3):
     return model, result
 
 
-def test_kill_and_join_keep_the_result_for_a_keras_model(run_dir, tmp_path, monkeypatch):
+def floats(model: keras.Model) -> list[np.ndarray]:
+    """Weights and BatchNorm statistics."""
+    return [v.numpy() for v in model.variables if v.dtype == "float32"]
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory):
+    """mlp(dropout, BatchNorm) trained by FabricModel on 3 workers without faults."""
+    tmp = tmp_path_factory.mktemp("undisturbed")
+    model, _ = keras_train(tmp / "run", tmp / "markers")
+    return floats(model)
+
+
+def test_kill_and_join_keep_the_result_for_a_keras_model(run_dir, tmp_path, monkeypatch, undisturbed):
     """Dropout and BatchNorm on: a kill re-divides micro-batches, a join pulls weights, the
     optimizer's momentum and BatchNorm statistics, and the result does not change."""
     monkeypatch.setenv("EDT_REPLACE_WORKERS", "0")
-    reference, _ = keras_train(tmp_path / "undisturbed", tmp_path / "m0")
     model, result = keras_train(run_dir, tmp_path, [Kill(1, 3), HoldForJoin(6), Kill(2, 11, "after_step")], joins=[6])
-    floats = [v.numpy() for v in model.variables if v.dtype == "float32"]  # weights and BatchNorm statistics
-    assert max_rel_diff(floats, [v.numpy() for v in reference.variables if v.dtype == "float32"]) < 1e-5
+    assert max_rel_diff(floats(model), undisturbed) < 1e-5
     assert len(set(result.replica_digests.values())) == 1
     plan = Plan(len(DATA), BATCH, 3, SEED)
     train_records = records(run_dir, "train")
@@ -209,6 +220,7 @@ def test_subclassed_model_with_custom_layer_needs_keras_custom_objects(run_dir):
     with pytest.raises(TypeError, match="keras_custom_objects") as info:
         fm.train(1, BATCH, 2, seed=SEED, run_dir=run_dir)
     assert "Subclassed" in str(info.value) or "Scale" in str(info.value)
+    assert not run_dir.exists() and not psutil.Process().children()  # before any worker or run directory
 
     # Names for the loss, optimizer and metric; the custom classes named: it trains.
     model = Subclassed()
@@ -224,6 +236,56 @@ def test_subclassed_model_with_custom_layer_needs_keras_custom_objects(run_dir):
     assert len(set(result.replica_digests.values())) == 1
     assert result.history[-1]["loss"] < result.history[0]["loss"]
     assert not np.allclose(np.array(model.scale.scale), 0.5)  # the custom weight trained, in the caller's model
+
+
+class Forgetful(keras.layers.Layer):
+    """Its get_config() leaves out `factor`: rebuilt, it multiplies by 1, not by `factor`."""
+
+    def __init__(self, factor: float = 1.0, **kwargs):
+        super().__init__(**kwargs)
+        self.factor = factor
+
+    def call(self, x):
+        return x * self.factor
+
+    def get_config(self):  # overridden without `factor` (Keras fills it in only when not overridden)
+        return super().get_config()
+
+
+def test_a_model_rebuilt_into_another_function_fails_early(run_dir):
+    """Same weights, other outputs: the workers would train another model, so it fails in the caller."""
+    model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(8), Forgetful(3.0), keras.layers.Dense(3)])
+    fm = FabricModel(model, lambda: (DATA, None), LOSS, "sgd", keras_custom_objects={"Forgetful": Forgetful})
+    with pytest.raises(TypeError, match=r"(?s)computes other outputs.*get_config\(\).*keras_custom_objects"):
+        fm.train(1, BATCH, 2, seed=SEED, run_dir=run_dir)
+    assert not run_dir.exists()
+
+
+def test_samples_the_model_cannot_take_fail_early_naming_get_datasets(run_dir):
+    samples = [((x[:6], x[6:]), y) for x, y in DATA]  # two inputs for a one-input model
+    with pytest.raises(ValueError, match=r"(?s)fails on the first training batch.*tuple of 2.*`get_datasets`"):
+        FabricModel(mlp(), lambda: (samples, None), LOSS, "sgd").train(1, BATCH, 2, seed=SEED, run_dir=run_dir)
+    assert not run_dir.exists()
+
+
+def test_list_valued_features_are_arrays():
+    x, y = collate_numpy([([0.5, 1.5, 2.5], 1), ([3.0, 4.0, 5.0], 0)])
+    assert x.shape == (2, 3) and x.dtype == np.float32 and y.tolist() == [1, 0]
+    (a, b), _ = collate_numpy([((np.zeros(2), np.ones(3)), 0)] * 4)  # a tuple of arrays: two inputs
+    assert a.shape == (4, 2) and b.shape == (4, 3)
+
+
+def test_keras_set_random_seed_fixes_the_drawn_seed():
+    """DESIGN §3: keras.utils.set_random_seed(s) at the top of a script makes the run reproducible,
+    the seed included (Keras on TensorFlow does not seed torch)."""
+    from fabric_model.api import _draw_seed
+
+    keras.utils.set_random_seed(11)
+    first = _draw_seed("keras")
+    keras.utils.set_random_seed(11)
+    assert _draw_seed("keras") == first
+    keras.utils.set_random_seed(12)
+    assert _draw_seed("keras") != first
 
 
 @pytest.mark.parametrize(
@@ -250,35 +312,72 @@ def test_instances_are_checked_too():
         FabricModel(mlp(), lambda: (DATA, None), "mse", "sgd", fn_step_train=lambda *a: (0, 0))
 
 
-class Batches(keras.utils.PyDataset):
-    """A batch-level dataset, as ImageDataGenerator().flow() returns: item i is batch i."""
+def test_metrics_are_labelled_as_given(run_dir):
+    from fabric_model.adapters.keras_adapter import KerasAdapter
 
-    def __init__(self, samples, batch_size, **kwargs):
+    adapter = KerasAdapter(mlp(), "sgd", "mse", ["mae", "acc", keras.metrics.MeanSquaredError(name="my_mse"), "mae"])
+    assert adapter.stat_names == ["loss", "mae", "acc", "my_mse", "mae_2"]
+
+
+class Batches(keras.utils.PyDataset):
+    """A batch-level dataset, as ImageDataGenerator().flow() returns: item i is batch i. It
+    records the items it serves in ``<record_dir>/reads-<pid>.txt``."""
+
+    def __init__(self, samples, batch_size, record_dir=None, **kwargs):
         super().__init__(**kwargs)
-        self.samples, self.batch_size = samples, batch_size
+        self.samples, self.batch_size, self.record_dir = samples, batch_size, record_dir
 
     def __len__(self):
         return -(-len(self.samples) // self.batch_size)
 
     def __getitem__(self, i):
+        if self.record_dir is not None:
+            with open(os.path.join(self.record_dir, f"reads-{os.getpid()}.txt"), "a") as f:
+                f.write(f"{i}\n")
         return collate_numpy(self.samples[i * self.batch_size : (i + 1) * self.batch_size])
 
 
-def test_pydataset_batches_are_micro_batches(run_dir):
+def pydataset_reference(batches: Batches, epochs: int, micro_batches: int) -> list[np.ndarray]:
+    """A GradientTape loop over the plan's steps of whole batches, each batch weighing the same
+    (the documented rule: a short last batch counts as much as a full one)."""
+    model, optimizer = mlp(), sgd()
+    plan = Plan(len(batches), 1, micro_batches, SEED)
+    for epoch in range(epochs):
+        perm = epoch_permutation(SEED, epoch, len(batches))
+        for step in range(plan.steps_per_epoch):
+            items = [
+                int(plan.micro_batch_indices(epoch, step, j, perm)[0])
+                for j in range(plan.num_micro_batches(epoch, step))
+            ]
+            with tf.GradientTape() as tape:
+                loss = tf.add_n([LOSS(y, model(x, training=True)) for x, y in (batches[i] for i in items)]) / len(items)
+            optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+    return trainable(model)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_pydataset_batches_are_micro_batches(run_dir, tmp_path, workers):
+    """250 samples in batches of 16: 16 batches, the last of 10, two to a step."""
     model = mlp()
-    data = DATA[:240]
-    result = FabricModel(model, lambda: (Batches(data, BATCH), Batches(DATA[240:], 4)), LOSS, sgd()).train(
-        1, BATCH, 2, seed=SEED, run_dir=run_dir
+    train = Batches(DATA, BATCH, str(tmp_path))
+    result = FabricModel(model, lambda: (train, Batches(DATA[:40], 4)), LOSS, sgd()).train(
+        2, BATCH, workers, effective_batch_size=2 * BATCH, seed=SEED, run_dir=run_dir
     )
+    assert max_rel_diff(trainable(model), pydataset_reference(Batches(DATA, BATCH), 2, 2)) < 1e-5
     train_records = records(run_dir, "train")
-    assert len(train_records) == 8  # 15 batches, two per step
-    # The plan counts the dataset's batches: every batch exactly once.
-    used = sample_indices_of_steps(Plan(15, 1, 2, SEED), train_records)
-    assert sorted(used[0]) == list(range(15))
-    assert len(set(result.replica_digests.values())) == 1
+    assert len(train_records) == 2 * 8
+    # The plan counts the dataset's batches: every batch exactly once, by the reports and the reads.
+    used = sample_indices_of_steps(Plan(16, 1, 2, SEED), train_records)
+    assert sorted(used[0]) == sorted(used[1]) == list(range(16))
+    reads = sorted(i for pid, got in reads_by_pid(tmp_path).items() if pid != os.getpid() for i in got)
+    assert reads == sorted(list(range(16)) * 2)
+    assert len(result.replica_digests) == workers and len(set(result.replica_digests.values())) == 1
     assert result.test_history and np.isfinite(result.test_history[0]["loss"])
-    with pytest.raises(ValueError, match="batch_size"):
-        FabricModel(mlp(), lambda: (Batches(data, BATCH), None), LOSS, sgd()).train(1, 32, 2, run_dir=run_dir)
+
+
+def test_pydataset_batch_size_must_be_its_own(run_dir):
+    with pytest.raises(ValueError, match=r"Expected `batch_size` to be the batch size.*batch_size=32.*batch_size=16"):
+        FabricModel(mlp(), lambda: (Batches(DATA, BATCH), None), LOSS, sgd()).train(1, 32, 2, run_dir=run_dir)
 
 
 KERAS_SCRIPT = textwrap.dedent("""
@@ -293,7 +392,8 @@ KERAS_SCRIPT = textwrap.dedent("""
             with open({progress!r}, "w") as f:
                 f.write(str(iteration))
 
-    fm = FabricModel(mlp(), lambda: (DATA, None), LOSS, sgd(), driver_logger_callback=Progress(),
+    fm = FabricModel(mlp(dropout=0.3, batchnorm=True), lambda: (DATA, None), LOSS, sgd(),
+                     driver_logger_callback=Progress(),
                      worker_logger_callback=FaultInjector([], {markers!r}, step_delay={delay}))
     fm.train({epochs}, {batch}, 2, effective_batch_size={global_batch}, seed={seed}, run_dir={run_dir!r},
              resume={resume})
@@ -323,9 +423,11 @@ def run_keras_script(tmp_path, run_dir, name, *, resume, delay=0.0):
     return proc, progress
 
 
-def test_keras_job_killed_whole_resumes_to_the_undisturbed_weights(tmp_path, tape_reference):
+def test_keras_job_killed_whole_resumes_to_the_undisturbed_weights(tmp_path, undisturbed):
     """Driver and workers SIGKILLed mid-epoch after a checkpoint; a new job resumes from it (on 2
-    workers, and on 1 accumulating the same global batch) and ends with the undisturbed weights."""
+    workers, and on 1 accumulating the same global batch) and ends with the undisturbed weights.
+    Dropout, BatchNorm and SGD momentum: the checkpoint must carry the moving statistics and the
+    optimizer's variables, and the randomness must follow the plan, not the process."""
     run_dir = tmp_path / "run"
     steps_per_epoch = Plan(len(DATA), BATCH, 3, SEED).steps_per_epoch
     proc, progress = run_keras_script(tmp_path, run_dir, "first", resume=False, delay=0.3)
@@ -356,11 +458,27 @@ def test_keras_job_killed_whole_resumes_to_the_undisturbed_weights(tmp_path, tap
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     resumed = keras.saving.load_model(run_dir / "model" / "model.keras")
-    assert max_rel_diff(trainable(resumed), tape_reference) < 1e-5
+    assert max_rel_diff(floats(resumed), undisturbed) < 1e-5
     assert records(run_dir, "resume")
 
-    model = mlp()
+    model = mlp(dropout=0.3, batchnorm=True)
     FabricModel(model, lambda: (DATA, None), LOSS, sgd()).train(
         EPOCHS, BATCH, 1, effective_batch_size=3 * BATCH, seed=SEED, run_dir=copy_dir, resume=True
     )
-    assert max_rel_diff(trainable(model), tape_reference) < 1e-5
+    assert max_rel_diff(floats(model), undisturbed) < 1e-5
+
+
+def test_functional_model_with_named_dict_inputs(run_dir):
+    """Samples ({"a": array, "b": array}, y): stacked per key and fed to the named inputs."""
+    keras.utils.set_random_seed(2)
+    a, b = keras.Input((8,), name="a"), keras.Input((4,), name="b")
+    hidden = keras.layers.Dense(16, activation="relu")(keras.layers.Concatenate()([a, b]))
+    model = keras.Model({"a": a, "b": b}, keras.layers.Dense(3)(hidden))
+    samples = [({"a": x[:8], "b": x[8:]}, y) for x, y in DATA]
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    result = FabricModel(model, lambda: (samples, samples[:40]), LOSS, "sgd", metrics=["accuracy"]).train(
+        2, BATCH, 2, seed=SEED, run_dir=run_dir
+    )
+    assert len(set(result.replica_digests.values())) == 1
+    assert result.history[-1]["loss"] < result.history[0]["loss"]
+    assert max_rel_diff(trainable(model), before) > 0  # the caller's model holds the trained weights

@@ -14,10 +14,14 @@ How the pieces travel and meet the shared loop:
       [ gradients * n_j/N | forward-updated variable deltas * n_j/N | got-gradient flags |
         loss sum | metric sums ... | sample count | switch vote ]
 
-- Exchange: ``torch.from_dlpack`` views that TensorFlow tensor without a copy (on the GPU as
-  on the CPU); the shared collective layer sum-allreduces it in place, and the apply function
-  reads the same memory back. No host copy is made of gradients. (Inputs are converted from
-  NumPy to tensors once per micro-batch, as ``model.fit`` does for NumPy data.)
+- Exchange: torch views that TensorFlow tensor through a DLPack capsule, without a copy (on
+  the GPU as on the CPU); the shared collective layer sum-allreduces it in place, and the
+  apply function reads the same memory back. No host copy is made of gradients. (Inputs are
+  converted from NumPy to tensors once per micro-batch, as ``model.fit`` does for NumPy data.)
+  The capsule, not ``torch.from_dlpack(tensor)``: for a CUDA tensor torch passes its stream to
+  ``tf.Tensor.__dlpack__``, which TensorFlow refuses. So on the GPU the step synchronizes
+  TensorFlow's device before the collective reads the buffer, and torch's stream after it
+  wrote it, before TensorFlow reads it back.
 - Apply: the Keras optimizer's ``apply`` in a second ``tf.function``, identical on every
   replica. Its variables (iteration count, moments) are part of the state a newcomer pulls.
 
@@ -49,18 +53,29 @@ TARGET_KEYS = ("target", "label", "labels", "y")
 
 
 # -- batches ------------------------------------------------------------------------------
-def collate_numpy(samples: Sequence[Any]) -> Any:
+def collate_numpy(samples: Sequence[Any], _top: bool = True) -> Any:
     """Stack per-sample ``(x, y)`` items (scalars, arrays, dicts and tuples of them) into
-    NumPy arrays; float64 becomes float32, the dtype Keras computes in."""
+    NumPy arrays; float64 becomes float32, the dtype Keras computes in.
+
+    Below the sample's own ``(x, y)`` level, a list or tuple of plain numbers
+    (``[0.1, 0.2, 0.3]``) is one array-valued feature; other lists and tuples are structure
+    (several model inputs)."""
     first = samples[0]
     if isinstance(first, Mapping):
-        return {k: collate_numpy([s[k] for s in samples]) for k in first}
-    if isinstance(first, tuple | list):
-        return tuple(collate_numpy([s[i] for s in samples]) for i in range(len(first)))
+        return {k: collate_numpy([s[k] for s in samples], False) for k in first}
+    if isinstance(first, tuple | list) and (_top or not _is_number_list(first)):
+        return tuple(collate_numpy([s[i] for s in samples], False) for i in range(len(first)))
     if hasattr(first, "numpy") and not isinstance(first, np.ndarray):  # tf or torch tensors
         samples = [s.numpy() for s in samples]
     array = np.stack([np.asarray(s) for s in samples])
     return array.astype(np.float32) if array.dtype == np.float64 else array
+
+
+def _is_number_list(value: Sequence[Any]) -> bool:
+    """A non-empty list of numbers (or of such lists)."""
+    return len(value) > 0 and all(
+        isinstance(v, int | float | np.number) or (isinstance(v, list | tuple) and _is_number_list(v)) for v in value
+    )
 
 
 def split_keras_batch(batch: Any) -> tuple[Any, Any]:
@@ -139,25 +154,36 @@ class KerasAdapter(FrameworkAdapter):
         self.custom_objects = dict(custom_objects or {})
         self._collate_fn = collate_fn
         taken: set[str] = set()
-        self.stat_names = ["loss"] + [_metric_label(m, i, taken) for i, m in enumerate(self.metric_specs)]
+        # Labelled as given ("mae" stays "mae", as in Keras' compile), instances by their name.
+        self.stat_names = ["loss"] + [_metric_label(m, i, taken) for i, m in enumerate(metrics)]
         self.train_set: Any = None
         self._shipped: dict[str, Any] | None = None
 
     # -- shipping -------------------------------------------------------------------------
     def check_rebuild(self, first_batch: Any) -> None:
-        """Build the model on a batch if needed, then rebuild it as a worker will; raise a
-        TypeError pointing to ``keras_custom_objects`` when it cannot be rebuilt."""
+        """Run the model on the first batch, then rebuild it as a worker will and check that the
+        rebuilt model computes the same outputs. Raises, before any worker starts, a ValueError
+        when the model cannot take the batch and a TypeError pointing to ``keras_custom_objects``
+        when it cannot be rebuilt, or is rebuilt into a model that computes something else."""
         import keras
 
-        if not self.model.built:
-            x, _ = split_keras_batch(first_batch)
-            self.model(x, training=False)
+        x, _ = split_keras_batch(first_batch)
+        try:
+            expected = _outputs(self.model, x)
+        except Exception as exc:
+            raise ValueError(
+                f"The Keras model fails on the first training batch ({type(exc).__name__}: {str(exc)[:600]}). "
+                f"Inputs received: {_describe(x)}. HINT: `get_datasets` must return samples (x, y) whose x the model "
+                "takes once stacked into a batch (a dict of arrays keyed by input name for several inputs), or pass "
+                "`fn_batch_collate` returning (x, y)."
+            ) from exc
         custom = shipped_custom_objects(self.custom_objects)
         try:
             data = model_to_bytes(self.model)
             rebuilt = model_from_bytes(data, custom)
             optimizer = keras.optimizers.deserialize(keras.optimizers.serialize(self.optimizer), custom_objects=custom)
             _metric_configs(self.metric_specs)
+            got = _outputs(rebuilt, x)
         except Exception as exc:
             raise TypeError(
                 f"Could not rebuild the Keras model the way each worker must ({type(exc).__name__}: "
@@ -165,13 +191,13 @@ class KerasAdapter(FrameworkAdapter):
                 "layer, model, loss and metric class the model uses (a subclassed model's own class included), "
                 "and give each a get_config() returning its constructor arguments."
             ) from exc
-        ours, theirs = self.model.get_weights(), rebuilt.get_weights()
-        same = len(ours) == len(theirs) and all(np.array_equal(a, b) for a, b in zip(ours, theirs))
-        if not same:
+        worst = _max_difference(expected, got)
+        if not worst <= 1e-5 * max(1.0, _max_abs(expected)):
             raise TypeError(
-                f"The Keras model rebuilt from its saved form differs from `model` ({len(ours)} vs {len(theirs)} "
-                "weights, or different values). HINT: a custom layer's get_config() must return every constructor "
-                "argument, and build() must create the same weights; see keras_custom_objects."
+                f"The Keras model rebuilt from its saved form computes other outputs than `model` on the first "
+                f"batch (max difference {worst:.3g}), so the workers would train another model. HINT: a custom "
+                "layer's or model's get_config() must return every constructor argument that call() or build() "
+                "uses, and from_config() must restore them; see keras_custom_objects."
             )
         self._shipped = {
             "model": data,
@@ -363,7 +389,7 @@ class KerasAdapter(FrameworkAdapter):
 
             with tf.device(self._tf_device):
                 self._acc = tf.zeros([self._size], tf.float32)
-            self._view = torch.from_dlpack(self._acc)
+            self._view = _torch_view(self._acc)
         return self._view
 
     def begin_step(self, collective: Any = None) -> None:
@@ -390,10 +416,14 @@ class KerasAdapter(FrameworkAdapter):
             weight = None if num_samples == step_samples else tf.constant(num_samples / step_samples, tf.float32)
             self._acc = self._tf_micro(x, y, weight, seed_t, self._acc)
         # A view of TensorFlow's buffer, not a copy: the allreduce writes into it in place.
-        self._view = torch.from_dlpack(self._acc)
+        self._view = _torch_view(self._acc)
 
     def all_reduce(self, collective: Any) -> None:
         buffer = self.step_buffer
+        if buffer.is_cuda:  # TensorFlow's kernels run on its own stream: finish them before NCCL reads
+            import tensorflow as tf
+
+            tf.test.experimental.sync_devices()
         collective.wait(collective.all_reduce_start(buffer))
         if buffer.is_cuda:  # TensorFlow reads the buffer on its own stream next
             torch.cuda.current_stream(buffer.device).synchronize()
@@ -451,6 +481,39 @@ class KerasAdapter(FrameworkAdapter):
             if not self.optimizer.built:
                 self.optimizer.build(self.model.trainable_variables)
             _assign_all(self.optimizer.variables, [t.numpy() for t in optimizer_state.values()], "optimizer")
+
+
+def _torch_view(tensor: Any) -> torch.Tensor:
+    """A torch tensor sharing ``tensor``'s memory (CPU or GPU), through a DLPack capsule."""
+    import tensorflow as tf
+
+    return torch.utils.dlpack.from_dlpack(tf.experimental.dlpack.to_dlpack(tensor))
+
+
+def _outputs(model: Any, x: Any) -> list[np.ndarray]:
+    import keras
+
+    return [np.asarray(o) for o in keras.tree.flatten(model(x, training=False))]
+
+
+def _max_abs(arrays: list[np.ndarray]) -> float:
+    return max((float(np.max(np.abs(a), initial=0.0)) for a in arrays), default=0.0)
+
+
+def _max_difference(ours: list[np.ndarray], theirs: list[np.ndarray]) -> float:
+    if len(ours) != len(theirs) or any(a.shape != b.shape for a, b in zip(ours, theirs)):
+        return float("inf")
+    diffs = [np.abs(a.astype(np.float64) - b.astype(np.float64)) for a, b in zip(ours, theirs)]
+    return max((float(np.max(d, initial=0.0)) for d in diffs), default=0.0)
+
+
+def _describe(x: Any) -> str:
+    """Shapes and dtypes of a batch's inputs, for error messages."""
+    if isinstance(x, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in x.items()) + "}"
+    if isinstance(x, tuple | list):
+        return f"{type(x).__name__} of {len(x)}: (" + ", ".join(_describe(v) for v in x) + ")"
+    return f"array{tuple(np.shape(x))} {getattr(x, 'dtype', type(x).__name__)}"
 
 
 def _metric_label(metric: Any, position: int, taken: set[str]) -> str:

@@ -358,3 +358,27 @@ def test_losing_every_worker_right_after_a_checkpoint_goes_on_from_it(run_dir, t
     assert (last["checkpoint"], last["resume_unit"]) == (checkpoint_name(ckpt_unit(0)), ckpt_unit(0))
     assert max_rel_diff(model.state_dict(), reference) < 1e-5
     assert len(result.history) == EPOCHS
+
+
+def test_result_dir_holds_the_run_and_the_newest_three_checkpoints_by_default(tmp_path, monkeypatch):
+    """Without run_dir, RESULT_DIR is the run directory (DESIGN §5); keep_checkpoints defaults to 3."""
+    result_dir = tmp_path / "results"
+    monkeypatch.setenv("RESULT_DIR", str(result_dir))
+    data, epochs = make_data(48), 5  # 2 steps an epoch
+    model, opt = fresh_model_and_optimizer()
+    result = FabricModel(model, lambda: (data, data[:8]), F.cross_entropy, opt).train(
+        epochs, BATCH, 1, effective_batch_size=GLOBAL, seed=SEED
+    )
+    assert result.run_dir == result_dir.resolve()
+    assert {p.name for p in result_dir.iterdir()} >= {"run.json", "logs", "checkpoints", "model"}
+    assert (result_dir / "model" / "model.pt").is_file() and (result_dir / "logs" / "metrics.jsonl").is_file()
+    units_per_epoch = Schedule(Plan(len(data), BATCH, GLOBAL // BATCH, SEED), epochs, 1, True).units_per_epoch
+    assert units_in(result_dir / "checkpoints") == [(e + 1) * units_per_epoch - 1 for e in (2, 3, 4)]
+
+    # resume=True finds the run through RESULT_DIR too; a finished run has nothing left to do.
+    trained = copy.deepcopy(model.state_dict())
+    again, opt = fresh_model_and_optimizer()
+    FabricModel(again, lambda: (data, data[:8]), F.cross_entropy, opt).train(
+        epochs, BATCH, 1, effective_batch_size=GLOBAL, resume=True
+    )
+    assert max_rel_diff(again.state_dict(), trained) == 0

@@ -10,7 +10,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] not in ("worker",):
         sys.stderr.write("usage: python -m fabric_model worker --driver HOST:PORT --worker-id N [--device DEV]\n")
         return 2
-    from .worker import main as worker_main
+    from .worker.main import main as worker_main
 
     return worker_main(args[1:])
 

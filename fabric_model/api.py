@@ -18,11 +18,11 @@ import cloudpickle
 
 from . import checkpoint, compat
 from . import validation as v
-from .adapters import detect_framework
+from .frameworks import detect_framework
 from .callbacks import Callback, ProgressBar
 from .config import TrainConfig, get_timeout, local_device_count, size_engines, threads_per_worker
 from .data import is_batch_level
-from .loop import Job
+from .job import Job
 from .plan import Plan
 
 log = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ class FabricModel:
         )
         self.user_callbacks = v.check_user_callbacks(user_callback)
         if keras_model:
-            from .adapters.keras_names import resolve_loss, resolve_optimizer
+            from .frameworks.keras_names import resolve_loss, resolve_optimizer
 
             resolve_loss(loss_function)  # names checked here, in the caller
             resolve_optimizer(optimizer)
@@ -298,7 +298,7 @@ class FabricModel:
             epoch_number, plan.steps_per_epoch, plan.global_batch
         )
 
-        from .driver import Driver  # torch.distributed is imported only once training starts
+        from .driver.driver import Driver  # torch.distributed is imported only once training starts
 
         driver = Driver(
             payload,
@@ -344,7 +344,7 @@ class FabricModel:
 
     def _make_adapter(self) -> Any:
         if self.framework == "keras":
-            from .adapters.keras_adapter import KerasAdapter
+            from .frameworks.keras_adapter import KerasAdapter
 
             return KerasAdapter(
                 self.model,
@@ -354,7 +354,7 @@ class FabricModel:
                 self.keras_custom_objects,
                 self.fn_batch_collate,
             )
-        from .adapters.torch_adapter import TorchAdapter
+        from .frameworks.torch_adapter import TorchAdapter
 
         return TorchAdapter(
             self.model,
@@ -406,11 +406,11 @@ def _check_first_sample(adapter: Any, train_set: Any) -> None:
         else:
             batch = adapter.collate([train_set[0]])
         if keras_model:
-            from .adapters.keras_adapter import split_keras_batch
+            from .frameworks.keras_adapter import split_keras_batch
 
             split_keras_batch(batch)
         else:
-            from .adapters.torch_adapter import split_batch
+            from .frameworks.torch_adapter import split_batch
 
             split_batch(batch)
     except Exception as exc:
@@ -492,11 +492,11 @@ def _export_onnx(framework: str, model: Any, adapter: Any, train_set: Any, direc
         else:
             batch = adapter.collate([train_set[i] for i in range(min(len(train_set), 4))])
         if framework == "keras":
-            from .adapters.keras_adapter import split_keras_batch
+            from .frameworks.keras_adapter import split_keras_batch
 
             inputs = split_keras_batch(batch)[0]
         else:
-            from .adapters.torch_adapter import split_batch
+            from .frameworks.torch_adapter import split_batch
 
             inputs = split_batch(batch)[0]
         diff = export_onnx(framework, model, inputs, directory / "model" / "model.onnx")
@@ -525,7 +525,7 @@ def _check_batch_level(train_set: Any, batch_size: int) -> None:
 
 
 def _check_keras_metrics(metrics: Any) -> list[Any]:
-    from .adapters.keras_names import resolve_metric
+    from .frameworks.keras_names import resolve_metric
 
     if metrics is None:
         return []

@@ -23,23 +23,20 @@ from typing import Any
 
 import cloudpickle
 
-from . import control
-from .collective import Collective, CollectiveError
-from .config import TrainConfig, get_timeout, heartbeat_interval, pull_failed_limit
-from .context import WorkerContext, _install
-from .control import Channel
-from .digest import state_digest
-from .errors import encode_exception
-from .loop import Job, Membership, TrainingLoop
-from .plan import Plan
+from .. import control
+from ..collective import Collective, CollectiveError
+from ..config import TrainConfig, get_timeout, heartbeat_interval, pull_failed_limit
+from ..context import WorkerContext, _install
+from ..control import Channel
+from ..digest import state_digest
+from ..errors import encode_exception
+from ..job import Job
+from .loop import Membership, TrainingLoop
+from ..plan import Plan
+from ..protocol import LAUNCHED_ENV, SECRET_ENV
 
 log = logging.getLogger(__name__)
 
-SECRET_ENV = "FABRIC_MODEL_SECRET"
-#: Set by the driver's launcher: the worker dies with the driver and leaves Ctrl-C to it.
-LAUNCHED_ENV = "FABRIC_MODEL_LAUNCHED"
-#: Set inside each worker: its id, for user code and logs.
-WORKER_ID_ENV = "FABRIC_MODEL_WORKER_ID"
 
 
 def _die_with_parent() -> None:
@@ -149,7 +146,6 @@ def run(address: tuple[str, int], secret: bytes, worker_id: int | None, device: 
         start = get_timeout("EDT_START_TIME_OUT")
         if worker_id is None:
             worker_id = int(inbox.expect(control.HELLO, start)["worker_id"])
-        os.environ[WORKER_ID_ENV] = str(worker_id)
         job_msg = inbox.expect(control.JOB, start)
         config: TrainConfig = job_msg["config"]
         plan: Plan = job_msg["plan"]

@@ -26,13 +26,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import checkpoint, control
-from .callbacks import EpochAverage, MetricsLog, call_hook, stat_means
-from .config import TrainConfig, get_timeout
-from .control import ControlServer
-from .errors import JobError, rebuild_exception
-from .launcher import LocalLauncher
-from .plan import Plan, Schedule, assigned_micro_batches
+from .. import checkpoint, control
+from ..callbacks import EpochAverage, MetricsLog, call_hook, stat_means
+from ..config import TrainConfig, get_timeout
+from ..control import ControlServer
+from ..errors import JobError, rebuild_exception
+from ..launchers.local import LocalLauncher
+from ..plan import Plan, Schedule, assigned_micro_batches
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from .worker import LAUNCHED_ENV, SECRET_ENV
+from ..protocol import LAUNCHED_ENV, SECRET_ENV
 
 log = logging.getLogger(__name__)
 

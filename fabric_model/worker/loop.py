@@ -26,29 +26,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import control
-from .adapters.base import FrameworkAdapter
-from .callbacks import Callback, call_hook, run_callbacks, stat_means
-from .checkpoint import CheckpointWriter, load_checkpoint
-from .collective import Collective, CollectiveError
-from .config import TrainConfig
-from .context import WorkerContext
-from .control import Channel
-from .data import PrefetchLoader, first_of, is_batch_level
-from .plan import Plan, Schedule, assigned_micro_batches, epoch_permutation, eval_batches, micro_batch_seed
+from .. import control
+from ..callbacks import Callback, call_hook, run_callbacks, stat_means
+from ..checkpoint import CheckpointWriter, load_checkpoint
+from ..collective import Collective, CollectiveError
+from ..config import TrainConfig
+from ..context import WorkerContext
+from ..job import Job
+from ..control import Channel
+from ..data import PrefetchLoader, first_of, is_batch_level
+from ..plan import Plan, Schedule, assigned_micro_batches, epoch_permutation, eval_batches, micro_batch_seed
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class Job:
-    """What the driver ships to every worker (cloudpickled as one object, so the optimizer
-    keeps pointing at the model's own parameters after unpickling)."""
-
-    adapter: FrameworkAdapter
-    get_datasets: Callable[[], tuple[Any, Any]]
-    worker_logger: Any | None = None
-    callbacks: list[Callback] = dataclasses.field(default_factory=list)
 
 
 class Membership:

@@ -1,0 +1,18 @@
+"""What the driver ships to every worker: one object, cloudpickled once."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+
+@dataclasses.dataclass
+class Job:
+    """The user's training setup as a worker receives it (cloudpickled as one object, so the
+    optimizer keeps pointing at the model's own parameters after unpickling)."""
+
+    adapter: Any  # a frameworks.base.FrameworkAdapter; typed loosely so this module imports nothing heavy
+    get_datasets: Callable[[], tuple[Any, Any]]
+    worker_logger: Any | None = None
+    callbacks: list[Any] = dataclasses.field(default_factory=list)

@@ -1,0 +1,1 @@
+"""Launchers: where worker processes run (local processes today; see docs/architecture.md)."""

@@ -18,10 +18,10 @@ import cloudpickle
 
 from . import checkpoint, compat
 from . import validation as v
-from .frameworks import detect_framework
 from .callbacks import Callback, ProgressBar
 from .config import TrainConfig, get_timeout, local_device_count, size_engines, threads_per_worker
 from .data import is_batch_level
+from .frameworks import detect_framework
 from .job import Job
 from .plan import Plan
 

@@ -15,7 +15,6 @@ agreed unit with that step's micro-batches re-divided among the new members.
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import logging
 import time
@@ -27,14 +26,14 @@ import numpy as np
 import torch
 
 from .. import control
-from ..callbacks import Callback, call_hook, run_callbacks, stat_means
+from ..callbacks import call_hook, run_callbacks, stat_means
 from ..checkpoint import CheckpointWriter, load_checkpoint
 from ..collective import Collective, CollectiveError
 from ..config import TrainConfig
 from ..context import WorkerContext
-from ..job import Job
 from ..control import Channel
 from ..data import PrefetchLoader, first_of, is_batch_level
+from ..job import Job
 from ..plan import Plan, Schedule, assigned_micro_batches, epoch_permutation, eval_batches, micro_batch_seed
 
 log = logging.getLogger(__name__)

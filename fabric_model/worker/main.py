@@ -31,9 +31,9 @@ from ..control import Channel
 from ..digest import state_digest
 from ..errors import encode_exception
 from ..job import Job
-from .loop import Membership, TrainingLoop
 from ..plan import Plan
 from ..protocol import LAUNCHED_ENV, SECRET_ENV
+from .loop import Membership, TrainingLoop
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,7 @@
-"""Logger callbacks: the user's, the default progress bar, and how metrics are averaged.
+"""User hooks: the :class:`Callback` base class, and what a logger is.
 
-A logger is any object with some of these methods (missing ones are skipped):
+A logger (``worker_logger_callback``, ``driver_logger_callback``) is any object with some of
+these methods (missing ones are skipped):
 
 - ``on_train_begin()``, ``on_train_end()``;
 - ``log_train_metrics(metrics, iteration, epoch, workers)``: on a worker, after each step,
@@ -8,114 +9,17 @@ A logger is any object with some of these methods (missing ones are skipped):
   step, with the sample-weighted averages over the epoch so far (loss included), the
   number of steps completed and the number of live workers;
 - ``log_test_metrics(metrics, iteration, epoch)``: after each validation.
+
+IBM's older ``log_train_metrics(loss, acc, completed_batch, worker=0)`` is accepted too. One
+dispatcher, :class:`fabric_model.hooks.Hooks`, calls loggers, callbacks and the progress
+display (docs/architecture.md, "Hooks").
 """
 
 from __future__ import annotations
 
-import json
-import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
-
-HOOKS = ("on_train_begin", "on_train_end", "log_train_metrics", "log_test_metrics")
-
-
-def call_hook(logger: Any, hook: str, *args: Any) -> None:
-    """Call ``logger.hook(*args)`` if the logger defines it."""
-    if logger is None:
-        return
-    method = getattr(logger, hook, None)
-    if callable(method):
-        method(*args)
-
-
-def stat_means(names: Sequence[str], sums: Sequence[float]) -> dict[str, float]:
-    """Turn ``[sum_0, ..., sum_k, count]`` into ``{name: sum / count}``."""
-    count = sums[-1]
-    return {name: (float(s) / count if count else float("nan")) for name, s in zip(names, sums)}
-
-
-class EpochAverage:
-    """Sample-weighted running sums of the loss and metrics over the current epoch."""
-
-    def __init__(self, names: Sequence[str]) -> None:
-        self.names = list(names)
-        self.epoch = -1
-        self._sums = [0.0] * (len(self.names) + 1)
-
-    def add(self, epoch: int, sums: Sequence[float]) -> dict[str, float]:
-        if epoch != self.epoch:
-            self.epoch, self._sums = epoch, [0.0] * (len(self.names) + 1)
-        self._sums = [a + float(b) for a, b in zip(self._sums, sums)]
-        return stat_means(self.names, self._sums)
-
-
-class MetricsLog:
-    """The run's metric record: one JSON line per step and per validation (``logs/metrics.jsonl``)."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "w", encoding="utf-8")  # one run per directory
-        self._flushed = time.monotonic()
-
-    def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        # Flushing every step costs the driver CPU that the workers share; once a second
-        # keeps the file fresh for someone watching it. Every record but a step is flushed.
-        now = time.monotonic()
-        if record.get("type") != "train" or now - self._flushed > 1.0:
-            self._file.flush()
-            self._flushed = now
-
-    def close(self) -> None:
-        self._file.close()
-
-
-class ProgressBar:
-    """The default driver logger: one refreshing line with epoch, step, loss, samples/s, workers."""
-
-    def __init__(self, epochs: int, steps_per_epoch: int, global_batch: int, stream: TextIO | None = None) -> None:
-        self.epochs, self.steps_per_epoch, self.global_batch = epochs, steps_per_epoch, global_batch
-        self.stream = stream if stream is not None else sys.stderr
-        self._last_draw = 0.0
-        self._t0 = time.monotonic()
-        self._steps_at_t0 = 0
-
-    def on_train_begin(self) -> None:
-        self._t0 = time.monotonic()
-
-    def log_train_metrics(self, metrics: dict[str, float], iteration: int, epoch: int, workers: int) -> None:
-        now = time.monotonic()
-        if self._steps_at_t0 == 0:  # rate from the first step on: start-up is not throughput
-            self._t0, self._steps_at_t0 = now, iteration
-            return
-        step_in_epoch = iteration - epoch * self.steps_per_epoch
-        last = step_in_epoch == self.steps_per_epoch
-        if now - self._last_draw < 0.2 and not last:
-            return  # redrawing more often costs time and shows nothing
-        self._last_draw = now
-        rate = (iteration - self._steps_at_t0) * self.global_batch / max(now - self._t0, 1e-9)
-        width = 20
-        done = int(width * step_in_epoch / max(1, self.steps_per_epoch))
-        values = " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
-        line = (
-            f"\repoch {epoch + 1}/{self.epochs} [{'#' * done}{'.' * (width - done)}] "
-            f"step {step_in_epoch}/{self.steps_per_epoch} {values} {rate:,.0f} samples/s workers={workers}"
-        )
-        self.stream.write(line + ("\n" if last else ""))
-        self.stream.flush()
-
-    def log_test_metrics(self, metrics: dict[str, float], iteration: int, epoch: int) -> None:
-        values = " ".join(f"val_{k}={v:.4f}" for k, v in metrics.items())
-        self.stream.write(f"epoch {epoch + 1}/{self.epochs} validation: {values}\n")
-        self.stream.flush()
-
-    def note(self, line: str) -> None:
-        """A line of its own under the bar (what happened after training, say)."""
-        self.stream.write(line + "\n")
-        self.stream.flush()
+from typing import Any
 
 
 class Callback:
@@ -163,6 +67,32 @@ class Callback:
         pass
 
 
-def run_callbacks(callbacks: Sequence[Callback], hook: str, *args: Any) -> None:
-    for callback in callbacks:
+# -- transitional: removed once driver/worker use hooks -------------------------------------
+from .metrics import EpochAverage, stat_means  # noqa: E402  # transitional: removed once driver/worker use hooks
+from .metrics_log import MetricsLog as _MetricsLog  # noqa: E402  # transitional: removed once driver/worker use hooks
+from .progress import ProgressBar  # noqa: E402  # transitional: removed once driver/worker use hooks
+
+
+class MetricsLog(_MetricsLog):  # transitional: removed once driver/worker use hooks
+    """The old interface: ``write(record)`` with a hand-built record."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._write(record)
+
+
+def call_hook(logger: Any, hook: str, *args: Any) -> None:  # transitional: removed once driver/worker use hooks
+    """Call ``logger.hook(*args)`` if the logger defines it."""
+    method = getattr(logger, hook, None) if logger is not None else None
+    if callable(method):
+        method(*args)
+
+
+def run_callbacks(callbacks: Sequence[Callback], hook: str, *args: Any) -> None:  # transitional: removed once
+    for callback in callbacks:  # driver/worker use hooks
         getattr(callback, hook)(*args)
+
+
+__all__ = ["Callback", "EpochAverage", "MetricsLog", "ProgressBar", "call_hook", "run_callbacks", "stat_means"]

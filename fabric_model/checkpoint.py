@@ -1,4 +1,4 @@
-"""Checkpoints and resume (DESIGN §5).
+"""Checkpoints and resume (docs/architecture.md, "Run directory" and "Elasticity").
 
 A checkpoint is the state after the last step of every ``checkpoint_freq``-th epoch: one
 ``torch.save`` file, ``<run_dir>/checkpoints/ckpt-unit-<unit, 8 digits>.pt``, named after
@@ -13,42 +13,40 @@ the *unit* the run goes on from (that epoch's validation slot, see
 The data order and every RNG of a run are functions of ``(seed, epoch, step,
 micro-batch)``, so the plan and the unit are the whole data and RNG position.
 
-Writes are atomic: a temporary file in the same directory, fsynced, renamed over the final
-name, then the directory fsynced. A crash in the middle leaves a temporary file that every
-reader ignores and the driver removes; the newest complete checkpoint is never touched.
+Writes are atomic (:func:`fabric_model.rundir.atomic_write`): a temporary file in the same
+directory, fsynced, renamed over the final name, then the directory fsynced. A crash in the
+middle leaves a temporary file that every reader ignores and the driver removes; the newest
+complete checkpoint is never touched.
 Reading uses ``torch.load(..., weights_only=True)`` only: nothing but tensors and plain
-values is ever unpickled.
+values is ever unpickled. torch is imported inside the functions that use it, so that
+``import fabric_model`` stays light.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import logging
 import os
 import re
-import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-import torch
-
 from .plan import Plan, Schedule
+from .rundir import RunDirectory, atomic_write
 
 log = logging.getLogger(__name__)
 
 FORMAT = "fabric_model.checkpoint/1"
 #: Checkpoints a run keeps by default (``train(keep_checkpoints=...)``); older ones are deleted.
 DEFAULT_KEEP = 3
-#: Test-only fault hook, read by the writer: ``"kill:<unit>"`` SIGKILLs the writing process
-#: halfway through the first checkpoint at or after ``unit``; ``"enospc:<unit>"`` fails every
-#: write at or after ``unit`` halfway with ``OSError(ENOSPC)``, as a full disk would.
-FAULT_ENV = "FABRIC_MODEL_TEST_CHECKPOINT_FAULT"
+#: ``wrap_stream(file, unit) -> file``: the file a checkpoint of ``unit`` is written through
+#: (``Hooks.wrap_checkpoint_stream``: a fault injector's seam; by default the file itself).
+StreamWrapper = Callable[[IO[bytes], int], Any]
 
 _NAME = re.compile(r"^ckpt-unit-(\d{8})\.pt$")
-_TEMP = re.compile(r"^\.ckpt-unit-\d{8}\.pt\.(\d+)\.tmp$")
-_FAULT_AFTER_BYTES = 1024
+_TEMP = re.compile(r"^\.ckpt-unit-\d{8}\.pt\.(\d+)\.tmp$")  # atomic_write's temporary name
 
 
 def checkpoint_name(unit: int) -> str:
@@ -78,30 +76,32 @@ class CheckpointInfo:
 
 
 # -- writing -------------------------------------------------------------------------------
-def write_checkpoint(directory: Path, unit: int, state: dict[str, Any]) -> Path:
+def write_checkpoint(
+    directory: Path, unit: int, state: dict[str, Any], wrap_stream: StreamWrapper | None = None
+) -> Path:
     """Write ``state`` as the checkpoint of ``unit`` atomically; returns its path.
 
+    Args:
+        directory: the run's ``checkpoints/``.
+        unit: the unit the checkpoint resumes at (it names the file).
+        state: what ``torch.save`` writes.
+        wrap_stream: the seam through which the file is written (see ``StreamWrapper``).
+
     Raises ``OSError`` (a full disk, say) after removing its temporary file."""
-    directory.mkdir(parents=True, exist_ok=True)
-    final = directory / checkpoint_name(unit)
-    tmp = directory / f".{final.name}.{os.getpid()}.tmp"
+    import torch
+
+    def save(raw: IO[bytes]) -> None:
+        torch.save(state, wrap_stream(raw, unit) if wrap_stream is not None else raw)
+
     try:
-        with open(tmp, "wb") as raw:
-            target: Any = _FaultyFile(raw, fault) if (fault := _fault(unit)) else raw
-            torch.save(state, target)
-            raw.flush()
-            os.fsync(raw.fileno())
-        os.replace(tmp, final)
+        return atomic_write(directory / checkpoint_name(unit), save)
     except BaseException as exc:
-        tmp.unlink(missing_ok=True)
         # torch's archive writer answers a failed write (a full disk) with a RuntimeError when it
         # closes the archive: surface the OSError underneath, which the caller handles.
         cause = _os_error_in(exc)
         if cause is not None and cause is not exc:
             raise cause from None
         raise
-    _fsync_directory(directory)  # the rename itself survives a power loss
-    return final
 
 
 def _os_error_in(exc: BaseException) -> OSError | None:
@@ -113,46 +113,6 @@ def _os_error_in(exc: BaseException) -> OSError | None:
     return None
 
 
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fault(unit: int) -> str | None:
-    raw = os.environ.get(FAULT_ENV)
-    if not raw:
-        return None
-    mode, _, at = raw.partition(":")
-    if mode not in ("kill", "enospc") or not at.isdigit():
-        raise ValueError(f"Expected {FAULT_ENV} to be 'kill:<unit>' or 'enospc:<unit>'. Received: {raw!r}")
-    return mode if unit >= int(at) else None
-
-
-class _FaultyFile:
-    """A file that fails after ``_FAULT_AFTER_BYTES`` bytes, part of the checkpoint written."""
-
-    def __init__(self, raw: IO[bytes], mode: str) -> None:
-        self.raw, self.mode, self.written = raw, mode, 0
-
-    def write(self, data: bytes) -> int:
-        room = _FAULT_AFTER_BYTES - self.written
-        if len(data) < room:
-            self.written += len(data)
-            return self.raw.write(data)
-        self.raw.write(bytes(memoryview(data)[:room]))
-        self.raw.flush()
-        os.fsync(self.raw.fileno())
-        if self.mode == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (injected by " + FAULT_ENV + ")")
-
-    def flush(self) -> None:
-        self.raw.flush()
-
-
 class CheckpointWriter:
     """The worker's side: knows when a checkpoint is due and writes it.
 
@@ -161,8 +121,11 @@ class CheckpointWriter:
     due unit writes it when the previous rank 0 could not), ``restore`` a checkpoint every
     member loads before training (a resumed run, or every holder of the state lost)."""
 
-    def __init__(self, schedule: Schedule, freq: int, batch_size: int) -> None:
+    def __init__(
+        self, schedule: Schedule, freq: int, batch_size: int, wrap_stream: StreamWrapper | None = None
+    ) -> None:
         self.schedule, self.freq, self.batch_size = schedule, freq, batch_size
+        self.wrap_stream = wrap_stream
         self.directory: Path | None = None
         self.framework = ""
         self.written = -1
@@ -206,7 +169,7 @@ class CheckpointWriter:
         self.written = unit  # once per unit, failed or not: the next due unit tries again
         started = time.monotonic()
         try:
-            path = write_checkpoint(self.directory, unit, state)
+            path = write_checkpoint(self.directory, unit, state, self.wrap_stream)
         except OSError as exc:
             log.warning("checkpoint of unit %d not written: %s", unit, exc)
             return {"unit": unit, "epoch": epoch, "error": str(exc)}
@@ -218,6 +181,8 @@ class CheckpointWriter:
 # -- reading -------------------------------------------------------------------------------
 def load_checkpoint(path: Path, plan: Plan | None = None) -> dict[str, Any]:
     """A checkpoint's contents (tensors on the CPU), checked; with ``plan``, it must be its plan."""
+    import torch
+
     state = torch.load(path, map_location="cpu", weights_only=True)  # never unpickle arbitrary objects
     info = _info(path, state)
     if plan is not None and info.plan != plan:
@@ -228,6 +193,8 @@ def load_checkpoint(path: Path, plan: Plan | None = None) -> dict[str, Any]:
 def read_info(path: Path) -> CheckpointInfo:
     """A checkpoint's metadata; raises when the file is not a complete checkpoint. Tensors are
     memory-mapped, not read."""
+    import torch
+
     return _info(path, torch.load(path, map_location="cpu", weights_only=True, mmap=True))
 
 
@@ -310,17 +277,10 @@ def set_aside_after(directory: Path, unit: int) -> None:
 
 
 # -- resume, checked in the caller before anything starts -----------------------------------
+# transitional: removed once driver/worker use hooks (api.py then calls RunDirectory.resolve itself)
 def resume_directory(run_dir: str | os.PathLike[str] | None) -> Path:
     """The run directory ``resume=True`` continues: ``run_dir``, else ``$RESULT_DIR``."""
-    if run_dir is not None:
-        return Path(run_dir).resolve()
-    if os.environ.get("RESULT_DIR"):
-        return Path(os.environ["RESULT_DIR"]).resolve()
-    raise ValueError(
-        "Expected `run_dir` (or the RESULT_DIR environment variable) to name the run to continue with "
-        "resume=True. Received: run_dir=None and no RESULT_DIR. HINT: without either, every run gets a new "
-        "directory under ./fabric_runs/; pass run_dir=<that directory>."
-    )
+    return RunDirectory.resolve(run_dir, for_resume=True).path
 
 
 def find_resume_point(
@@ -332,14 +292,14 @@ def find_resume_point(
     starts from the beginning, with a logged warning, and with the seed that ``run.json``
     recorded, so that the restarted run is the run that was started.
     """
-    directory = resume_directory(run_dir)
-    info = newest_checkpoint(directory / "checkpoints")
+    run = RunDirectory.resolve(run_dir, for_resume=True)
+    info = newest_checkpoint(run.checkpoints)
     if info is None:
-        recorded = _recorded_seed(directory)
+        recorded = run.recorded_seed()
         chosen = seed if seed is not None else recorded
         log.warning(
             "resume=True: %s holds no complete checkpoint; training starts from the beginning%s",
-            directory,
+            run.path,
             f" (seed {chosen}, from run.json)" if seed is None and recorded is not None else "",
         )
         return None, chosen
@@ -350,15 +310,6 @@ def find_resume_point(
         )
     log.info("resuming from %s: epoch %d done, unit %d", info.path, info.epoch + 1, info.unit)
     return info, info.plan.seed
-
-
-def _recorded_seed(directory: Path) -> int | None:
-    import json
-
-    try:
-        return int(json.loads((directory / "run.json").read_text())["plan"]["seed"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def check_resumable(

@@ -1,7 +1,11 @@
-"""Fault injection for testing elastic jobs, with no change to library code paths.
+"""Fault injection for testing elastic jobs, with no test branch in the product's code paths
+(docs/architecture.md, "Testing seams").
 
-Worker-side faults ride in a worker logger; adding a worker is a driver logger that starts
-one by hand, the way a user would on another host::
+Worker-side faults ride in a worker logger, through the hooks' seams: the worker's collective
+and its checkpoint file are what :meth:`FaultInjector.wrap_collective` and
+:meth:`FaultInjector.wrap_checkpoint_stream` return (the manner of torchft's
+``FakeProcessGroupWrapper``). Adding a worker is a driver logger that starts one by hand,
+the way a user would on another host::
 
     faults = FaultInjector([Kill(worker=1, step=5), Hang(worker=2, step=9)], marker_dir=tmp)
     starter = WorkerStarter(run_dir, at_iterations=[7])
@@ -10,12 +14,15 @@ one by hand, the way a user would on another host::
 
 ``step`` is the global step (``epoch * steps_per_epoch + step``); ``worker`` is the worker id.
 Each fault fires once per run (a marker file in ``marker_dir`` records it), so a step redone
-after recovery runs clean.
+after recovery runs clean; ``CheckpointFault("enospc", unit)`` alone fires on every write, as
+a full disk would.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import functools
 import json
 import os
 import signal
@@ -24,9 +31,11 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Literal
 
 from .context import worker_context
+from .hooks import Hooks
+from .rundir import RunDirectory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +78,24 @@ class HoldForJoin:
     worker: int | None = None  # every worker
 
 
-Fault = Kill | Hang | FailCollective | HoldForJoin
+@dataclasses.dataclass(frozen=True)
+class CheckpointFault:
+    """Fail the checkpoint write of ``unit`` or later, after its first ``after_bytes`` bytes
+    (what was written is fsynced, so a partial temporary file stays): ``"kill"`` SIGKILLs the
+    writing worker, in the first such write of the run; ``"enospc"`` raises
+    ``OSError(ENOSPC)`` in every such write, as a full disk would."""
+
+    mode: Literal["kill", "enospc"]
+    unit: int
+    after_bytes: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("kill", "enospc"):
+            raise ValueError(f"Expected `mode` to be 'kill' or 'enospc'. Received: mode={self.mode!r}")
+
+
+StepFault = Kill | Hang | FailCollective | HoldForJoin
+Fault = StepFault | CheckpointFault
 
 
 class FaultInjector:
@@ -78,6 +104,7 @@ class FaultInjector:
     Args:
         faults: the faults to inject.
         marker_dir: a directory shared by the workers, recording which faults fired.
+        inner: the user's worker logger (either signature), called as if it were given alone.
         step_delay: seconds to sleep after each step, to pace a run so that a joining
             worker (which takes seconds to start) lands mid-run.
     """
@@ -91,48 +118,47 @@ class FaultInjector:
         self.step_delay = step_delay
 
     # -- the hooks ------------------------------------------------------------------------
+    @functools.cached_property
+    def _inner(self) -> Hooks:
+        return Hooks.for_worker(self.inner)  # the user's logger, of either signature
+
     def on_train_begin(self) -> None:
-        self._patch_all_reduce()
-        _forward(self.inner, "on_train_begin")
+        self._inner.on_train_begin()
 
     def on_train_end(self) -> None:
-        _forward(self.inner, "on_train_end")
+        self._inner.on_train_end()
 
     def log_train_metrics(self, metrics: dict[str, float], iteration: int, epoch: int, workers: int) -> None:
         self._fire("after_step")
-        _forward(self.inner, "log_train_metrics", metrics, iteration, epoch, workers)
+        self._inner.log_train_metrics(metrics, iteration, epoch, workers)
         if self.step_delay:
             time.sleep(self.step_delay)
 
     def log_test_metrics(self, metrics: dict[str, float], iteration: int, epoch: int) -> None:
-        _forward(self.inner, "log_test_metrics", metrics, iteration, epoch)
+        self._inner.log_test_metrics(metrics, iteration, epoch)
+
+    # -- the seams --------------------------------------------------------------------------
+    def wrap_collective(self, collective: Any) -> Any:
+        """The worker's collective, firing the ``before_allreduce`` faults as each allreduce starts."""
+        return self._inner.wrap_collective(_FaultyCollective(collective, self))
+
+    def wrap_checkpoint_stream(self, stream: IO[bytes], unit: int) -> Any:
+        """The checkpoint file of ``unit``, failing as the first due :class:`CheckpointFault` says."""
+        stream = self._inner.wrap_checkpoint_stream(stream, unit)
+        for i, fault in enumerate(self.faults):
+            if not isinstance(fault, CheckpointFault) or unit < fault.unit:
+                continue
+            if fault.mode == "enospc" or self._claim(i):
+                return _FaultyStream(stream, fault)
+        return stream
 
     # -- firing ---------------------------------------------------------------------------
-    def _patch_all_reduce(self) -> None:
-        # Wrap the worker's allreduce from the outside, in this worker process only.
-        from .collective import Collective, CollectiveError
-
-        original = Collective.all_reduce_start
-        if getattr(original, "_fabric_fault_patch", False):
-            return
-        injector = self
-
-        def all_reduce_start(collective: Collective, tensor: Any) -> Any:
-            try:
-                injector._fire("before_allreduce")
-            except _InjectedFailure as exc:
-                raise CollectiveError(str(exc)) from exc
-            return original(collective, tensor)
-
-        all_reduce_start._fabric_fault_patch = True  # type: ignore[attr-defined]
-        Collective.all_reduce_start = all_reduce_start  # type: ignore[method-assign,assignment]
-
     def _fire(self, when: str) -> None:
         ctx = worker_context()
         if ctx is None:
             return
         for i, fault in enumerate(self.faults):
-            if fault.when != when or fault.step != ctx.global_step:
+            if isinstance(fault, CheckpointFault) or fault.when != when or fault.step != ctx.global_step:
                 continue
             if fault.worker is not None and fault.worker != ctx.worker_id:
                 continue
@@ -174,6 +200,54 @@ class _InjectedFailure(RuntimeError):
     pass
 
 
+class _FaultyCollective:
+    """The real collective, with the injector's ``before_allreduce`` faults fired as each
+    allreduce starts; everything else is the real one's."""
+
+    def __init__(self, inner: Any, injector: FaultInjector) -> None:
+        object.__setattr__(self, "_inner", inner)
+        object.__setattr__(self, "_injector", injector)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or "_inner" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._inner, name, value)  # state lives in the real collective
+
+    def all_reduce_start(self, tensor: Any) -> Any:
+        from .collective import CollectiveError  # imports torch.distributed: only in a worker
+
+        try:
+            self._injector._fire("before_allreduce")
+        except _InjectedFailure as exc:
+            raise CollectiveError(str(exc)) from exc
+        return self._inner.all_reduce_start(tensor)
+
+
+class _FaultyStream:
+    """A file that fails after the fault's ``after_bytes`` bytes, part of the checkpoint written."""
+
+    def __init__(self, raw: IO[bytes], fault: CheckpointFault) -> None:
+        self.raw, self.fault, self.written = raw, fault, 0
+
+    def write(self, data: bytes) -> int:
+        room = self.fault.after_bytes - self.written
+        if len(data) < room:
+            self.written += len(data)
+            return self.raw.write(data)
+        self.raw.write(bytes(memoryview(data)[:room]))
+        self.raw.flush()
+        os.fsync(self.raw.fileno())
+        if self.fault.mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + f" (injected: {self.fault})")
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+
 class WorkerStarter:
     """A driver logger that starts one extra worker by hand when ``iteration`` reaches each of
     ``at_iterations``, with the command line a user would run on another host."""
@@ -184,28 +258,33 @@ class WorkerStarter:
         self.inner = inner
         self.processes: list[subprocess.Popen[bytes]] = []
 
+    @functools.cached_property
+    def _inner(self) -> Hooks:
+        return Hooks.for_driver(self.inner)  # the user's logger, of either signature
+
     def on_train_begin(self) -> None:
-        _forward(self.inner, "on_train_begin")
+        self._inner.on_train_begin()
 
     def on_train_end(self) -> None:
-        _forward(self.inner, "on_train_end")
+        self._inner.on_train_end()
 
     def log_test_metrics(self, metrics: dict[str, float], iteration: int, epoch: int) -> None:
-        _forward(self.inner, "log_test_metrics", metrics, iteration, epoch)
+        self._inner.log_test_metrics(metrics, iteration, epoch)
 
     def log_train_metrics(self, metrics: dict[str, float], iteration: int, epoch: int, workers: int) -> None:
         while self.at_iterations and iteration >= self.at_iterations[0]:
             self.at_iterations.pop(0)
             self.start()
-        _forward(self.inner, "log_train_metrics", metrics, iteration, epoch, workers)
+        self._inner.log_train_metrics(metrics, iteration, epoch, workers)
 
     def start(self, device: str | None = None) -> subprocess.Popen[bytes]:
-        info = json.loads((self.run_dir / "join.json").read_text())
+        run = RunDirectory(self.run_dir)
+        info = json.loads(run.join_json.read_text())
         env = dict(os.environ, FABRIC_MODEL_SECRET=info["secret"], PYTHONPATH=os.pathsep.join(sys.path))
         cmd = [sys.executable, "-m", "fabric_model", "worker", "--driver", info["driver"]]
         if device:
             cmd += ["--device", device]
-        log = open(self.run_dir / "logs" / f"joined-{len(self.processes)}.log", "ab")
+        log = open(run.joined_log(len(self.processes)), "ab")
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()
         self.processes.append(proc)
@@ -220,9 +299,3 @@ class WorkerStarter:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-
-
-def _forward(logger: Any, hook: str, *args: Any) -> None:
-    method = getattr(logger, hook, None) if logger is not None else None
-    if callable(method):
-        method(*args)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .callbacks import HOOKS
 from .data import is_map_dataset
+from .hooks import HOOKS
 
 
 def _show(value: Any) -> str:

@@ -1,4 +1,4 @@
-"""Checkpoints and resume (DESIGN §5): atomic writes, keep-last-K, the newest complete one,
+"""Checkpoints and resume (docs/architecture.md, "Run directory"): atomic writes, keep-last-K, the newest complete one,
 whole-job kills, interrupted writes, and resuming on another number of workers."""
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import torch.nn.functional as F
 
 from fabric_model import FabricModel
 from fabric_model.checkpoint import (
-    FAULT_ENV,
     FORMAT,
     CheckpointWriter,
     checkpoint_due,
@@ -36,7 +35,7 @@ from fabric_model.checkpoint import (
 )
 from fabric_model.errors import JobError
 from fabric_model.plan import Plan, Schedule
-from fabric_model.testing import FaultInjector, Kill
+from fabric_model.testing import CheckpointFault, FaultInjector, Kill
 
 from .helpers import fresh_model_and_optimizer, make_data, max_rel_diff, records, reference_train
 
@@ -61,9 +60,9 @@ def reference():
     return copy.deepcopy(model.state_dict())
 
 
-def train(run_dir, workers, **kwargs):
+def train(run_dir, workers, worker_logger=None, **kwargs):
     model, opt = fresh_model_and_optimizer()
-    fm = FabricModel(model, lambda: (DATA, TEST), F.cross_entropy, opt)
+    fm = FabricModel(model, lambda: (DATA, TEST), F.cross_entropy, opt, worker_logger_callback=worker_logger)
     result = fm.train(EPOCHS, BATCH, workers, effective_batch_size=GLOBAL, run_dir=run_dir, **kwargs)
     return model, result
 
@@ -73,8 +72,8 @@ def units_in(directory: Path) -> list[int]:
 
 
 # -- checkpoint.py on its own ----------------------------------------------------------------
-def _writer(directory: Path) -> CheckpointWriter:
-    writer = CheckpointWriter(SCHEDULE, 1, BATCH)
+def _writer(directory: Path, wrap_stream=None) -> CheckpointWriter:
+    writer = CheckpointWriter(SCHEDULE, 1, BATCH, wrap_stream)
     writer.update({"dir": str(directory), "framework": "torch", "written": -1, "restore": None})
     return writer
 
@@ -86,8 +85,8 @@ def _state():
     return model.state_dict(), opt.state_dict()
 
 
-def _write(directory: Path, unit: int) -> dict:
-    return _writer(directory).write(unit, PLAN, *_state())
+def _write(directory: Path, unit: int, wrap_stream=None) -> dict:
+    return _writer(directory, wrap_stream).write(unit, PLAN, *_state())
 
 
 def test_checkpoint_due_after_every_freq_th_epoch():
@@ -151,10 +150,10 @@ def test_newest_complete_checkpoint_skips_temporary_and_corrupt_files(tmp_path, 
     assert "skipping checkpoint" in caplog.text and checkpoint_name(32) in caplog.text
 
 
-def test_full_disk_mid_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+def test_full_disk_mid_write_keeps_the_previous_checkpoint(tmp_path):
     _write(tmp_path, 10)
-    monkeypatch.setenv(FAULT_ENV, "enospc:21")
-    report = _write(tmp_path, 21)
+    full_disk = FaultInjector([CheckpointFault("enospc", 21)], tmp_path / "markers").wrap_checkpoint_stream
+    report = _write(tmp_path, 21, full_disk)
     assert "No space left on device" in report["error"]
     assert [p.name for p in tmp_path.iterdir()] == [checkpoint_name(10)]  # temp removed, previous intact
     load_checkpoint(tmp_path / checkpoint_name(10), PLAN)
@@ -310,16 +309,15 @@ def test_whole_job_killed_mid_epoch_resumes_to_the_undisturbed_weights(tmp_path,
     assert max_rel_diff(model.state_dict(), reference) < 1e-5
 
 
-def test_writer_killed_mid_write_leaves_the_previous_checkpoint(run_dir, monkeypatch, reference):
-    monkeypatch.setenv(FAULT_ENV, "kill:21")  # the only worker dies writing the checkpoint of epoch 1
+def test_writer_killed_mid_write_leaves_the_previous_checkpoint(run_dir, tmp_path, reference):
+    kill = FaultInjector([CheckpointFault("kill", 21)], tmp_path)  # the only worker dies writing epoch 1's
     with pytest.raises(JobError, match="resume=True"):
-        train(run_dir, 1, seed=SEED)
+        train(run_dir, 1, kill, seed=SEED)
     ckpt_dir = run_dir / "checkpoints"
     assert units_in(ckpt_dir) == [ckpt_unit(0)]
     partial = [p for p in ckpt_dir.iterdir() if p.name.startswith(f".{checkpoint_name(ckpt_unit(1))}.")]
     assert len(partial) == 1 and 0 < partial[0].stat().st_size < (ckpt_dir / checkpoint_name(10)).stat().st_size
     assert newest_checkpoint(ckpt_dir).unit == ckpt_unit(0)
-    monkeypatch.delenv(FAULT_ENV)
 
     model, result = train(run_dir, 2, resume=True)
     assert max_rel_diff(model.state_dict(), reference) < 1e-5
@@ -328,10 +326,10 @@ def test_writer_killed_mid_write_leaves_the_previous_checkpoint(run_dir, monkeyp
     assert units_in(ckpt_dir) == [ckpt_unit(e) for e in range(EPOCHS)]
 
 
-def test_full_disk_keeps_training_and_resume_uses_the_last_good_checkpoint(run_dir, monkeypatch, caplog, reference):
-    monkeypatch.setenv(FAULT_ENV, "enospc:21")  # every checkpoint from epoch 1's on fails
+def test_full_disk_keeps_training_and_resume_uses_the_last_good_checkpoint(run_dir, tmp_path, caplog, reference):
+    full_disk = FaultInjector([CheckpointFault("enospc", 21)], tmp_path)  # every checkpoint from epoch 1's on fails
     with caplog.at_level(logging.WARNING, logger="fabric_model"):
-        model, _ = train(run_dir, 2, resume=True, seed=SEED)  # nothing to resume yet: starts afresh
+        model, _ = train(run_dir, 2, full_disk, resume=True, seed=SEED)  # nothing to resume yet: starts afresh
     assert "holds no complete checkpoint" in caplog.text
     assert max_rel_diff(model.state_dict(), reference) < 1e-5
     ckpt_dir = run_dir / "checkpoints"
@@ -339,7 +337,6 @@ def test_full_disk_keeps_training_and_resume_uses_the_last_good_checkpoint(run_d
     failed = [r for r in records(run_dir, "checkpoint") if "error" in r]
     assert [r["unit"] for r in failed] == [ckpt_unit(1), ckpt_unit(2)]
     assert all("No space left" in r["error"] for r in failed)
-    monkeypatch.delenv(FAULT_ENV)
 
     model, result = train(run_dir, 1, resume=True, keep_checkpoints=2)
     assert max_rel_diff(model.state_dict(), reference) < 1e-5
@@ -361,7 +358,8 @@ def test_losing_every_worker_right_after_a_checkpoint_goes_on_from_it(run_dir, t
 
 
 def test_result_dir_holds_the_run_and_the_newest_three_checkpoints_by_default(tmp_path, monkeypatch):
-    """Without run_dir, RESULT_DIR is the run directory (DESIGN §5); keep_checkpoints defaults to 3."""
+    """Without run_dir, RESULT_DIR is the run directory (docs/architecture.md, "Run directory");
+    keep_checkpoints defaults to 3."""
     result_dir = tmp_path / "results"
     monkeypatch.setenv("RESULT_DIR", str(result_dir))
     data, epochs = make_data(48), 5  # 2 steps an epoch

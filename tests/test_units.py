@@ -7,10 +7,10 @@ import warnings
 import numpy as np
 import pytest
 
-from fabric_model.callbacks import EpochAverage, stat_means
 from fabric_model.config import size_engines, threads_per_worker
 from fabric_model.digest import state_digest
 from fabric_model.errors import RemoteTraceback, WorkerError, encode_exception, rebuild_exception
+from fabric_model.metrics import EpochAverage, stat_means
 from fabric_model.plan import Plan, assigned_micro_batches, epoch_permutation, eval_batches, micro_batch_seed
 
 

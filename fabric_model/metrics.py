@@ -1,0 +1,32 @@
+"""Averaging the loss and metrics that steps report as sums (a leaf module: no torch).
+
+A step's statistics travel as ``[sum_0, ..., sum_k, count]``: per-sample sums of the loss and
+each metric, then the number of samples, so that averages over workers and over an epoch
+are weighted by samples, whatever the split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def stat_means(names: Sequence[str], sums: Sequence[float]) -> dict[str, float]:
+    """Turn ``[sum_0, ..., sum_k, count]`` into ``{name: sum / count}``."""
+    count = sums[-1]
+    return {name: (float(s) / count if count else float("nan")) for name, s in zip(names, sums)}
+
+
+class EpochAverage:
+    """Sample-weighted running sums of the loss and metrics over the current epoch."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = list(names)
+        self.epoch = -1
+        self._sums = [0.0] * (len(self.names) + 1)
+
+    def add(self, epoch: int, sums: Sequence[float]) -> dict[str, float]:
+        """Add a step's sums; returns the epoch's averages so far (a new ``epoch`` starts afresh)."""
+        if epoch != self.epoch:
+            self.epoch, self._sums = epoch, [0.0] * (len(self.names) + 1)
+        self._sums = [a + float(b) for a, b in zip(self._sums, sums)]
+        return stat_means(self.names, self._sums)

@@ -12,20 +12,28 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import cloudpickle
 
-from . import checkpoint, compat
+# Light modules only: `import fabric_model` must not import torch (and so torch.distributed).
+# The framework, checkpoints and the driver are imported inside the functions that use them.
+from . import compat
 from . import validation as v
 from .callbacks import Callback, ProgressBar
-from .config import TrainConfig, get_timeout, local_device_count, size_engines, threads_per_worker
+from .config import EngineSizing, TrainConfig, get_timeout, local_device_count, size_engines, threads_per_worker
 from .data import is_batch_level
-from .frameworks import detect_framework
 from .job import Job
 from .plan import Plan
 
+if TYPE_CHECKING:
+    from .frameworks.base import Framework, FrameworkAdapter
+
 log = logging.getLogger(__name__)
+
+#: How many of the newest checkpoints ``train`` keeps: ``checkpoint.DEFAULT_KEEP``, written out
+#: here because importing checkpoint imports torch.
+_DEFAULT_KEEP_CHECKPOINTS = 3
 
 
 @dataclasses.dataclass
@@ -49,6 +57,30 @@ class TrainResult:
     seed: int
     replica_digests: dict[int, str]
     onnx_max_diff: float | None = None
+
+
+class _Loop(NamedTuple):
+    """``train``'s knobs of the loop, as given (checked by ``_check_train_arguments``)."""
+
+    num_dataloader_threads: Any
+    validation_freq: Any
+    checkpoint_freq: Any
+    keep_checkpoints: Any
+
+
+@dataclasses.dataclass
+class _Prepared:
+    """What ``train`` hands the driver: the checked data, the job as shipped, the run's configuration."""
+
+    train_set: Any
+    test_set: Any
+    adapter: FrameworkAdapter
+    payload: bytes
+    config: TrainConfig
+    plan: Plan
+    gpus: int
+    devices: list[str | None]
+    resumed: Any
 
 
 class FabricModel:
@@ -106,54 +138,10 @@ class FabricModel:
             "worker_logger_callback", worker_logger_callback, "worker_logger", worker_logger
         )
         save_to_onnx = compat.pick("save_to_onnx", save_to_onnx or None, "enable_onnx", enable_onnx) or save_to_onnx
-        self.framework = detect_framework(model)
-        keras_model = self.framework == "keras"
-        if keras_model:
-            for name, value in (("fn_step_train", fn_step_train), ("fn_test", fn_test)):
-                if value is not None:
-                    raise TypeError(
-                        f"`{name}` is supported for torch models only. Received: {name}={value!r} with a Keras model. "
-                        "HINT: a Keras model's custom training belongs in its train_step-free call(); "
-                        "leave the step to fabric_model."
-                    )
-        v.check_callable(
-            "get_datasets",
-            get_datasets,
-            hint=" HINT: pass the function itself, get_datasets=my_fn, not its result my_fn().",
-        )
-        if not keras_model:
-            v.check_callable(
-                "loss_function",
-                loss_function,
-                hint=" HINT: pass e.g. torch.nn.functional.cross_entropy or torch.nn.CrossEntropyLoss().",
-            )
-        self.metrics = _check_keras_metrics(metrics) if keras_model else v.check_metrics(metrics)
-        v.check_logger("worker_logger_callback", worker_logger_callback)
-        v.check_logger("driver_logger_callback", driver_logger_callback)
-        v.check_bool("save_to_onnx", save_to_onnx)
-        if keras_custom_objects is not None and not isinstance(keras_custom_objects, dict):
-            raise TypeError(
-                "Expected `keras_custom_objects` to be a dict of name -> class or None. "
-                f"Received: keras_custom_objects={keras_custom_objects!r}"
-            )
-        v.check_callable("fn_batch_collate", fn_batch_collate, allow_none=True)
-        v.check_callable(
-            "fn_step_train",
-            fn_step_train,
-            allow_none=True,
-            hint=" HINT: step(model, data, eva, train_loader, fn_args) -> (metric, loss).",
-        )
-        v.check_callable(
-            "fn_test", fn_test, allow_none=True, hint=" HINT: fn_test(model, test_iter, fn_args) -> (metric, loss)."
-        )
-        self.user_callbacks = v.check_user_callbacks(user_callback)
-        if keras_model:
-            from .frameworks.keras_names import resolve_loss, resolve_optimizer
+        from .frameworks import detect_framework
 
-            resolve_loss(loss_function)  # names checked here, in the caller
-            resolve_optimizer(optimizer)
-        else:
-            _check_torch_optimizer(model, optimizer)
+        self._framework: Framework = detect_framework(model)  # chosen once; only it knows the framework
+        self.framework = self._framework.name  # as run records and checkpoints spell it
         self.model, self.get_datasets, self.loss_function, self.optimizer = (
             model,
             get_datasets,
@@ -166,6 +154,7 @@ class FabricModel:
         self.keras_custom_objects = keras_custom_objects
         self.fn_batch_collate = fn_batch_collate
         self.fn_step_train, self.fn_test, self.fn_args = fn_step_train, fn_test, fn_args
+        self.metrics, self.user_callbacks = self._check_arguments(metrics, user_callback)
         self.run_dir: Path | None = None
 
     def train(
@@ -181,7 +170,7 @@ class FabricModel:
         seed: int | None = None,
         run_dir: str | os.PathLike[str] | None = None,
         resume: bool = False,
-        keep_checkpoints: int = checkpoint.DEFAULT_KEEP,
+        keep_checkpoints: int = _DEFAULT_KEEP_CHECKPOINTS,
         worker_memory: Any = None,
         driver_memory: Any = None,
     ) -> TrainResult:
@@ -211,87 +200,19 @@ class FabricModel:
             worker_memory, driver_memory: accepted for scripts written for IBM's FabricModel,
                 and ignored: memory is not capped (a note is logged).
         """
-        for name, value in (("worker_memory", worker_memory), ("driver_memory", driver_memory)):
-            if value is not None:
-                log.info("%s=%r is ignored: %s", name, value, compat.IGNORED_TRAIN_KEYWORDS[name])
-        v.check_positive_int("epoch_number", epoch_number)
-        v.check_positive_int("batch_size", batch_size)
-        v.check_positive_int("engines_number", engines_number, allow_none=True)
-        v.check_positive_int("num_dataloader_threads", num_dataloader_threads, minimum=0)
-        v.check_positive_int("validation_freq", validation_freq)
-        v.check_positive_int("checkpoint_freq", checkpoint_freq, minimum=0)
-        v.check_bool("resume", resume)
-        v.check_positive_int("keep_checkpoints", keep_checkpoints)
-        v.check_effective_batch(effective_batch_size, batch_size)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise TypeError(f"Expected `seed` to be a non-negative int or None. Received: seed={seed!r}")
-        if self.save_to_onnx:
-            _check_onnx_available(self.framework, self.model)  # a missing package fails now, not after training
-        train_set, test_set = v.check_datasets(self.get_datasets)
-        # A batch-level dataset (keras.utils.PyDataset) yields whole batches: the plan counts
-        # its items, each item is one micro-batch, and batch_size must be the dataset's own.
-        batch_level = is_batch_level(train_set)
-        items_per_micro_batch = 1 if batch_level else batch_size
-        if batch_level:
-            _check_batch_level(train_set, batch_size)
-        sizing = size_engines(
-            items_per_micro_batch,
+        prep = self._prepare(
+            epoch_number,
+            batch_size,
             engines_number,
-            None if effective_batch_size is None else effective_batch_size // batch_size * items_per_micro_batch,
+            effective_batch_size,
+            _Loop(num_dataloader_threads, validation_freq, checkpoint_freq, keep_checkpoints),
+            seed,
+            run_dir,
+            resume,
+            {"worker_memory": worker_memory, "driver_memory": driver_memory},
         )
-        resumed = None
-        if resume:  # the run's own seed and newest checkpoint; its plan is checked below
-            resumed, seed = checkpoint.find_resume_point(run_dir, seed)
-        seed = _draw_seed(self.framework) if seed is None else seed
-        adapter = self._make_adapter()
-        _check_first_sample(adapter, train_set)
-        job = Job(
-            adapter,
-            self.get_datasets,
-            compat.adapt_logger(self.worker_logger_callback, in_worker=True),
-            list(self.user_callbacks),
-        )
-        try:
-            payload = cloudpickle.dumps(job)
-        except Exception as exc:
-            raise TypeError(
-                "Could not serialize the job (model, optimizer, get_datasets, loss_function, metrics, loggers) "
-                f"for the workers: {exc!r}. HINT: objects holding open files, locks or sockets cannot be sent; "
-                "create them inside get_datasets or the logger's methods instead."
-            ) from exc
-        if len(payload) > _LARGE_JOB_BYTES:
-            warnings.warn(
-                f"The job sent to each worker is {len(payload) / 2**20:,.0f} MiB. Data captured by get_datasets "
-                "(or tensors that are views of a larger tensor) travel with it. HINT: load or build the data inside "
-                "get_datasets, and .clone() tensor slices.",
-                stacklevel=2,
-            )
-        gpus = local_device_count()
-        devices: list[str | None] = [f"cuda:{i % gpus}" if gpus else "cpu" for i in range(sizing.max_workers)]
-        config = TrainConfig(
-            epochs=epoch_number,
-            batch_size=batch_size,
-            sizing=sizing,
-            seed=seed,
-            num_dataloader_threads=num_dataloader_threads,
-            validation_freq=validation_freq,
-            checkpoint_freq=checkpoint_freq,
-            collective_timeout_s=get_timeout("EDT_COLLECTIVE_TIME_OUT").total_seconds(),
-            backend="nccl" if gpus else "gloo",
-        )
-        plan = Plan(
-            num_samples=len(train_set), batch_size=items_per_micro_batch, micro_batches=sizing.micro_batches, seed=seed
-        )
-        if resumed is not None:
-            checkpoint.check_resumable(
-                resumed,
-                plan=plan,
-                framework=self.framework,
-                epochs=epoch_number,
-                batch_size=batch_size,
-                engines_number=engines_number,
-                effective_batch_size=effective_batch_size,
-            )
+        payload, config, plan, adapter, test_set = prep.payload, prep.config, prep.plan, prep.adapter, prep.test_set
+        gpus, devices, sizing, resumed = prep.gpus, prep.devices, prep.config.sizing, prep.resumed
         directory = _run_directory(run_dir)
         _write_run_record(directory, config, plan, self.framework)
         logger = compat.adapt_logger(self.driver_logger_callback, in_worker=False) or ProgressBar(
@@ -315,22 +236,25 @@ class FabricModel:
             resume=resumed,
         )
         final = driver.run()
-        if self.framework == "keras":
-            adapter.load_state(final.model_state, final.optimizer_state)  # into the user's model and optimizer
-            _save_keras_model(directory, self.model)
-        else:
-            self.model.load_state_dict(final.model_state)
-            self.optimizer.load_state_dict(final.optimizer_state)
-            _save_model(directory, final.model_state)
-        onnx_diff = None
-        if self.save_to_onnx:
-            onnx_diff = _export_onnx(self.framework, self.model, adapter, train_set, directory)
-            if onnx_diff is not None and isinstance(logger, ProgressBar):  # the default logger shows it
-                logger.note(f"model/model.onnx written; onnxruntime vs {self.framework}: max abs diff {onnx_diff:.3g}")
+        onnx_diff = self._finish(final, adapter, prep.train_set, directory, logger)
         self.run_dir = directory
         return TrainResult(
-            directory, driver.train_history, driver.test_history, seed, driver.replica_digests, onnx_diff
+            directory, driver.train_history, driver.test_history, config.seed, driver.replica_digests, onnx_diff
         )
+
+    def _finish(
+        self, final: Any, adapter: FrameworkAdapter, train_set: Any, directory: Path, logger: Any
+    ) -> float | None:
+        """The trained state into the user's model and optimizer, the model saved (and exported)."""
+        framework = self._framework
+        framework.load_final_state(adapter, final.model_state, final.optimizer_state)
+        framework.save_model(directory / "model", self.model, final.model_state)
+        if not self.save_to_onnx:
+            return None
+        onnx_diff = _export_onnx(framework, self.model, adapter, train_set, directory)
+        if onnx_diff is not None and isinstance(logger, ProgressBar):  # the default logger shows it
+            logger.note(f"model/model.onnx written; onnxruntime vs {self.framework}: max abs diff {onnx_diff:.3g}")
+        return onnx_diff
 
     def download(self, out_dir: str | os.PathLike[str] | None = None) -> str:
         """Zip the last run's ``model/`` directory into ``out_dir`` (default: the run directory);
@@ -342,98 +266,182 @@ class FabricModel:
         archive = shutil.make_archive(str(target / "model"), "zip", root_dir=self.run_dir, base_dir="model")
         return str(Path(archive).resolve())
 
-    def _make_adapter(self) -> Any:
-        if self.framework == "keras":
-            from .frameworks.keras_adapter import KerasAdapter
+    def _prepare(
+        self,
+        epoch_number: int,
+        batch_size: int,
+        engines_number: int | None,
+        effective_batch_size: int | None,
+        loop: _Loop,
+        seed: int | None,
+        run_dir: str | os.PathLike[str] | None,
+        resume: bool,
+        ignored: dict[str, Any],
+    ) -> _Prepared:
+        """Check ``train``'s arguments and the data, size the run, draw its seed, serialize the job."""
+        from . import checkpoint  # imports torch: only once training is asked for
 
-            return KerasAdapter(
-                self.model,
-                self.optimizer,
-                self.loss_function,
-                self.metrics,
-                self.keras_custom_objects,
-                self.fn_batch_collate,
+        _check_train_arguments(
+            epoch_number, batch_size, engines_number, effective_batch_size, loop, seed, resume, ignored
+        )
+        framework = self._framework
+        if self.save_to_onnx:
+            _check_onnx_available(framework, self.model)  # a missing package fails now, not after training
+        train_set, test_set = v.check_datasets(self.get_datasets)
+        items_per_micro_batch, sizing = _size_run(train_set, batch_size, engines_number, effective_batch_size)
+        resumed = None
+        if resume:  # the run's own seed and newest checkpoint; its plan is checked below
+            resumed, seed = checkpoint.find_resume_point(run_dir, seed)
+        seed = framework.draw_seed() if seed is None else seed
+        adapter = self._make_adapter()
+        first_batch = framework.first_batch(adapter, train_set)
+        payload = self._job_payload(framework.prepare_for_shipping(adapter, first_batch))
+        gpus = local_device_count()
+        devices: list[str | None] = [f"cuda:{i % gpus}" if gpus else "cpu" for i in range(sizing.max_workers)]
+        config = TrainConfig(
+            epochs=epoch_number,
+            batch_size=batch_size,
+            sizing=sizing,
+            seed=seed,
+            num_dataloader_threads=loop.num_dataloader_threads,
+            validation_freq=loop.validation_freq,
+            checkpoint_freq=loop.checkpoint_freq,
+            collective_timeout_s=get_timeout("EDT_COLLECTIVE_TIME_OUT").total_seconds(),
+            backend="nccl" if gpus else "gloo",
+        )
+        plan = Plan(
+            num_samples=len(train_set), batch_size=items_per_micro_batch, micro_batches=sizing.micro_batches, seed=seed
+        )
+        if resumed is not None:
+            checkpoint.check_resumable(
+                resumed,
+                plan=plan,
+                framework=self.framework,
+                epochs=epoch_number,
+                batch_size=batch_size,
+                engines_number=engines_number,
+                effective_batch_size=effective_batch_size,
             )
-        from .frameworks.torch_adapter import TorchAdapter
+        return _Prepared(train_set, test_set, adapter, payload, config, plan, gpus, devices, resumed)
 
-        return TorchAdapter(
+    def _check_arguments(self, metrics: Any, user_callback: Any) -> tuple[list[Any], list[Any]]:
+        """Check the constructor's arguments (messages name the argument); return the metrics and callbacks."""
+        framework = self._framework
+        framework.check_options(
+            fn_step_train=self.fn_step_train, fn_test=self.fn_test, keras_custom_objects=self.keras_custom_objects
+        )
+        v.check_callable(
+            "get_datasets",
+            self.get_datasets,
+            hint=" HINT: pass the function itself, get_datasets=my_fn, not its result my_fn().",
+        )
+        framework.check_loss(self.loss_function)
+        checked_metrics = framework.check_metrics(metrics)
+        v.check_logger("worker_logger_callback", self.worker_logger_callback)
+        v.check_logger("driver_logger_callback", self.driver_logger_callback)
+        v.check_bool("save_to_onnx", self.save_to_onnx)
+        v.check_callable("fn_batch_collate", self.fn_batch_collate, allow_none=True)
+        v.check_callable(
+            "fn_step_train",
+            self.fn_step_train,
+            allow_none=True,
+            hint=" HINT: step(model, data, eva, train_loader, fn_args) -> (metric, loss).",
+        )
+        v.check_callable(
+            "fn_test",
+            self.fn_test,
+            allow_none=True,
+            hint=" HINT: fn_test(model, test_iter, fn_args) -> (metric, loss).",
+        )
+        callbacks = v.check_user_callbacks(user_callback)
+        framework.check_optimizer(self.model, self.optimizer)
+        return checked_metrics, list(callbacks)
+
+    def _make_adapter(self) -> FrameworkAdapter:
+        return self._framework.make_adapter(
             self.model,
             self.optimizer,
             self.loss_function,
             self.metrics,
-            self.fn_batch_collate,
-            self.fn_step_train,
-            self.fn_test,
-            self.fn_args,
+            collate=self.fn_batch_collate,
+            custom_objects=self.keras_custom_objects,
+            fn_step_train=self.fn_step_train,
+            fn_test=self.fn_test,
+            fn_args=self.fn_args,
         )
+
+    def _job_payload(self, adapter: FrameworkAdapter) -> bytes:
+        """The job every worker receives, cloudpickled once."""
+        job = Job(
+            adapter,
+            self.get_datasets,
+            compat.adapt_logger(self.worker_logger_callback, in_worker=True),
+            list(self.user_callbacks),
+        )
+        try:
+            payload = cloudpickle.dumps(job)
+        except Exception as exc:
+            raise TypeError(
+                "Could not serialize the job (model, optimizer, get_datasets, loss_function, metrics, loggers) "
+                f"for the workers: {exc!r}. HINT: objects holding open files, locks or sockets cannot be sent; "
+                "create them inside get_datasets or the logger's methods instead."
+            ) from exc
+        if len(payload) > _LARGE_JOB_BYTES:
+            warnings.warn(
+                f"The job sent to each worker is {len(payload) / 2**20:,.0f} MiB. Data captured by get_datasets "
+                "(or tensors that are views of a larger tensor) travel with it. HINT: load or build the data inside "
+                "get_datasets, and .clone() tensor slices.",
+                stacklevel=4,
+            )
+        return payload
 
 
 _LARGE_JOB_BYTES = 256 * 2**20
 
 
-def _check_torch_optimizer(model: Any, optimizer: Any) -> None:
-    import torch
-
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        hint = (
-            " HINT: pass an instance, e.g. torch.optim.SGD(model.parameters(), lr=0.1)."
-            if isinstance(optimizer, type)
-            else ""
-        )
-        raise TypeError(
-            f"Expected `optimizer` to be a torch.optim.Optimizer over the model's parameters. "
-            f"Received: optimizer={optimizer!r}.{hint}"
-        )
-    model_params = {id(p) for p in model.parameters()}
-    held = [p for group in optimizer.param_groups for p in group["params"]]
-    foreign = [p for p in held if id(p) not in model_params]
-    if not held or foreign:
-        raise ValueError(
-            f"Expected `optimizer` to hold the parameters of `model`. Received: an optimizer over {len(held)} "
-            f"tensor(s), {len(foreign)} of which are not parameters of the model. "
-            "HINT: build the optimizer from this model, optimizer=SGD(model.parameters(), ...), "
-            "after any model.to(device) or re-creation."
-        )
-
-
-def _check_first_sample(adapter: Any, train_set: Any) -> None:
-    """Read and collate the first training sample, so a wrong sample shape fails here; a Keras
-    model is then rebuilt once, as the workers will rebuild it."""
-    keras_model = type(adapter).__name__ == "KerasAdapter"
-    try:
-        if is_batch_level(train_set):
-            batch = train_set[0]
-        else:
-            batch = adapter.collate([train_set[0]])
-        if keras_model:
-            from .frameworks.keras_adapter import split_keras_batch
-
-            split_keras_batch(batch)
-        else:
-            from .frameworks.torch_adapter import split_batch
-
-            split_batch(batch)
-    except Exception as exc:
-        raise TypeError(
-            f"Could not make a batch from the first training sample: {exc}. Expected samples to be "
-            "(input, target) tuples or dicts with a 'target' or 'label' key, of tensors, numpy arrays or numbers "
-            "(or pass `fn_batch_collate` returning (inputs, target))."
-        ) from exc
-    if keras_model:
-        adapter.check_rebuild(batch)
+def _check_train_arguments(
+    epoch_number: Any,
+    batch_size: Any,
+    engines_number: Any,
+    effective_batch_size: Any,
+    loop: _Loop,
+    seed: Any,
+    resume: Any,
+    ignored: dict[str, Any],
+) -> None:
+    """Check ``train``'s arguments (messages name the argument); note the ignored ones."""
+    for name, value in ignored.items():
+        if value is not None:
+            log.info("%s=%r is ignored: %s", name, value, compat.IGNORED_TRAIN_KEYWORDS[name])
+    v.check_positive_int("epoch_number", epoch_number)
+    v.check_positive_int("batch_size", batch_size)
+    v.check_positive_int("engines_number", engines_number, allow_none=True)
+    v.check_positive_int("num_dataloader_threads", loop.num_dataloader_threads, minimum=0)
+    v.check_positive_int("validation_freq", loop.validation_freq)
+    v.check_positive_int("checkpoint_freq", loop.checkpoint_freq, minimum=0)
+    v.check_bool("resume", resume)
+    v.check_positive_int("keep_checkpoints", loop.keep_checkpoints)
+    v.check_effective_batch(effective_batch_size, batch_size)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise TypeError(f"Expected `seed` to be a non-negative int or None. Received: seed={seed!r}")
 
 
-def _draw_seed(framework: str) -> int:
-    """A seed from the global generator that the framework's own seeding call sets:
-    ``torch.manual_seed`` for torch; for Keras NumPy's, which ``keras.utils.set_random_seed``
-    (and ``np.random.seed``) seeds. Keras 3 on TensorFlow does not seed torch."""
-    if framework == "keras":
-        import numpy as np
-
-        return int(np.random.randint(0, 2**31 - 1))
-    import torch
-
-    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+def _size_run(
+    train_set: Any, batch_size: int, engines_number: int | None, effective_batch_size: int | None
+) -> tuple[int, EngineSizing]:
+    """(dataset items per micro-batch, the engines' sizing)."""
+    # A batch-level dataset (keras.utils.PyDataset) yields whole batches: the plan counts
+    # its items, each item is one micro-batch, and batch_size must be the dataset's own.
+    batch_level = is_batch_level(train_set)
+    items_per_micro_batch = 1 if batch_level else batch_size
+    if batch_level:
+        _check_batch_level(train_set, batch_size)
+    sizing = size_engines(
+        items_per_micro_batch,
+        engines_number,
+        None if effective_batch_size is None else effective_batch_size // batch_size * items_per_micro_batch,
+    )
+    return items_per_micro_batch, sizing
 
 
 def _run_directory(run_dir: str | os.PathLike[str] | None) -> Path:
@@ -447,39 +455,19 @@ def _run_directory(run_dir: str | os.PathLike[str] | None) -> Path:
     return path.resolve()
 
 
-def _save_model(directory: Path, model_state: dict[str, Any]) -> None:
-    """The final weights in torch's own format: ``model/model.pt``, a state_dict
-    (load with ``torch.load(path, weights_only=True)``), written aside then renamed."""
-    import torch
-
-    model_dir = directory / "model"
-    model_dir.mkdir(exist_ok=True)
-    tmp = model_dir / ".model.pt.tmp"
-    torch.save(model_state, tmp)
-    os.replace(tmp, model_dir / "model.pt")
-
-
-def _save_keras_model(directory: Path, model: Any) -> None:
-    """The final model in Keras' own format: ``model/model.keras`` (``keras.saving.load_model``),
-    written aside then renamed."""
-    model_dir = directory / "model"
-    model_dir.mkdir(exist_ok=True)
-    tmp = model_dir / ".model.tmp.keras"  # Keras insists on the .keras suffix
-    model.save(tmp)
-    os.replace(tmp, model_dir / "model.keras")
-
-
-def _check_onnx_available(framework: str, model: Any) -> None:
+def _check_onnx_available(framework: Framework, model: Any) -> None:
     from .export import ExportError, _require
 
     try:
-        for module in ("onnx", "onnxruntime", "onnxscript" if framework == "torch" else "tf2onnx"):
-            _require(module, framework, model)
+        for module in framework.onnx_requirements():
+            _require(module, framework.name, model)
     except ExportError as exc:
         raise ImportError(f"save_to_onnx=True needs the ONNX packages: {exc}") from None
 
 
-def _export_onnx(framework: str, model: Any, adapter: Any, train_set: Any, directory: Path) -> float | None:
+def _export_onnx(
+    framework: Framework, model: Any, adapter: FrameworkAdapter, train_set: Any, directory: Path
+) -> float | None:
     """``model/model.onnx`` from the trained model, traced on the first training batch; returns
     onnxruntime's max abs difference from the framework, also logged and written to
     ``logs/metrics.jsonl`` as a ``type: "onnx"`` line. A failure is a warning (and such a line
@@ -487,25 +475,16 @@ def _export_onnx(framework: str, model: Any, adapter: Any, train_set: Any, direc
     from .export import ExportError, export_onnx
 
     try:
-        if is_batch_level(train_set):
-            batch = train_set[0]
-        else:
-            batch = adapter.collate([train_set[i] for i in range(min(len(train_set), 4))])
-        if framework == "keras":
-            from .frameworks.keras_adapter import split_keras_batch
-
-            inputs = split_keras_batch(batch)[0]
-        else:
-            from .frameworks.torch_adapter import split_batch
-
-            inputs = split_batch(batch)[0]
+        inputs = framework.export_inputs(adapter, train_set)
         diff = export_onnx(framework, model, inputs, directory / "model" / "model.onnx")
     except ExportError as exc:
         _append_log(directory, {"type": "onnx", "path": None, "error": str(exc)})
-        warnings.warn(f"save_to_onnx=True, but the ONNX export failed; no model.onnx was written. {exc}", stacklevel=3)
+        warnings.warn(f"save_to_onnx=True, but the ONNX export failed; no model.onnx was written. {exc}", stacklevel=4)
         return None
     _append_log(directory, {"type": "onnx", "path": "model/model.onnx", "max_abs_diff": diff})
-    log.info("model/model.onnx written; onnxruntime vs %s on real batches: max abs difference %.3g", framework, diff)
+    log.info(
+        "model/model.onnx written; onnxruntime vs %s on real batches: max abs difference %.3g", framework.name, diff
+    )
     return diff
 
 
@@ -522,21 +501,6 @@ def _check_batch_level(train_set: Any, batch_size: int) -> None:
             f"yields whole batches of {own}. Received: batch_size={batch_size}. HINT: pass batch_size={own}; each "
             "of its batches is one micro-batch."
         )
-
-
-def _check_keras_metrics(metrics: Any) -> list[Any]:
-    from .frameworks.keras_names import resolve_metric
-
-    if metrics is None:
-        return []
-    if not isinstance(metrics, (list, tuple)):
-        raise TypeError(
-            "Expected `metrics` to be a list of Keras metric names ('accuracy'), keras.metrics.Metric objects or "
-            f"callables metric(y_true, y_pred). Received: metrics={metrics!r}. HINT: wrap it in a list."
-        )
-    for i, m in enumerate(metrics):
-        resolve_metric(m, i)
-    return list(metrics)
 
 
 def _write_run_record(directory: Path, config: TrainConfig, plan: Plan, framework: str) -> None:

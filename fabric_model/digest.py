@@ -16,6 +16,8 @@ def state_digest(state: Any) -> str:
 
 
 def _feed(h: Any, obj: Any) -> None:
+    # Its own walk, not fabric_model.tree's: the hash covers the keys (sorted by repr, so dict order
+    # does not matter) and the nesting, not only the leaves.
     if isinstance(obj, dict):
         for key in sorted(obj, key=repr):
             h.update(repr(key).encode())

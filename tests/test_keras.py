@@ -1,4 +1,4 @@
-"""Keras models (DESIGN §2): the same FabricModel, the same guarantees as for PyTorch."""
+"""Keras models (docs/architecture.md, "Frameworks"): the same FabricModel, the same guarantees as for PyTorch."""
 
 from __future__ import annotations
 
@@ -276,9 +276,12 @@ def test_list_valued_features_are_arrays():
 
 
 def test_keras_set_random_seed_fixes_the_drawn_seed():
-    """DESIGN §3: keras.utils.set_random_seed(s) at the top of a script makes the run reproducible,
-    the seed included (Keras on TensorFlow does not seed torch)."""
-    from fabric_model.api import _draw_seed
+    """keras.utils.set_random_seed(s) at the top of a script makes the run reproducible, the seed
+    included (Keras on TensorFlow does not seed torch); see docs/architecture.md, "Frameworks"."""
+    from fabric_model.frameworks import framework_named
+
+    def _draw_seed(name):
+        return framework_named(name).draw_seed()
 
     keras.utils.set_random_seed(11)
     first = _draw_seed("keras")

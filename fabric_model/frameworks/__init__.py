@@ -1,19 +1,47 @@
-"""Framework adapters. The framework is detected once, from the model, without importing
-a framework the user does not use."""
+"""Frameworks: each one's driver half (:class:`~.base.Framework`) and worker half
+(:class:`~.base.FrameworkAdapter`). The framework is chosen once, from the model, without
+importing a framework the user does not use."""
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .base import Framework
+
+# name -> (module, class), imported on first use.
+_REGISTRY = {
+    "torch": ("fabric_model.frameworks.torch_framework", "TorchFramework"),
+    "keras": ("fabric_model.frameworks.keras_framework", "KerasFramework"),
+}
+FRAMEWORKS = tuple(_REGISTRY)
 
 
-def detect_framework(model: Any) -> str:
-    """``"torch"`` or ``"keras"``; raises TypeError for anything else."""
+@functools.cache
+def framework_named(name: str) -> Framework:
+    """The framework called ``name`` ("torch" or "keras"); raises ValueError for anything else."""
+    if name not in _REGISTRY:
+        raise ValueError(f"framework must be one of {FRAMEWORKS}, got {name!r}")
+    module, cls = _REGISTRY[name]
+    framework: Framework = getattr(importlib.import_module(module), cls)()
+    return framework
+
+
+def resolve_framework(framework: str | Framework) -> Framework:
+    """``framework`` itself, or the framework of that name."""
+    return framework_named(framework) if isinstance(framework, str) else framework
+
+
+def detect_framework(model: Any) -> Framework:
+    """The framework of ``model``, recognised by the modules of its classes; raises TypeError for anything else."""
     for cls in type(model).__mro__:
         module = cls.__module__ or ""
         if module.startswith("torch.nn"):
-            return "torch"
+            return framework_named("torch")
         if module.startswith(("keras", "tensorflow", "tf_keras")):
-            return "keras"
+            return framework_named("keras")
     raise TypeError(
         "Expected `model` to be a torch.nn.Module or a tf.keras.Model. "
         f"Received: model of type {type(model).__module__}.{type(model).__qualname__}"

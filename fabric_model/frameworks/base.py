@@ -1,25 +1,31 @@
-"""The interface every framework adapter implements; the worker loop only talks to this."""
+"""The two halves of a framework: ``Framework`` in the caller's process, ``FrameworkAdapter`` in
+each worker. Only these know which framework a model belongs to; see docs/architecture.md,
+"Frameworks"."""
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
+from ..data import is_batch_level
+
+if TYPE_CHECKING:  # annotations only: importing this module must not import torch
+    import numpy as np
+    import torch
+
+    from ..step_layout import StepLayout, StepResult
 
 
 class FrameworkAdapter(abc.ABC):
     """One framework's model, optimizer, loss and metrics, seen by the framework-neutral loop.
 
     A step is ``begin_step``, then ``train_micro_batch`` for each micro-batch this worker
-    holds, then one in-place sum-allreduce of ``step_buffer``, then ``finish_step``. The
-    buffer is a flat float32 ``torch.Tensor`` laid out as::
-
-        [ gradients (already weighted by n_j / N) | forward-updated buffers (same weighting) |
-          loss sum | metric sums ... | sample count | switch vote ]
-
-    so a single collective carries everything a step needs (DESIGN §3).
+    holds, then perhaps ``vote_switch``, then one in-place sum-allreduce of ``step_buffer``,
+    then ``finish_step``. The buffer is a flat float32 ``torch.Tensor`` laid out by
+    :class:`~fabric_model.step_layout.StepLayout`, so a single collective carries everything a
+    step needs (see docs/architecture.md, "The step").
     """
 
     #: Names of the statistics at the tail of the step buffer: "loss", metrics..., in order.
@@ -58,13 +64,20 @@ class FrameworkAdapter(abc.ABC):
     @property
     @abc.abstractmethod
     def step_buffer(self) -> torch.Tensor:
-        """The flat buffer to sum-allreduce (see the class docstring)."""
+        """The flat buffer to sum-allreduce (laid out by ``step_layout``)."""
+
+    @property
+    @abc.abstractmethod
+    def step_layout(self) -> StepLayout:
+        """The layout of the current ``step_buffer``."""
+
+    def vote_switch(self) -> None:
+        """Vote, inside this step's allreduce, to end the generation after the step."""
+        self.step_buffer[self.step_layout.vote] = 1.0
 
     @abc.abstractmethod
-    def finish_step(self) -> list[float]:
-        """Apply the reduced buffer: set buffers, step the optimizer.
-
-        Returns the buffer's tail: stat sums, sample count, switch vote."""
+    def finish_step(self) -> StepResult:
+        """Apply the reduced buffer (set buffers, step the optimizer); return the step's stats and vote."""
 
     @abc.abstractmethod
     def abort_step(self) -> None:
@@ -76,11 +89,7 @@ class FrameworkAdapter(abc.ABC):
 
     @abc.abstractmethod
     def evaluate_batches(self, batches: Any) -> torch.Tensor:
-        """Stat sums over an iterator of ``(indices, batch)`` test batches, float64 on the CPU."""
-
-    @abc.abstractmethod
-    def evaluate(self, batch: Any, num_samples: int) -> torch.Tensor:
-        """Stat sums (loss, metrics..., count) over one test batch, as a float64 CPU tensor."""
+        """Stat sums and sample count over an iterator of ``(indices, batch)`` test batches, float64 on the CPU."""
 
     @abc.abstractmethod
     def model_state(self) -> dict[str, Any]:
@@ -89,6 +98,118 @@ class FrameworkAdapter(abc.ABC):
     @abc.abstractmethod
     def optimizer_state(self) -> dict[str, Any]:
         """Optimizer state (moments, step counts), as CPU objects."""
+
+
+class Framework(abc.ABC):
+    """One framework seen from the caller's process: checks the user's arguments, makes the
+    adapter that travels to the workers, and handles the trained model afterwards."""
+
+    #: The framework's name, as run records, checkpoints and messages spell it.
+    name: ClassVar[str]
+
+    # -- arguments ----------------------------------------------------------------------------
+    def check_options(self, *, fn_step_train: Any, fn_test: Any, keras_custom_objects: Any) -> None:
+        """Reject the framework-specific arguments this framework does not take."""
+        if keras_custom_objects is not None and not isinstance(keras_custom_objects, dict):
+            raise TypeError(
+                "Expected `keras_custom_objects` to be a dict of name -> class or None. "
+                f"Received: keras_custom_objects={keras_custom_objects!r}"
+            )
+
+    @abc.abstractmethod
+    def check_loss(self, loss_function: Any) -> None:
+        """Raise when ``loss_function`` is no loss this framework can use."""
+
+    @abc.abstractmethod
+    def check_metrics(self, metrics: Any) -> list[Any]:
+        """Check ``metrics``; return them as a list (empty for None)."""
+
+    @abc.abstractmethod
+    def check_optimizer(self, model: Any, optimizer: Any) -> None:
+        """Raise when ``optimizer`` is no optimizer for ``model``."""
+
+    @abc.abstractmethod
+    def make_adapter(
+        self,
+        model: Any,
+        optimizer: Any,
+        loss_function: Any,
+        metrics: Sequence[Any],
+        *,
+        collate: Callable[[Sequence[Any]], Any] | None,
+        custom_objects: dict[str, Any] | None,
+        fn_step_train: Callable[..., Any] | None,
+        fn_test: Callable[..., Any] | None,
+        fn_args: Any,
+    ) -> FrameworkAdapter:
+        """The worker half for the user's objects (checked first)."""
+
+    # -- batches and shipping -----------------------------------------------------------------
+    @abc.abstractmethod
+    def split_batch(self, batch: Any) -> tuple[Any, Any]:
+        """``(inputs, target)`` of a collated batch."""
+
+    def first_batch(self, adapter: FrameworkAdapter, train_set: Any) -> Any:
+        """The first training sample collated into a batch, so a wrong sample fails in the caller."""
+        try:
+            batch = train_set[0] if is_batch_level(train_set) else adapter.collate([train_set[0]])
+            self.split_batch(batch)
+        except Exception as exc:
+            raise TypeError(
+                f"Could not make a batch from the first training sample: {exc}. Expected samples to be "
+                "(input, target) tuples or dicts with a 'target' or 'label' key, of tensors, numpy arrays or numbers "
+                "(or pass `fn_batch_collate` returning (inputs, target))."
+            ) from exc
+        return batch
+
+    def prepare_for_shipping(self, adapter: FrameworkAdapter, first_batch: Any) -> FrameworkAdapter:
+        """Check that ``adapter`` will work in a worker as it does here; return what is shipped."""
+        return adapter
+
+    @abc.abstractmethod
+    def draw_seed(self) -> int:
+        """A run seed from the global generator that the framework's own seeding call sets."""
+
+    # -- the trained model --------------------------------------------------------------------
+    def load_final_state(
+        self, adapter: FrameworkAdapter, model_state: dict[str, Any], optimizer_state: dict[str, Any]
+    ) -> None:
+        """Put the trained state into the user's model and optimizer (those the caller's adapter holds)."""
+        adapter.load_state(model_state, optimizer_state)
+
+    @abc.abstractmethod
+    def save_model(self, model_dir: Path, model: Any, model_state: dict[str, Any]) -> Path:
+        """Write the trained model into ``model_dir`` in the framework's own format (aside, then renamed)."""
+
+    def export_inputs(self, adapter: FrameworkAdapter, train_set: Any) -> Any:
+        """Model inputs of a real training batch (up to 4 samples), to trace and check an export on."""
+        if is_batch_level(train_set):
+            batch = train_set[0]
+        else:
+            batch = adapter.collate([train_set[i] for i in range(min(len(train_set), 4))])
+        return self.split_batch(batch)[0]
+
+    # -- ONNX (see fabric_model.export) --------------------------------------------------------
+    @abc.abstractmethod
+    def onnx_requirements(self) -> tuple[str, ...]:
+        """The modules an ONNX export needs (checked before training)."""
+
+    @abc.abstractmethod
+    def write_onnx(self, model: Any, sample: Any, path: str) -> None:
+        """Export ``model`` traced on ``sample`` to ``path`` with a dynamic batch; raise ExportError."""
+
+    @abc.abstractmethod
+    def onnx_inputs(self, batch: Any, input_names: list[str]) -> list[Any]:
+        """The arrays of ``batch`` in the order of the ONNX file's ``input_names``."""
+
+    @abc.abstractmethod
+    def inference_outputs(self, model: Any, batch: Any) -> tuple[list[np.ndarray], list[str] | None]:
+        """The model's outputs on ``batch`` in inference mode, flattened; with their names when the
+        file's outputs are to be matched by name."""
+
+    @abc.abstractmethod
+    def grow_batch(self, sample: Any) -> Any:
+        """``sample`` with its first row repeated at the end: a batch size the export did not see."""
 
 
 def metric_name(metric: Callable[..., Any], position: int, taken: set[str] | None = None) -> str:

@@ -7,6 +7,8 @@ import difflib
 import re
 from typing import Any
 
+from .base import metric_name
+
 #: Names Keras' ``compile`` reads as "the accuracy that fits the loss and the output shape".
 ACCURACY_NAMES = ("accuracy", "acc")
 
@@ -117,3 +119,15 @@ def accuracy_for(y_true_shape: Any, y_pred_shape: Any) -> Any:
     ):
         return keras.metrics.sparse_categorical_accuracy
     return keras.metrics.categorical_accuracy
+
+
+def metric_label(metric: Any, position: int, taken: set[str]) -> str:
+    if isinstance(metric, str):
+        name = metric
+        taken_name, suffix = name, 1
+        while taken_name in taken or taken_name == "loss":
+            suffix += 1
+            taken_name = f"{name}_{suffix}"
+        taken.add(taken_name)
+        return taken_name
+    return metric_name(metric, position, taken)

@@ -9,50 +9,13 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
+from ..step_layout import StepLayout, StepResult
+from ..tree import map_tree
 from .base import FrameworkAdapter, metric_name
+from .torch_batches import split_batch, to_device
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 MetricFn = Callable[[Any, Any], Any]
-
-
-def split_batch(batch: Any) -> tuple[Any, Any]:
-    """``(inputs, target)`` of a collated batch.
-
-    Accepted shapes: a pair ``(x, y)``; a longer tuple ``(x1, ..., xn, y)`` whose inputs are
-    passed as ``model(x1, ..., xn)``; a dict with a ``target``/``label``/``labels``/``y`` key,
-    the other entries being the input (one entry: its value; several: the dict).
-    """
-    if isinstance(batch, (tuple, list)):
-        if len(batch) < 2:
-            raise ValueError(f"A batch must be (inputs, target); received a sequence of {len(batch)} item(s).")
-        return (tuple(batch[:-1]) if len(batch) > 2 else batch[0]), batch[-1]
-    if isinstance(batch, dict):
-        for key in TARGET_KEYS:
-            if key in batch:
-                rest = {k: v for k, v in batch.items() if k != key}
-                inputs = next(iter(rest.values())) if len(rest) == 1 else rest
-                return inputs, batch[key]
-        raise ValueError(
-            f"A dict sample needs a target under one of the keys {TARGET_KEYS}; received keys {sorted(batch)}."
-        )
-    raise ValueError(
-        f"A sample must be a (input, target) tuple or a dict with a target key; received {type(batch).__name__}."
-    )
-
-
-TARGET_KEYS = ("target", "label", "labels", "y")
-
-
-def to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, tuple):
-        return tuple(to_device(o, device) for o in obj)
-    if isinstance(obj, list):
-        return [to_device(o, device) for o in obj]
-    if isinstance(obj, dict):
-        return {k: to_device(v, device) for k, v in obj.items()}
-    return obj
 
 
 class TorchAdapter(FrameworkAdapter):
@@ -117,13 +80,15 @@ class TorchAdapter(FrameworkAdapter):
 
     def _allocate(self) -> None:
         """The flat step buffer, with each parameter's .grad a view into it."""
-        n_grad = sum(p.numel() for p in self._params)
-        n_buf = sum(b.numel() for b in self._buffers)
-        n_flags = len(self._params)  # 1 where some micro-batch produced a gradient
-        n_stat = len(self.stat_names) + 2  # stat sums, sample count, the switch vote
-        self._flat = torch.zeros(n_grad + n_buf + n_flags + n_stat, dtype=torch.float32, device=self.device)
+        layout = self._layout = StepLayout(
+            n_gradients=sum(p.numel() for p in self._params),
+            n_buffers=sum(b.numel() for b in self._buffers),
+            n_flags=len(self._params),  # 1 where some micro-batch produced a gradient
+            n_stats=len(self.stat_names),
+        )
+        self._flat = torch.zeros(layout.size, dtype=torch.float32, device=self.device)
         self._grad_views: list[torch.Tensor] = []
-        offset = 0
+        offset = layout.gradients.start
         for p in self._params:
             view = self._flat[offset : offset + p.numel()].view_as(p)
             if p.dtype != torch.float32:
@@ -133,16 +98,17 @@ class TorchAdapter(FrameworkAdapter):
             self._grad_views.append(view)
             offset += p.numel()
         self._buf_views: list[torch.Tensor] = []
+        offset = layout.buffers.start
         for b in self._buffers:
             self._buf_views.append(self._flat[offset : offset + b.numel()].view(b.shape))
             offset += b.numel()
-        self._got_grad = self._flat[offset : offset + n_flags]
-        offset += n_flags
-        self._stats = self._flat[offset:]
+        self._got_grad = self._flat[layout.flags]
+        self._stats = self._flat[layout.stat_sums]
+        self._count = self._flat[layout.count]  # a 0-d view: += writes into the buffer
         self._scratch: torch.Tensor | None = None
         for p, view in zip(self._params, self._grad_views):
             p.grad = view
-        self._build_buckets(n_grad)
+        self._build_buckets(layout.n_gradients)
 
     def _build_buckets(self, n_grad: int) -> None:
         """Cut the gradient part of the buffer into buckets, last parameters first (backward
@@ -201,6 +167,10 @@ class TorchAdapter(FrameworkAdapter):
     def step_buffer(self) -> torch.Tensor:
         return self._flat
 
+    @property
+    def step_layout(self) -> StepLayout:
+        return self._layout
+
     def begin_step(self, collective: Any = None) -> None:
         self._collective = collective
         self._works, self._launched, self._pending = [], 0, list(self._bucket_sizes)
@@ -238,7 +208,7 @@ class TorchAdapter(FrameworkAdapter):
                 self._stats[i] += (
                     torch.as_tensor(metric(output.detach(), target), dtype=torch.float32, device=self.device) * n
                 )
-            self._stats[-2] += n  # [-1] is the switch vote
+            self._count += n
 
     def _seed(self, seed: int) -> None:
         # torch.manual_seed also seeds every lazy accelerator backend, formatting stack
@@ -280,7 +250,7 @@ class TorchAdapter(FrameworkAdapter):
             self._add_buffer_deltas(weight)
             self._stats[0] += _scalar(loss, self.device) * n
             self._stats[1] += _scalar(metric, self.device) * n
-            self._stats[-2] += n
+            self._count += n
 
     def all_reduce(self, collective: Any) -> None:
         """Finish the step's allreduce: the buckets not yet launched, in order, then the tail."""
@@ -291,8 +261,8 @@ class TorchAdapter(FrameworkAdapter):
             start, end = self._buckets[self._launched]
             self._works.append(collective.all_reduce_start(self._flat[start:end]))
             self._launched += 1
-        tail = self._buckets[0][1] if self._buckets else 0
-        self._works.append(collective.all_reduce_start(self._flat[tail:]))
+        # The rest (buffer deltas, flags, stats, count, vote) in one piece, after the gradients.
+        self._works.append(collective.all_reduce_start(self._flat[self._layout.n_gradients :]))
         for work in self._works:
             collective.wait(work)
         self._works = []
@@ -324,7 +294,7 @@ class TorchAdapter(FrameworkAdapter):
         for b, start, view in zip(self._buffers, self._buf_start, self._buf_views):
             view.add_((b - start).to(torch.float32), alpha=weight)
 
-    def finish_step(self) -> list[float]:
+    def finish_step(self) -> StepResult:
         with torch.no_grad():
             self._ensure_grad_views()
             for b, start, view in zip(self._buffers, self._buf_start, self._buf_views):
@@ -338,15 +308,15 @@ class TorchAdapter(FrameworkAdapter):
             for i in unused:
                 self._params[i].grad = self._grad_views[i]
         self._in_step = False
-        return self._stats.tolist()
+        return self._layout.result(self._flat[self._layout.tail].tolist())
 
     # -- evaluation and state -------------------------------------------------------------
     def evaluate_batches(self, batches: Iterator[tuple[Any, Any]]) -> torch.Tensor:
         """Stat sums over ``(indices, batch)`` pairs: the user's ``fn_test`` if given."""
         if self.test_fn is None:
-            total = torch.zeros(len(self.stat_names) + 1, dtype=torch.float64)
+            total = torch.zeros(self._layout.eval_size, dtype=torch.float64)
             for indices, batch in batches:
-                total += self.evaluate(batch, len(indices))
+                total += self._evaluate_batch(batch, len(indices))
             return total
         count = 0
 
@@ -366,7 +336,8 @@ class TorchAdapter(FrameworkAdapter):
         return torch.tensor([v * count for v in values] + [count], dtype=torch.float64)
 
     @torch.no_grad()
-    def evaluate(self, batch: Any, num_samples: int) -> torch.Tensor:
+    def _evaluate_batch(self, batch: Any, num_samples: int) -> torch.Tensor:
+        """Stat sums (loss, metrics...) and the sample count over one test batch, float64 on the CPU."""
         self.model.eval()
         try:
             inputs, target = split_batch(to_device(batch, self.device))
@@ -388,7 +359,7 @@ class TorchAdapter(FrameworkAdapter):
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
     def optimizer_state(self) -> dict[str, Any]:
-        return _to_cpu(self.optimizer.state_dict())
+        return map_tree(_cpu_copy, self.optimizer.state_dict())
 
 
 def _forbidden_step(*args: Any, **kwargs: Any) -> None:
@@ -407,13 +378,5 @@ def _scalar(value: Any, device: torch.device) -> torch.Tensor:
     return torch.tensor(float(value), device=device)
 
 
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_cpu(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_to_cpu(v) for v in obj)
-    return obj
+def _cpu_copy(x: Any) -> Any:
+    return x.detach().cpu().clone() if isinstance(x, torch.Tensor) else x

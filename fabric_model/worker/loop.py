@@ -226,10 +226,10 @@ class TrainingLoop:
             adapter.train_micro_batch(batch, len(indices), step_samples, seed, last=position == len(mine) - 1)
         # The switch vote rides in the same allreduce, so every member reads the same sum.
         if self.membership.pending_generation > collective.generation:
-            adapter.step_buffer[-1] = 1.0
+            adapter.vote_switch()
         adapter.all_reduce(collective)
-        tail = adapter.finish_step()
-        stats, switch = tail[:-1], tail[-1] > 0
+        result = adapter.finish_step()
+        stats, switch = result.stats, result.switch
         self.iterations += 1
         self.channel.send(
             control.STEP,

@@ -1,0 +1,123 @@
+"""The PyTorch framework's driver half: a ``torch.nn.Module`` with a ``torch.optim.Optimizer``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .. import validation as v
+from ..tree import leaves
+from .base import Framework, FrameworkAdapter
+
+
+class TorchFramework(Framework):
+    """PyTorch: loss and metrics are callables ``f(output, target)``; a custom step and test may replace ours."""
+
+    name: ClassVar[str] = "torch"
+
+    def check_loss(self, loss_function: Any) -> None:
+        """The loss must be a callable ``loss(output, target)``."""
+        v.check_callable(
+            "loss_function",
+            loss_function,
+            hint=" HINT: pass e.g. torch.nn.functional.cross_entropy or torch.nn.CrossEntropyLoss().",
+        )
+
+    def check_metrics(self, metrics: Any) -> list[Any]:
+        """Metrics are callables ``metric(output, target)``."""
+        return v.check_metrics(metrics)
+
+    def check_optimizer(self, model: Any, optimizer: Any) -> None:
+        """A ``torch.optim.Optimizer`` over the model's own parameters."""
+        import torch
+
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            hint = (
+                " HINT: pass an instance, e.g. torch.optim.SGD(model.parameters(), lr=0.1)."
+                if isinstance(optimizer, type)
+                else ""
+            )
+            raise TypeError(
+                f"Expected `optimizer` to be a torch.optim.Optimizer over the model's parameters. "
+                f"Received: optimizer={optimizer!r}.{hint}"
+            )
+        model_params = {id(p) for p in model.parameters()}
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        foreign = [p for p in held if id(p) not in model_params]
+        if not held or foreign:
+            raise ValueError(
+                f"Expected `optimizer` to hold the parameters of `model`. Received: an optimizer over {len(held)} "
+                f"tensor(s), {len(foreign)} of which are not parameters of the model. "
+                "HINT: build the optimizer from this model, optimizer=SGD(model.parameters(), ...), "
+                "after any model.to(device) or re-creation."
+            )
+
+    def make_adapter(
+        self,
+        model: Any,
+        optimizer: Any,
+        loss_function: Any,
+        metrics: Sequence[Any],
+        *,
+        collate: Callable[[Sequence[Any]], Any] | None,
+        custom_objects: dict[str, Any] | None,
+        fn_step_train: Callable[..., Any] | None,
+        fn_test: Callable[..., Any] | None,
+        fn_args: Any,
+    ) -> FrameworkAdapter:
+        """A :class:`~.torch_adapter.TorchAdapter` (``custom_objects`` is Keras' only)."""
+        from .torch_adapter import TorchAdapter
+
+        return TorchAdapter(model, optimizer, loss_function, metrics, collate, fn_step_train, fn_test, fn_args)
+
+    def split_batch(self, batch: Any) -> tuple[Any, Any]:
+        """A pair, a longer tuple (several inputs, then the target) or a dict with a target key."""
+        from .torch_adapter import split_batch
+
+        return split_batch(batch)
+
+    def draw_seed(self) -> int:
+        """From torch's global generator, which ``torch.manual_seed`` seeds."""
+        import torch
+
+        return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+    def save_model(self, model_dir: Path, model: Any, model_state: dict[str, Any]) -> Path:
+        """``model.pt``: the state_dict in torch's own format (load with ``torch.load(path, weights_only=True)``)."""
+        import torch
+
+        model_dir.mkdir(exist_ok=True)
+        tmp, path = model_dir / ".model.pt.tmp", model_dir / "model.pt"
+        torch.save(model_state, tmp)
+        os.replace(tmp, path)
+        return path
+
+    def onnx_requirements(self) -> tuple[str, ...]:
+        """torch.onnx's exporter needs onnxscript."""
+        return ("onnx", "onnxruntime", "onnxscript")
+
+    def write_onnx(self, model: Any, sample: Any, path: str) -> None:
+        """torch.onnx.export over torch.export, every input's first dimension one shared dynamic batch."""
+        from .torch_export import export_torch
+
+        export_torch(model, sample, path)
+
+    def onnx_inputs(self, batch: Any, input_names: list[str]) -> list[Any]:
+        """The batch's tensors in order, dicts in insertion order (as the exporter flattened them)."""
+        return leaves(batch)
+
+    def inference_outputs(self, model: Any, batch: Any) -> tuple[list[np.ndarray], list[str] | None]:
+        """``model(*batch)`` in eval mode without autograd, flattened; the file's outputs are in the same order."""
+        from .torch_export import torch_outputs
+
+        return torch_outputs(model, batch), None
+
+    def grow_batch(self, sample: Any) -> Any:
+        """Tensors and arrays grown by their first row."""
+        from .torch_export import grow_torch_batch
+
+        return grow_torch_batch(sample)

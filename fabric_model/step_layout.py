@@ -1,0 +1,102 @@
+"""Where each part of the flat step buffer lives: one collective carries a whole step.
+
+A leaf module of plain integers (no framework import), shared by the adapters that fill the buffer
+and the loop that reads the step's result; see docs/architecture.md, "The step".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What a finished step reports.
+
+    Attributes:
+        stats: the stat sums (loss, metrics..., in ``stat_names`` order) then the step's sample
+            count, summed over the group: what the driver averages.
+        switch: whether some member voted to end the generation after this step.
+    """
+
+    stats: list[float]
+    switch: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+    """The offsets of the step buffer, laid out as::
+
+        [ gradients | forward-updated buffer deltas | got-gradient flags |
+          stat sums (loss, metrics...) | sample count | switch vote ]
+
+    Gradients and buffer deltas are already weighted by each micro-batch's share of the step;
+    a flag is 1 where some micro-batch produced the parameter's gradient; the vote is 1 where a
+    member asks to switch generation. Everything is summed by one allreduce.
+
+    Attributes:
+        n_gradients: elements of all trainable parameters.
+        n_buffers: elements of the forward-updated buffers (BatchNorm statistics).
+        n_flags: one per trainable parameter.
+        n_stats: loss and metrics.
+    """
+
+    n_gradients: int
+    n_buffers: int
+    n_flags: int
+    n_stats: int
+
+    @property
+    def size(self) -> int:
+        """Elements of the whole buffer."""
+        return self.n_gradients + self.n_buffers + self.n_flags + self.n_stats + 2
+
+    @property
+    def gradients(self) -> slice:
+        return slice(0, self.n_gradients)
+
+    @property
+    def buffers(self) -> slice:
+        return slice(self.n_gradients, self.n_gradients + self.n_buffers)
+
+    @property
+    def flags(self) -> slice:
+        start = self.buffers.stop
+        return slice(start, start + self.n_flags)
+
+    @property
+    def stat_sums(self) -> slice:
+        start = self.flags.stop
+        return slice(start, start + self.n_stats)
+
+    @property
+    def count(self) -> int:
+        """Index of the sample count."""
+        return self.stat_sums.stop
+
+    @property
+    def vote(self) -> int:
+        """Index of the switch vote (the last element)."""
+        return self.count + 1
+
+    @property
+    def tail(self) -> slice:
+        """Stat sums, sample count and vote: what the step reports."""
+        return slice(self.stat_sums.start, self.size)
+
+    @property
+    def eval_size(self) -> int:
+        """Elements of a validation's sums: stat sums then sample count (no vote)."""
+        return self.n_stats + 1
+
+    def tail_only(self) -> StepLayout:
+        """The layout of a buffer that holds only the tail (a step with nothing to exchange)."""
+        return StepLayout(0, 0, 0, self.n_stats)
+
+    def result(self, tail: Sequence[float]) -> StepResult:
+        """The step's result from the values of ``tail`` (as a list of floats)."""
+        values = list(tail)
+        if len(values) != self.n_stats + 2:
+            raise ValueError(f"expected {self.n_stats + 2} tail values, got {len(values)}")
+        return StepResult(stats=values[:-1], switch=values[-1] > 0)

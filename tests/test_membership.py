@@ -36,11 +36,15 @@ class FakeCheckpoints:
         return bool(self.units)
 
     def settings(self, restore: Path | None) -> p.CheckpointSettings:
-        return p.CheckpointSettings("checkpoints", "torch", max(self.units, default=-1), str(restore) if restore else None)
+        return p.CheckpointSettings(
+            "checkpoints", "torch", max(self.units, default=-1), str(restore) if restore else None
+        )
 
 
 def machine(workers: int = 2, checkpoints: tuple[int, ...] = (), replace: bool = True) -> Membership:
-    limits = Limits(workers, total_units=100, heartbeat=HEARTBEAT, recovery=RECOVERY, start=START, replace_workers=replace)
+    limits = Limits(
+        workers, total_units=100, heartbeat=HEARTBEAT, recovery=RECOVERY, start=START, replace_workers=replace
+    )
     return Membership(limits, FakeCheckpoints(checkpoints), log_tail=lambda ids: f"logs of {ids}")
 
 

@@ -374,7 +374,9 @@ class Membership:
     def _without_holders(self, change: _Change, now: float) -> list[Command]:
         """No member holds the state: go on from a checkpoint of it, with whoever becomes ready."""
         if self.committed_unit > 0 and self.checkpoints.restore_point(self.committed_unit) is None:
-            hint = "resume from the newest checkpoint with train(..., resume=True)" if self.checkpoints.has_any() else ""
+            hint = (
+                "resume from the newest checkpoint with train(..., resume=True)" if self.checkpoints.has_any() else ""
+            )
             raise self._last_user_error or JobError(
                 f"every worker holding the training state was lost ({change.reason}) and no checkpoint "
                 f"holds the last committed step; {hint or 'the run has no checkpoint to go on from'}"
@@ -418,7 +420,9 @@ class Membership:
     def _request_final(self) -> list[Command]:
         """Ask one finished, live member for the final state."""
         total = self.limits.total_units
-        finished = [w for w in self.members if self.workers[w].done_unit >= total and self.state(w) is not WorkerState.GONE]
+        finished = [
+            w for w in self.members if self.workers[w].done_unit >= total and self.state(w) is not WorkerState.GONE
+        ]
         if not finished:
             raise JobError("training ended, but every finished replica was lost before sending the final state")
         self.final_from = finished[0]

@@ -56,7 +56,10 @@ class Progress:
     def start_at(self, unit: int, train_history: list[dict[str, float]], test_history: list[dict[str, float]]) -> None:
         """A resumed run: the position and the history below ``unit`` (replayed from the log)."""
         epoch, k = divmod(unit, self.schedule.units_per_epoch)
-        self.committed_unit, self.iteration = unit, epoch * self.plan.steps_per_epoch + min(k, self.plan.steps_per_epoch)
+        self.committed_unit, self.iteration = (
+            unit,
+            epoch * self.plan.steps_per_epoch + min(k, self.plan.steps_per_epoch),
+        )
         self.train_history, self.test_history = train_history, test_history
 
     def step_done(self, message: p.StepDone) -> int | None:
@@ -95,7 +98,9 @@ class Progress:
         expected = self.plan.num_micro_batches(epoch, step)
         computed = sorted(j for mbs in reports.micro_batches.values() for j in mbs)
         if computed != list(range(expected)):
-            raise ExactlyOnceError(f"step {step} of epoch {epoch}: micro-batches {computed}, expected 0..{expected - 1}")
+            raise ExactlyOnceError(
+                f"step {step} of epoch {epoch}: micro-batches {computed}, expected 0..{expected - 1}"
+            )
         assert reports.stats is not None
         self.iteration += 1
         self.committed_unit = max(self.committed_unit, self.schedule.unit(epoch, step) + 1)

@@ -17,9 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from .base import Launcher
-
 from ..protocol import LAUNCHED_ENV, SECRET_ENV
+from .base import Launcher
 
 log = logging.getLogger(__name__)
 

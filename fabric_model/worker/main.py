@@ -123,9 +123,9 @@ def _report_failure(channel: Channel, exc: BaseException) -> None:
     text = traceback.format_exc()
     sys.stderr.write(text)
     # Not the user's error: the driver must not count it against their code.
-    collective = isinstance(exc, (CollectiveError, TimeoutError, KeyboardInterrupt)) or type(
-        exc
-    ).__module__.startswith("torch.distributed")
+    collective = isinstance(exc, (CollectiveError, TimeoutError, KeyboardInterrupt)) or type(exc).__module__.startswith(
+        "torch.distributed"
+    )
     try:
         channel.send(p.WorkerFailed(text, encode_exception(exc), collective))
     except (OSError, EOFError):

@@ -121,8 +121,8 @@ def size_engines(batch_size: int, engines_number: int | None, effective_batch_si
     - both: the global batch is ``effective_batch_size`` and ``engines_number`` caps the
       workers; with fewer workers than micro-batches each accumulates several (gradient
       accumulation). More workers than micro-batches would idle, so they are capped, with
-      a warning. (DESIGN §1 takes the larger count here; that rules out accumulation and
-      oversubscribes devices, so this deliberately departs from it.)
+      a warning. (Taking the larger of the two counts instead would rule out accumulation
+      and oversubscribe the devices.)
     - neither: one worker per local GPU (1 without a GPU).
     """
     if effective_batch_size is not None:

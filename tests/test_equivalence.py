@@ -1,4 +1,4 @@
-"""Data-parallel training gives the single-process result: DESIGN §3, invariants 1, 2, 4."""
+"""Data-parallel training gives the single-process result: docs/architecture.md, "Invariants" 1, 2, 4."""
 
 from __future__ import annotations
 

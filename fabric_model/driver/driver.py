@@ -25,6 +25,7 @@ from ..control import ControlServer
 from ..errors import rebuild_exception
 from ..launchers.base import Launcher
 from ..launchers.local import LocalLauncher
+from ..metrics_log import MetricsLog
 from ..plan import Plan, Schedule
 from .checkpoints import CheckpointBook
 from .membership import Command, Formed, Kill, Limits, Membership, Send, Settle, Start
@@ -88,7 +89,10 @@ class Driver:
         self.setup, self.run_dir, self.hooks = setup, run_dir, hooks
         config, timeouts = setup.config, setup.config.timeouts
         self.schedule = Schedule(setup.plan, config.epochs, config.validation_freq, setup.has_test)
-        self.metrics = run_dir.open_metrics(append=setup.resume is not None)
+        history = None
+        if setup.resume is not None:  # the earlier attempts' record, before appending to it
+            history = MetricsLog.replay(run_dir.metrics, self.schedule, setup.resume.unit)
+        self.metrics = MetricsLog(run_dir.metrics, append=setup.resume is not None)
         self.progress = Progress(setup.plan, self.schedule, setup.stat_names, self.metrics, hooks)
         self.checkpoints = CheckpointBook(run_dir.checkpoints, setup.framework, setup.keep_checkpoints, self.metrics)
         limits = Limits(
@@ -100,9 +104,8 @@ class Driver:
             replace_workers=timeouts.replace_workers,
         )
         self.membership = Membership(limits, self.checkpoints, self._log_tails)
-        if setup.resume is not None:
-            train, test = self.metrics.replay(setup.resume.unit, self.schedule)
-            self.progress.start_at(setup.resume.unit, train, test)
+        if setup.resume is not None and history is not None:
+            self.progress.start_at(setup.resume.unit, *history)
             self.membership.committed(setup.resume.unit)
         self._launcher_factory = launcher_factory or self._local_launcher
         self._final: FinalState | None = None
@@ -245,7 +248,6 @@ class Driver:
     def _record_generation(self, formed: Formed) -> None:
         self.metrics.generation(
             generation=formed.generation,
-            workers=len(formed.members),
             members=list(formed.members),
             reason=formed.reason,
             resume_unit=formed.resume_unit,

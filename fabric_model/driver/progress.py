@@ -115,7 +115,7 @@ class Progress:
             workers=reports.world_size,
             metrics=stat_means(self.stat_names, reports.stats),
             epoch_metrics=averages,
-            micro_batches={str(r): m for r, m in sorted(reports.micro_batches.items())},
+            micro_batches=reports.micro_batches,
             inferred=inferred,
         )
         self.hooks.log_train_metrics(averages, self.iteration, epoch, reports.world_size)

@@ -62,13 +62,15 @@ class TrainingLoop:
         self.schedule = Schedule(plan, config.epochs, config.validation_freq, self.test_set is not None)
         self.next_unit = 0
         self.iterations = 0  # steps this worker took part in
-        self.checkpoints = CheckpointWriter(self.schedule, config.checkpoint_freq, config.batch_size)
+        self.hooks = job.hooks
+        self.checkpoints = CheckpointWriter(
+            self.schedule, config.checkpoint_freq, config.batch_size, wrap_stream=self.hooks.wrap_checkpoint_stream
+        )
 
     # -- generations ----------------------------------------------------------------------
     def run_joined(self) -> None:
         """Train from the position of the generation entered (``enter``) to the schedule's end."""
-        call_hook(self.job.worker_logger, "on_train_begin")
-        run_callbacks(self.job.callbacks, "on_train_begin")
+        self.hooks.on_train_begin()
         while True:
             try:
                 self._run_generation()
@@ -81,8 +83,7 @@ class TrainingLoop:
             self.collective.shutdown()
             self.channel.send(self.position(failed, reason))
             self._reenter()
-        run_callbacks(self.job.callbacks, "on_train_end")
-        call_hook(self.job.worker_logger, "on_train_end")
+        self.hooks.on_train_end()
 
     def _reenter(self) -> None:
         """Enter the driver's next generation; a failure while entering waits for the one after."""
@@ -161,13 +162,13 @@ class TrainingLoop:
                     self.next_unit += 1
                     continue
                 if step == 0:
-                    run_callbacks(self.job.callbacks, "on_epoch_begin", epoch)
-                run_callbacks(self.job.callbacks, "on_batch_begin", step)
+                    self.hooks.on_epoch_begin(epoch)
+                self.hooks.on_batch_begin(step)
                 switch = self._step(epoch, step, batches)
                 self.next_unit += 1
-                run_callbacks(self.job.callbacks, "on_batch_end", step)
+                self.hooks.on_batch_end(step)
                 if step == self.plan.steps_per_epoch - 1:
-                    run_callbacks(self.job.callbacks, "on_epoch_end", epoch)
+                    self.hooks.on_epoch_end(epoch)
                 if switch:
                     return
         finally:

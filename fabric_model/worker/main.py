@@ -100,10 +100,10 @@ def _train(spec: p.JobSpec, worker_id: int, device: str | None, inbox: Inbox, ch
         "steps_per_epoch": plan.steps_per_epoch,
         "seed": plan.seed,
     }
-    for callback in job.callbacks:
-        callback.set_context(job.adapter.model, params)
-    collective = Collective(
-        spec.store, config.backend, timedelta(seconds=timeouts.collective), device, should_abort=inbox.aborted
+    job.hooks.set_context(job.adapter.model, params)
+    # Through the hooks: a test's fault injector may wrap the collective (docs/architecture.md, "Testing seams").
+    collective = job.hooks.wrap_collective(
+        Collective(spec.store, config.backend, timedelta(seconds=timeouts.collective), device, inbox.aborted)
     )
     loop = TrainingLoop(job, config, plan, channel, inbox, collective, datasets, context)
     if not _join(loop, inbox, channel, timeouts):

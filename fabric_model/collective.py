@@ -1,7 +1,7 @@
 """The collective layer: one ``torch.distributed`` process group per generation.
 
 Shared by both frameworks. A membership change is a new ``configure`` call on the same
-object, not a process restart (DESIGN §2, §4).
+object, not a process restart (docs/architecture.md, "Elasticity").
 
 The group objects are created directly (not as torch's global default group), so an
 operation that will never finish can be *abandoned*: gloo's ``abort()`` does not wake a

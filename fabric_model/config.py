@@ -8,7 +8,8 @@ import warnings
 from datetime import timedelta
 
 #: Environment variables that bound every blocking wait, in seconds. Each has a default here
-#: and is read once, in the driver, so that all workers of a job share the same bounds.
+#: and is read once, in the caller (:meth:`Timeouts.from_environment`), and sent to every
+#: worker with the job, so that all workers of a job share the same bounds.
 TIMEOUT_DEFAULTS: dict[str, float] = {
     # A spawned worker must connect to the driver and register within this time.
     "EDT_START_TIME_OUT": 120.0,
@@ -25,9 +26,9 @@ TIMEOUT_DEFAULTS: dict[str, float] = {
 }
 
 
-def heartbeat_interval() -> float:
+def heartbeat_interval(heartbeat_timeout: float) -> float:
     """Seconds between a worker's heartbeats: a tenth of the heartbeat timeout, at most 1 s."""
-    return min(1.0, get_timeout("EDT_HEARTBEAT_TIME_OUT").total_seconds() / 10)
+    return min(1.0, heartbeat_timeout / 10)
 
 
 def pull_failed_limit() -> int:
@@ -36,6 +37,38 @@ def pull_failed_limit() -> int:
     if not raw.isdigit() or int(raw) < 1:
         raise ValueError(f"Expected EDT_PULL_FAILED_LIMITS to be a positive integer. Received: {raw!r}")
     return int(raw)
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+    """Every bound of the job, in seconds, resolved once in the caller and shipped with the job."""
+
+    start: float
+    collective: float
+    stop: float
+    heartbeat: float
+    pull: float
+    recovery: float
+    pull_failed_limit: int
+    replace_workers: bool
+
+    @classmethod
+    def from_environment(cls) -> Timeouts:
+        """Read the ``EDT_*`` variables (defaults in :data:`TIMEOUT_DEFAULTS`); bad values raise here."""
+
+        def seconds(name: str) -> float:
+            return get_timeout(name).total_seconds()
+
+        return cls(
+            start=seconds("EDT_START_TIME_OUT"),
+            collective=seconds("EDT_COLLECTIVE_TIME_OUT"),
+            stop=seconds("EDT_STOP_TIME_OUT"),
+            heartbeat=seconds("EDT_HEARTBEAT_TIME_OUT"),
+            pull=seconds("EDT_PULL_WEIGHT_TIME_OUT"),
+            recovery=seconds("EDT_RECOVERY_TIME_OUT"),
+            pull_failed_limit=pull_failed_limit(),
+            replace_workers=os.environ.get("EDT_REPLACE_WORKERS", "1") != "0",
+        )
 
 
 def get_timeout(name: str) -> timedelta:
@@ -57,7 +90,7 @@ def get_timeout(name: str) -> timedelta:
 def local_device_count() -> int:
     """Number of local accelerators (CUDA GPUs); 0 on a machine without one."""
     try:
-        import torch
+        import torch  # here, not at the top: `import fabric_model` stays free of torch
     except ImportError:  # pragma: no cover - torch is a hard dependency of the collective layer
         return 0
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -88,8 +121,8 @@ def size_engines(batch_size: int, engines_number: int | None, effective_batch_si
     - both: the global batch is ``effective_batch_size`` and ``engines_number`` caps the
       workers; with fewer workers than micro-batches each accumulates several (gradient
       accumulation). More workers than micro-batches would idle, so they are capped, with
-      a warning. (DESIGN §1 takes the larger count here; that rules out accumulation and
-      oversubscribes devices, so this deliberately departs from it.)
+      a warning. (Taking the larger of the two counts instead would rule out accumulation
+      and oversubscribe the devices.)
     - neither: one worker per local GPU (1 without a GPU).
     """
     if effective_batch_size is not None:
@@ -131,5 +164,5 @@ class TrainConfig:
     num_dataloader_threads: int
     validation_freq: int
     checkpoint_freq: int
-    collective_timeout_s: float
+    timeouts: Timeouts
     backend: str  # "gloo" or "nccl"

@@ -2,7 +2,8 @@
 
 Built on :mod:`multiprocessing.connection`, whose ``Listener(authkey=...)`` runs an HMAC
 challenge-response before the first message, so nothing is unpickled from a peer that has
-not proven it holds the job's secret (DESIGN §2). Messages are ``(kind, payload)`` tuples.
+not proven it holds the job's secret. Messages are the dataclasses of
+:mod:`fabric_model.protocol` (docs/architecture.md, "The protocol").
 """
 
 from __future__ import annotations
@@ -17,29 +18,9 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
-log = logging.getLogger(__name__)
+from . import protocol as p
 
-# Worker -> driver.
-HELLO = "hello"  # {"worker_id" (None: assign one), "pid", "host"}
-READY = "ready"  # set up (job, datasets, device), waiting to join a generation {"attempt"}
-BOUNDARY = "boundary"  # stopped after a committed step, as voted {"generation", "next_unit"}
-FAILED = "failed"  # a collective failed; the step was undone {"generation", "next_unit", "reason"}
-HEARTBEAT = "heartbeat"  # {} every EDT_HEARTBEAT_INTERVAL seconds, from a thread
-STEP = "step"  # {"generation", "epoch", "step", "rank", "micro_batches", "stats" (rank 0 only)}
-EVAL = "eval"  # {"epoch", "iteration", "stats"}
-FINAL = "final"  # {"model_state", "optimizer_state"}
-ERROR = "error"  # {"worker_id", "traceback", "exception" (cloudpickled or None)}
-DONE = "done"  # {"digest", "next_unit"}; the worker then waits for FINAL_REQUEST or STOP
-CHECKPOINT = "checkpoint"  # {"generation", "unit", "epoch", "path" and "seconds", or "error"}: rank 0 wrote one
-# Driver -> worker.
-JOB = "job"  # {"payload": cloudpickled job, "config", "plan", "worker_id"}
-GENERATION = "generation"  # {"generation", "rank", "world_size", "store", "resume_unit", "source_rank", "checkpoint"}
-PENDING = "pending"  # {"generation"}: someone waits to join; vote to switch at the next step
-FINAL_REQUEST = "final_request"  # {}: send FINAL
-ABORT = "abort"  # {"generation"}: a member was lost; give up collectives of that generation
-STOP = "stop"  # {}: exit now
-# Raised internally by the driver's reader threads.
-LOST = "lost"  # the connection closed
+log = logging.getLogger(__name__)
 
 
 class Channel:
@@ -49,19 +30,19 @@ class Channel:
         self._conn = conn
         self._lock = threading.Lock()
 
-    def send(self, kind: str, payload: dict[str, Any] | None = None) -> None:
+    def send(self, message: Any) -> None:
+        """Send one message of :mod:`fabric_model.protocol`."""
         # Plain pickle, not Connection.send's ForkingPickler: with torch loaded that one ships
         # tensors as shared-memory file descriptors, which only work between local processes.
-        data = pickle.dumps((kind, payload or {}), protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
             self._conn.send_bytes(data)
 
-    def recv(self, timeout: float | None = None) -> tuple[str, dict[str, Any]]:
+    def recv(self, timeout: float | None = None) -> Any:
         """Next message; raises ``TimeoutError`` after ``timeout`` seconds, ``EOFError`` on close."""
         if timeout is not None and not self._conn.poll(timeout):
             raise TimeoutError(f"no message from the peer within {timeout:.1f} s")
-        kind, payload = pickle.loads(self._conn.recv_bytes())
-        return kind, payload
+        return pickle.loads(self._conn.recv_bytes())
 
     def close(self) -> None:
         try:
@@ -78,9 +59,10 @@ def connect(address: tuple[str, int], secret: bytes) -> Channel:
 class ControlServer:
     """The driver's listener: accepts authenticated workers and funnels their messages.
 
-    Every message from every worker lands on one queue as ``(worker_id, kind, payload)``,
-    so the driver is a single loop over events. ``worker_id`` is learned from the
-    worker's first message (``HELLO``); a closed connection becomes a ``LOST`` event.
+    Every message from every worker lands on one queue as ``(worker_id, message)``, so the
+    driver is a single loop over events. ``worker_id`` is learned from the worker's first
+    message (:class:`~fabric_model.protocol.Hello`); a closed connection becomes a
+    :class:`~fabric_model.protocol.ConnectionLost` event.
     """
 
     def __init__(
@@ -88,7 +70,7 @@ class ControlServer:
     ) -> None:
         self._allocate_id = allocate_id
         self._listener = Listener((host, port), family="AF_INET", authkey=secret)
-        self.events: queue.Queue[tuple[int, str, dict[str, Any]]] = queue.Queue()
+        self.events: queue.Queue[tuple[int, Any]] = queue.Queue()
         self.channels: dict[int, Channel] = {}
         self._closed = threading.Event()
         self._lock = threading.Lock()
@@ -115,33 +97,35 @@ class ControlServer:
     def _read_loop(self, channel: Channel) -> None:
         worker_id = -1
         try:
-            kind, payload = channel.recv(timeout=60.0)
-            if kind != HELLO:
-                raise ValueError(f"expected {HELLO!r} first, got {kind!r}")
-            if payload.get("worker_id") is None and self._allocate_id is not None:
-                payload["worker_id"] = self._allocate_id()
-                channel.send(HELLO, {"worker_id": payload["worker_id"]})  # tell it its id
-            worker_id = int(payload["worker_id"])
+            hello = channel.recv(timeout=60.0)
+            if not isinstance(hello, p.Hello):
+                raise ValueError(f"expected Hello first, got {type(hello).__name__}")
+            if hello.worker_id is None:
+                if self._allocate_id is None:
+                    raise ValueError("a worker without an id connected, and this server assigns none")
+                worker_id = self._allocate_id()
+                channel.send(p.Assigned(worker_id))
+            else:
+                worker_id = int(hello.worker_id)
             with self._lock:
                 self.channels[worker_id] = channel
-            self.events.put((worker_id, kind, payload))
+            self.events.put((worker_id, hello))
             while True:
-                kind, payload = channel.recv()
-                self.events.put((worker_id, kind, payload))
+                self.events.put((worker_id, channel.recv()))
         except (EOFError, OSError, TimeoutError, ValueError, KeyError) as exc:
             if worker_id >= 0:
-                self.events.put((worker_id, LOST, {"reason": repr(exc)}))
+                self.events.put((worker_id, p.ConnectionLost(repr(exc))))
         finally:
             channel.close()
 
-    def send(self, worker_id: int, kind: str, payload: dict[str, Any] | None = None) -> bool:
-        """Send to a worker; False when it is gone."""
+    def send(self, worker_id: int, message: Any) -> bool:
+        """Send a message to a worker; False when it is gone."""
         with self._lock:
             channel = self.channels.get(worker_id)
         if channel is None:
             return False
         try:
-            channel.send(kind, payload)
+            channel.send(message)
             return True
         except (OSError, EOFError):
             return False

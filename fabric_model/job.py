@@ -6,6 +6,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from .hooks import Hooks
+
 
 @dataclasses.dataclass
 class Job:
@@ -14,5 +16,4 @@ class Job:
 
     adapter: Any  # a frameworks.base.FrameworkAdapter; typed loosely so this module imports nothing heavy
     get_datasets: Callable[[], tuple[Any, Any]]
-    worker_logger: Any | None = None
-    callbacks: list[Any] = dataclasses.field(default_factory=list)
+    hooks: Hooks = dataclasses.field(default_factory=Hooks)  # the worker logger and user callbacks

@@ -2,7 +2,7 @@
 
 Everything here is a pure function of ``(seed, epoch, step, micro-batch)`` and the dataset
 length, so every worker, the driver and a test's reference loop compute the same plan
-independently, and a step can be re-divided among any number of live workers (DESIGN §3).
+independently, and a step can be re-divided among any number of live workers (docs/architecture.md, "The step").
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def micro_batch_seed(seed: int, epoch: int, step: int, micro_batch: int) -> int:
     """The RNG seed set before micro-batch ``micro_batch`` of ``step`` runs its forward pass.
 
     Randomness inside the model (dropout) then depends on the micro-batch, never on which
-    worker computed it (DESIGN §3, invariant 3). A reference loop reproduces a run by calling
+    worker computed it (docs/architecture.md, "Invariants", 3). A reference loop reproduces a run by calling
     ``torch.manual_seed(micro_batch_seed(...))`` before each micro-batch.
     """
     state = np.random.SeedSequence([seed, epoch, step, micro_batch]).generate_state(2, np.uint32)

@@ -1,8 +1,218 @@
-"""The control-plane protocol: every message between the driver and its workers (placeholder)."""
+"""The control-plane protocol: every message between the driver and its workers.
+
+Each message is a frozen dataclass, sent as it is over the authenticated channel of
+:mod:`fabric_model.control` and dispatched by its type on arrival. Nothing is unpickled
+before the peer has proven it holds the job's secret (docs/architecture.md, "The protocol").
+
+A worker's life in messages::
+
+    worker                           driver
+    Hello ------------------------->
+          <------------------------- Assigned (only when the worker had no id)
+          <------------------------- JobSpec
+    Ready ------------------------->                 (set up: job, datasets, device)
+          <------------------------- EnterGeneration (rank, world size, where to resume)
+    StepDone / EvalDone / CheckpointWritten / Heartbeat ...
+          <------------------------- JoinPending     (vote to switch after a step)
+          <------------------------- Abort           (a member was lost: give up collectives)
+    LeftGeneration ---------------->                 (how far it got), then EnterGeneration again
+    Finished ---------------------->
+          <------------------------- SendFinalState
+    FinalState -------------------->
+          <------------------------- Stop
+    WorkerFailed (at any time: an exception, with its traceback)
+"""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 #: The job's secret (hex), in a worker's environment; never on its command line.
 SECRET_ENV = "FABRIC_MODEL_SECRET"
 #: Set by the driver's launcher: the worker dies with the driver and leaves Ctrl-C to it.
 LAUNCHED_ENV = "FABRIC_MODEL_LAUNCHED"
+#: ``0`` turns off the replacement of lost local workers.
+REPLACE_WORKERS_ENV = "EDT_REPLACE_WORKERS"
+#: Failed pulls after which a joining worker gives up.
+PULL_FAILED_LIMITS_ENV = "EDT_PULL_FAILED_LIMITS"
+
+_message = dataclasses.dataclass(frozen=True)
+
+
+# -- worker -> driver -----------------------------------------------------------------------
+@_message
+class Hello:
+    """The first message on a connection. ``worker_id`` None asks the driver to assign one."""
+
+    worker_id: int | None
+    pid: int
+    host: str
+
+
+@_message
+class Ready:
+    """Set up (job, datasets, device) and waiting to enter a generation; ``attempt`` counts pulls."""
+
+    attempt: int = 1
+
+
+@_message
+class LeftGeneration:
+    """The worker left ``generation`` at ``next_unit`` (-1: it never entered it).
+
+    ``failed`` False: it stopped after the step its generation voted to switch at;
+    True: a collective failed (a peer died or the driver aborted) and the step was undone."""
+
+    generation: int
+    next_unit: int
+    failed: bool
+    reason: str = ""
+
+
+@_message
+class Heartbeat:
+    """Sent from a thread at a fixed interval: a frozen process goes silent."""
+
+
+@_message
+class StepDone:
+    """Rank ``rank`` of ``world_size`` finished step ``step`` of ``epoch`` having computed
+    ``micro_batches``; ``stats`` are the step's reduced stat sums (loss, metrics..., count)."""
+
+    generation: int
+    epoch: int
+    step: int
+    rank: int
+    world_size: int
+    micro_batches: tuple[int, ...]
+    stats: tuple[float, ...]
+
+
+@_message
+class EvalDone:
+    """A validation's reduced stat sums (loss, metrics..., count)."""
+
+    epoch: int
+    stats: tuple[float, ...]
+
+
+@_message
+class CheckpointWritten:
+    """Rank 0 wrote (``path``) or failed to write (``error``) the checkpoint of ``unit``."""
+
+    generation: int
+    unit: int
+    epoch: int
+    path: str | None = None
+    seconds: float | None = None
+    error: str | None = None
+
+
+@_message
+class Finished:
+    """The schedule is done; ``digest`` fingerprints the replica's weights and optimizer state."""
+
+    digest: str
+    next_unit: int
+
+
+@_message
+class FinalState:
+    """The trained state, sent by the one finished worker the driver asks."""
+
+    model_state: dict[str, Any]
+    optimizer_state: dict[str, Any]
+
+
+@_message
+class WorkerFailed:
+    """An exception in the worker. ``exception`` is the cloudpickled exception (None if it
+    does not pickle); ``collective`` marks failures that are not the user's code's."""
+
+    traceback: str
+    exception: bytes | None
+    collective: bool
+
+
+# -- driver -> worker -----------------------------------------------------------------------
+@_message
+class Assigned:
+    """The id the driver gave a worker that connected without one."""
+
+    worker_id: int
+
+
+@_message
+class JobSpec:
+    """The job: the cloudpickled :class:`~fabric_model.job.Job`, its configuration (timeouts
+    included, resolved once in the caller) and plan, the rendezvous store, device and threads."""
+
+    payload: bytes
+    config: Any  # fabric_model.config.TrainConfig
+    plan: Any  # fabric_model.plan.Plan
+    store: tuple[str, int]
+    device: str | None
+    threads: int
+
+
+@_message
+class CheckpointSettings:
+    """Where checkpoints go, the newest recorded, and one every member must load first."""
+
+    directory: str
+    framework: str
+    written: int
+    restore: str | None = None
+
+
+@_message
+class EnterGeneration:
+    """Enter ``generation`` as ``rank`` of ``world_size`` and resume at ``resume_unit``; the
+    member at ``source_rank`` (-1: none) broadcasts the state. ``attempt`` answers a Ready."""
+
+    generation: int
+    rank: int
+    world_size: int
+    resume_unit: int
+    source_rank: int
+    checkpoint: CheckpointSettings
+    attempt: int = 1
+
+
+@_message
+class JoinPending:
+    """A worker waits to join: vote to switch to ``generation`` after the next step."""
+
+    generation: int
+
+
+@_message
+class Abort:
+    """A member of ``generation`` was lost: give up that generation's collectives."""
+
+    generation: int
+
+
+@_message
+class SendFinalState:
+    """Send :class:`FinalState`."""
+
+
+@_message
+class Stop:
+    """Exit now."""
+
+
+# -- inside the driver ----------------------------------------------------------------------
+@_message
+class ConnectionLost:
+    """Raised by the driver's reader thread when a worker's connection closes."""
+
+    reason: str
+
+
+WorkerMessage = (
+    Hello | Ready | LeftGeneration | Heartbeat | StepDone | EvalDone | CheckpointWritten | Finished | FinalState
+) | WorkerFailed
+DriverMessage = Assigned | JobSpec | EnterGeneration | JoinPending | Abort | SendFinalState | Stop

@@ -1,4 +1,4 @@
-"""Elastic membership (DESIGN §4): workers die, hang and join; the result does not change."""
+"""Elastic membership (docs/architecture.md, "Elasticity"): workers die, hang and join; the result does not change."""
 
 from __future__ import annotations
 

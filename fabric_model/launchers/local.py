@@ -1,4 +1,4 @@
-"""Starting and stopping local worker processes.
+"""Local worker processes: the default launcher.
 
 Workers are fresh interpreters running ``python -m fabric_model worker`` (never a fork:
 CUDA and TensorFlow break under it). Unlike ``multiprocessing``'s spawn, this does not
@@ -13,27 +13,33 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
 from ..protocol import LAUNCHED_ENV, SECRET_ENV
+from .base import Launcher
 
 log = logging.getLogger(__name__)
 
 
-class LocalLauncher:
-    """Owns the worker processes this driver started; ``stop_all`` leaves none running."""
+class LocalLauncher(Launcher):
+    """Worker processes on this host, one per device slot; ``stop_all`` leaves none running.
 
-    def __init__(self, address: tuple[str, int], secret: bytes, log_dir: Path, threads: int) -> None:
+    Args:
+        address: the driver's control-plane address, passed on each worker's command line.
+        secret: the job's secret, passed in each worker's environment.
+        log_path: where worker ``worker_id`` writes its stdout and stderr.
+        threads: intra-op threads per CPU worker (``OMP_NUM_THREADS``).
+    """
+
+    def __init__(self, address: tuple[str, int], secret: bytes, log_path: Callable[[int], Path], threads: int) -> None:
         self.address = address
         self.secret = secret
-        self.log_dir = log_dir
+        self.log_path = log_path
         self.threads = threads
         self.processes: dict[int, subprocess.Popen[bytes]] = {}
         self._logs: dict[int, IO[bytes]] = {}
-
-    def log_path(self, worker_id: int) -> Path:
-        return self.log_dir / f"worker-{worker_id}.log"
 
     def _environment(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -48,9 +54,10 @@ class LocalLauncher:
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
-    def start(self, worker_id: int, device: str | None) -> subprocess.Popen[bytes]:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        logfile = open(self.log_path(worker_id), "ab")
+    def start(self, worker_id: int, device: str | None) -> None:
+        path = self.log_path(worker_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        logfile = open(path, "ab")
         cmd = [
             sys.executable,
             "-m",
@@ -74,7 +81,6 @@ class LocalLauncher:
         self.processes[worker_id] = proc
         self._logs[worker_id] = logfile
         log.debug("started worker %d (pid %d)", worker_id, proc.pid)
-        return proc
 
     def exited(self) -> dict[int, int]:
         """Worker ids whose process has ended, with their exit codes."""
@@ -82,7 +88,9 @@ class LocalLauncher:
 
     def kill(self, worker_id: int) -> None:
         """SIGKILL one worker (a frozen process ignores anything gentler) and reap it."""
-        proc = self.processes[worker_id]
+        proc = self.processes.get(worker_id)
+        if proc is None or proc.poll() is not None:
+            return
         if proc.poll() is None:
             proc.kill()
         try:
@@ -117,6 +125,7 @@ class LocalLauncher:
         self._logs.clear()
 
     def log_tail(self, worker_id: int, lines: int = 30) -> str:
+        """The end of the worker's log file."""
         try:
             text = self.log_path(worker_id).read_text(errors="replace")
         except OSError:

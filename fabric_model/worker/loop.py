@@ -1,4 +1,4 @@
-"""The worker's training loop: the steps of DESIGN §3, across generations of workers (§4).
+"""The worker's training loop: steps across generations of workers (docs/architecture.md, "The step", "Elasticity").
 
 A worker runs units (steps and validation slots, see :class:`~fabric_model.plan.Schedule`)
 from a position every member of its generation shares. Two things end a generation:
@@ -19,13 +19,12 @@ import io
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterator
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import torch
 
-from .. import control
+from .. import protocol as p
 from ..callbacks import call_hook, run_callbacks, stat_means
 from ..checkpoint import CheckpointWriter, load_checkpoint
 from ..collective import Collective, CollectiveError
@@ -35,18 +34,9 @@ from ..control import Channel
 from ..data import PrefetchLoader, first_of, is_batch_level
 from ..job import Job
 from ..plan import Plan, Schedule, assigned_micro_batches, epoch_permutation, eval_batches, micro_batch_seed
+from .inbox import Inbox
 
 log = logging.getLogger(__name__)
-
-
-class Membership:
-    """What the inbox thread tells the loop: a generation change was asked for, and the
-    driver's messages the loop waits on."""
-
-    def __init__(self, expect: Callable[[str, timedelta], dict[str, Any]]) -> None:
-        self.pending_generation = -1  # written by the inbox thread
-        self.abort_generation = -1  # likewise: collectives of this generation and older give up
-        self.expect = expect
 
 
 class TrainingLoop:
@@ -58,68 +48,69 @@ class TrainingLoop:
         config: TrainConfig,
         plan: Plan,
         channel: Channel,
-        membership: Membership,
+        inbox: Inbox,
         collective: Collective,
         datasets: tuple[Any, Any],
         context: WorkerContext,
-        recovery_timeout: timedelta,
     ) -> None:
         self.job, self.config, self.plan = job, config, plan
         self.adapter = job.adapter
-        self.channel, self.membership, self.collective = channel, membership, collective
+        self.channel, self.membership, self.collective = channel, inbox, collective
         self.train_set, self.test_set = datasets
         self.context = context
-        self.recovery_timeout = recovery_timeout
+        self.recovery_timeout = config.timeouts.recovery
         self.schedule = Schedule(plan, config.epochs, config.validation_freq, self.test_set is not None)
         self.next_unit = 0
         self.iterations = 0  # steps this worker took part in
-        self.checkpoints = CheckpointWriter(self.schedule, config.checkpoint_freq, config.batch_size)
+        self.hooks = job.hooks
+        self.checkpoints = CheckpointWriter(
+            self.schedule, config.checkpoint_freq, config.batch_size, wrap_stream=self.hooks.wrap_checkpoint_stream
+        )
 
     # -- generations ----------------------------------------------------------------------
     def run_joined(self) -> None:
         """Train from the position of the generation entered (``enter``) to the schedule's end."""
-        call_hook(self.job.worker_logger, "on_train_begin")
-        run_callbacks(self.job.callbacks, "on_train_begin")
+        self.hooks.on_train_begin()
         while True:
             try:
                 self._run_generation()
                 if self.next_unit >= self.schedule.total_units:
                     break
-                kind, reason = control.BOUNDARY, "switch"
+                failed, reason = False, "switch"
             except CollectiveError as exc:
                 self.adapter.abort_step()
-                kind, reason = control.FAILED, str(exc).splitlines()[0][:300]
+                failed, reason = True, str(exc).splitlines()[0][:300]
             self.collective.shutdown()
-            self.channel.send(kind, self.position(reason))
+            self.channel.send(self.position(failed, reason))
             self._reenter()
-        run_callbacks(self.job.callbacks, "on_train_end")
-        call_hook(self.job.worker_logger, "on_train_end")
+        self.hooks.on_train_end()
 
     def _reenter(self) -> None:
         """Enter the driver's next generation; a failure while entering waits for the one after."""
         while True:
-            generation = self.membership.expect(control.GENERATION, self.recovery_timeout)
-            if generation["generation"] <= self.collective.generation:
+            generation = self.membership.expect(p.EnterGeneration, self.recovery_timeout)
+            if generation.generation <= self.collective.generation:
                 continue  # a late answer for a generation already left
             try:
                 self.enter(generation)
                 return
             except CollectiveError as exc:
                 self.collective.shutdown()
-                self.channel.send(control.FAILED, self.position(str(exc).splitlines()[0][:300]))
+                self.channel.send(self.position(True, str(exc).splitlines()[0][:300]))
 
-    def position(self, reason: str = "") -> dict[str, Any]:
-        return {"generation": self.collective.generation, "next_unit": self.next_unit, "reason": reason}
+    def position(self, failed: bool, reason: str = "") -> p.LeftGeneration:
+        """How far this worker got in the generation it leaves."""
+        return p.LeftGeneration(self.collective.generation, self.next_unit, failed, reason)
 
-    def enter(self, generation: dict[str, Any]) -> None:
+    def enter(self, generation: p.EnterGeneration) -> None:
         """Join ``generation``; take the agreed state from its source member when told to."""
         started = time.monotonic()
-        self.collective.configure(generation["generation"], generation["rank"], generation["world_size"])
+        self.collective.configure(generation.generation, generation.rank, generation.world_size)
         formed = time.monotonic()
-        self.context.generation = generation["generation"]
-        self.context.rank, self.context.world_size = generation["rank"], generation["world_size"]
-        source = generation["source_rank"]
-        restore = self.checkpoints.update(generation.get("checkpoint"))
+        self.context.generation = generation.generation
+        self.context.rank, self.context.world_size = generation.rank, generation.world_size
+        source = generation.source_rank
+        restore = self.checkpoints.update(generation.checkpoint)
         if restore is not None:  # a resumed run (or no holder of the state left): every member loads it
             state = load_checkpoint(restore, self.plan)
             self.adapter.load_state(state["model"], state["optimizer"])
@@ -128,10 +119,10 @@ class TrainingLoop:
             data = self.collective.broadcast_bytes(data, source)
             if self.collective.rank != source:
                 self._load_state_bytes(data)
-        self.next_unit = generation["resume_unit"]
+        self.next_unit = generation.resume_unit
         log.info(
             "generation %d: rank %d/%d at unit %d (group %.3f s, state %s %.3f s)",
-            generation["generation"],
+            generation.generation,
             self.collective.rank,
             self.collective.world_size,
             self.next_unit,
@@ -154,7 +145,7 @@ class TrainingLoop:
         if self.checkpoints.due(self.next_unit, self.collective.rank):
             state = (self.adapter.model_state(), self.adapter.optimizer_state())
             report = self.checkpoints.write(self.next_unit, self.plan, *state)
-            self.channel.send(control.CHECKPOINT, {"generation": self.collective.generation, **report})
+            self.channel.send(p.CheckpointWritten(generation=self.collective.generation, **report))
 
     # -- one generation -------------------------------------------------------------------
     def _run_generation(self) -> None:
@@ -171,13 +162,13 @@ class TrainingLoop:
                     self.next_unit += 1
                     continue
                 if step == 0:
-                    run_callbacks(self.job.callbacks, "on_epoch_begin", epoch)
-                run_callbacks(self.job.callbacks, "on_batch_begin", step)
+                    self.hooks.on_epoch_begin(epoch)
+                self.hooks.on_batch_begin(step)
                 switch = self._step(epoch, step, batches)
                 self.next_unit += 1
-                run_callbacks(self.job.callbacks, "on_batch_end", step)
+                self.hooks.on_batch_end(step)
                 if step == self.plan.steps_per_epoch - 1:
-                    run_callbacks(self.job.callbacks, "on_epoch_end", epoch)
+                    self.hooks.on_epoch_end(epoch)
                 if switch:
                     return
         finally:
@@ -232,16 +223,9 @@ class TrainingLoop:
         stats, switch = result.stats, result.switch
         self.iterations += 1
         self.channel.send(
-            control.STEP,
-            {
-                "generation": collective.generation,
-                "epoch": epoch,
-                "step": step,
-                "rank": collective.rank,
-                "world_size": collective.world_size,
-                "micro_batches": list(mine),
-                "stats": stats,
-            },
+            p.StepDone(
+                collective.generation, epoch, step, collective.rank, collective.world_size, tuple(mine), tuple(stats)
+            )
         )
         if self.job.worker_logger is not None:
             metrics = stat_means(adapter.stat_names, stats)
@@ -266,7 +250,7 @@ class TrainingLoop:
         stats = reduced.cpu().tolist()
         # Every rank reports: if rank 0's allreduce failed where others' succeeded, the
         # validation still counts (the driver keeps the first report of an epoch).
-        self.channel.send(control.EVAL, {"epoch": epoch, "stats": stats})
+        self.channel.send(p.EvalDone(epoch, tuple(stats)))
         if self.job.worker_logger is not None:
             call_hook(
                 self.job.worker_logger,

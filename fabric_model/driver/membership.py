@@ -1,0 +1,429 @@
+"""Membership: which workers form the current generation, as a pure state machine.
+
+Events come in as method calls (a worker registered, became ready, reported how far it got,
+was lost, failed in user code; time passed); commands come out as a list (send a message,
+kill or start a worker process, settle the step reports of an ended generation, record a
+formed generation). Nothing here touches a socket, a process or the clock: the event loop in
+:mod:`fabric_model.driver.driver` executes the commands, and tests drive the machine
+in-process (``tests/test_membership.py``). See docs/architecture.md, "Elasticity".
+
+A generation ends when a member is lost (its peers' collective fails; a silent worker is
+killed first) or when a ready worker waits to join (the members are asked to vote, and all
+stop after the same step). Each member then reports how far it got (``next_unit``); the
+next generation resumes at the furthest, taking the state from a member that holds it, or
+from the checkpoint of that position when no member does.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from .. import protocol as p
+from ..errors import JobError
+
+log = logging.getLogger(__name__)
+
+#: Same user error at the same unit this many times: the job fails with it (no crash loop).
+USER_ERROR_LIMIT = 3
+#: Committed steps after which a worker counts as training steadily: its slot's backoff resets.
+STEADY_STEPS = 20
+
+
+class WorkerState(enum.Enum):
+    """Where a worker is in its life: STARTING -> READY -> MEMBER -> DONE, or GONE from any."""
+
+    STARTING = "starting"  # started or connected, setting up
+    READY = "ready"  # set up, waiting to enter a generation
+    MEMBER = "member"  # in the current generation
+    DONE = "done"  # finished the schedule as a member
+    GONE = "gone"  # lost, refused or stopped; its messages are ignored
+
+
+# -- commands -------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Send:
+    """Send ``message`` to worker ``worker_id``."""
+
+    worker_id: int
+    message: p.DriverMessage
+
+
+@dataclasses.dataclass(frozen=True)
+class Kill:
+    """Make sure the process of a lost worker is dead (a frozen one cannot come back half-alive)."""
+
+    worker_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """Start a new worker process with id ``worker_id`` on local device slot ``slot``."""
+
+    slot: int
+    worker_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Settle:
+    """Settle the step reports of generations up to ``upto_generation``: steps below
+    ``resume_unit`` were committed, the others will be redone."""
+
+    resume_unit: int
+    upto_generation: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Formed:
+    """Generation ``generation`` formed (for the metrics log and the driver's log)."""
+
+    generation: int
+    members: tuple[int, ...]
+    reason: str
+    resume_unit: int
+    source_rank: int
+    checkpoint: str | None
+
+
+Command = Send | Kill | Start | Settle | Formed
+
+
+class Checkpoints(Protocol):
+    """What membership asks of the run's checkpoints (``driver.checkpoints.CheckpointBook``)."""
+
+    def restore_point(self, unit: int) -> Path | None:
+        """This run's complete checkpoint of ``unit``, or None."""
+
+    def has_any(self) -> bool:
+        """Whether this run has a complete checkpoint at all."""
+
+    def settings(self, restore: Path | None) -> p.CheckpointSettings:
+        """The checkpoint settings sent with a generation."""
+
+
+@dataclasses.dataclass
+class WorkerRecord:
+    """What membership knows of one worker."""
+
+    slot: int | None  # local device slot, None for a worker started by hand
+    last_seen: float
+    state: WorkerState = WorkerState.STARTING
+    steps: int = 0  # steps reported while a member
+    attempt: int = 1  # its latest Ready's attempt number
+    done_unit: int = -1  # next_unit when it finished
+
+
+@dataclasses.dataclass
+class _Change:
+    """A generation ending: why, since when, and how far each member got."""
+
+    reason: str
+    started: float
+    reports: dict[int, int] = dataclasses.field(default_factory=dict)  # worker id -> next_unit
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """The bounds membership enforces (seconds, except ``max_workers``)."""
+
+    max_workers: int  # engines_number: local device slots, and the most members at once
+    total_units: int  # the schedule's length
+    heartbeat: float
+    recovery: float
+    start: float
+    replace_workers: bool = True
+
+
+class Membership:
+    """The membership state machine of one job. Every public method is an event and returns
+    the commands it causes; an unrecoverable state raises (``JobError`` or the user's error)."""
+
+    def __init__(self, limits: Limits, checkpoints: Checkpoints, log_tail: Callable[[list[int]], str]) -> None:
+        self.limits, self.checkpoints, self._log_tail = limits, checkpoints, log_tail
+        self.workers: dict[int, WorkerRecord] = {}
+        self.generation = -1
+        self.members: list[int] = []
+        self.committed_unit = 0  # every unit below this is committed
+        self.finishing = False
+        self.final_from = -1
+        self._change: _Change | None = None
+        self._started = 0.0
+        self._finish_started = 0.0
+        self._aborted_generation = -1
+        self._user_errors: collections.Counter[tuple[str, int]] = collections.Counter()
+        self._last_user_error: BaseException | None = None
+        self._slot_failures: collections.Counter[int] = collections.Counter()
+        self._replacements: list[tuple[float, int]] = []  # (when, slot)
+        self._next_id = limits.max_workers
+        self._id_lock = threading.Lock()  # the control server's reader threads assign ids too
+
+    # -- queries ----------------------------------------------------------------------------
+    def state(self, worker_id: int) -> WorkerState:
+        return self.workers[worker_id].state
+
+    def alive(self) -> list[int]:
+        return [w for w, r in self.workers.items() if r.state is not WorkerState.GONE]
+
+    def allocate_id(self) -> int:
+        """A fresh worker id (thread-safe: hand-started workers get theirs on connecting)."""
+        with self._id_lock:
+            self._next_id += 1
+            return self._next_id - 1
+
+    def _in(self, *states: WorkerState) -> list[int]:
+        return [w for w, r in self.workers.items() if r.state in states]
+
+    # -- events -----------------------------------------------------------------------------
+    def start(self, now: float) -> list[Command]:
+        """The job starts: one worker per slot."""
+        self._started = now
+        for slot in range(self.limits.max_workers):
+            self.workers[slot] = WorkerRecord(slot=slot, last_seen=now)
+        return [Start(slot, slot) for slot in range(self.limits.max_workers)]
+
+    def seen(self, worker_id: int, now: float) -> bool:
+        """Any message from ``worker_id`` arrived; False when it is gone (ignore the message).
+        A worker started by hand is first known here."""
+        record = self.workers.get(worker_id)
+        if record is None:
+            record = self.workers[worker_id] = WorkerRecord(slot=None, last_seen=now)
+        record.last_seen = now
+        return record.state is not WorkerState.GONE
+
+    def slot_of(self, worker_id: int) -> int | None:
+        return self.workers[worker_id].slot
+
+    def ready(self, worker_id: int, attempt: int, now: float) -> list[Command]:
+        """The worker is set up and asks to enter a generation."""
+        record = self.workers[worker_id]
+        record.attempt = attempt
+        commands: list[Command] = []
+        if record.state is WorkerState.MEMBER and worker_id in self.members:
+            # Its pull failed: the members may be blocked waiting for it in this generation.
+            self._begin_change(f"worker {worker_id} failed to enter generation {self.generation}", now)
+            commands += self._abort_members()
+        taken = [w for w in self._in(WorkerState.MEMBER, WorkerState.READY, WorkerState.DONE) if w != worker_id]
+        if len(taken) >= self.limits.max_workers or self.finishing:
+            log.info("worker %d refused: already %d workers (engines_number)", worker_id, len(taken))
+            record.state = WorkerState.GONE
+            return [*commands, Send(worker_id, p.Stop())]
+        record.state = WorkerState.READY
+        if self.generation < 0:
+            if not self._in(WorkerState.STARTING):
+                commands += self._form_generation("start")
+        elif self._change is None:
+            self._begin_change(f"worker {worker_id} joins", now)
+            commands += [Send(m, p.JoinPending(self.generation + 1)) for m in self.members]
+        return commands
+
+    def step_reported(self, worker_id: int) -> None:
+        self.workers[worker_id].steps += 1
+
+    def committed(self, unit: int) -> None:
+        """Progress committed every unit below ``unit``: training moved on."""
+        self.committed_unit = max(self.committed_unit, unit)
+        self._last_user_error = None  # an earlier error is not this run's cause any more
+        for member in self.members:
+            record = self.workers[member]
+            if record.slot is not None and record.steps >= STEADY_STEPS:
+                self._slot_failures[record.slot] = 0  # a slot that trains steadily starts its backoff afresh
+
+    def left(self, worker_id: int, message: p.LeftGeneration, now: float) -> list[Command]:
+        """A member left its generation (a voted switch, or a failed collective)."""
+        if message.generation != self.generation or worker_id not in self.members:
+            return []
+        commands: list[Command] = []
+        reason = message.reason or ("failed" if message.failed else "switch")
+        self._begin_change(f"worker {worker_id}: {reason}", now)
+        if message.failed:
+            commands += self._abort_members()  # peers may be blocked in a collective this worker left
+        if message.next_unit >= 0:
+            assert self._change is not None
+            self._change.reports[worker_id] = message.next_unit
+        return commands
+
+    def finished(self, worker_id: int, next_unit: int) -> None:
+        """The worker ran the schedule to its end."""
+        record = self.workers[worker_id]
+        record.state, record.done_unit = WorkerState.DONE, next_unit
+        if self._change is not None:
+            self._change.reports[worker_id] = next_unit
+
+    def user_error(self, worker_id: int, exc: BaseException, signature: str, now: float) -> list[Command]:
+        """The worker raised ``exc`` in user code (``signature``: its traceback's last line).
+
+        The same error at the same unit ``USER_ERROR_LIMIT`` times, or on every peer at once,
+        is the user's: it is raised. A worker failing while setting up has no unit; then its
+        peers are all the slots."""
+        member = worker_id in self.members and self.workers[worker_id].state is WorkerState.MEMBER
+        key = (signature, self.committed_unit if member else -1)
+        self._user_errors[key] += 1
+        self._last_user_error = exc
+        peers = len(self.members) if member else self.limits.max_workers
+        if self._user_errors[key] >= min(USER_ERROR_LIMIT, peers):
+            raise exc
+        return self.lost(worker_id, f"error: {str(exc)[:200]}", now)
+
+    def process_exited(self, worker_id: int, code: int, now: float) -> list[Command]:
+        """A local worker process ended (a clean exit at the end is no loss)."""
+        if self.workers[worker_id].state is WorkerState.GONE or (code == 0 and self.finishing):
+            return []
+        return self.lost(worker_id, f"process exited with code {code}", now)
+
+    def lost(self, worker_id: int, reason: str, now: float) -> list[Command]:
+        """The worker is gone: its process died, its link closed, it froze or it failed."""
+        record = self.workers[worker_id]
+        if record.state is WorkerState.GONE:
+            return []
+        was_member = record.state in (WorkerState.MEMBER, WorkerState.DONE) and worker_id in self.members
+        record.state = WorkerState.GONE
+        log.warning("worker %d lost: %s", worker_id, reason)
+        commands: list[Command] = [Kill(worker_id)]
+        if self.finishing and worker_id == self.final_from:
+            commands += self._request_final()
+        if record.slot is not None and self.limits.replace_workers and not self.finishing:
+            self._slot_failures[record.slot] += 1
+            delay = min(30.0, 2.0 ** (self._slot_failures[record.slot] - 1))
+            self._replacements.append((now + delay, record.slot))
+        if was_member and not self.finishing:
+            self._begin_change(f"worker {worker_id} lost: {reason}", now)
+            commands += self._abort_members()
+        return commands
+
+    def tick(self, now: float) -> list[Command]:
+        """Time passed: silent workers, due replacements, a change to complete, the end, deadlines."""
+        commands: list[Command] = []
+        for worker_id in self._in(WorkerState.READY, WorkerState.MEMBER, WorkerState.DONE):
+            silent = now - self.workers[worker_id].last_seen
+            if silent > self.limits.heartbeat:
+                commands += self.lost(worker_id, f"no heartbeat for {silent:.1f} s (EDT_HEARTBEAT_TIME_OUT)", now)
+        commands += self._start_replacements(now)
+        if self._change is not None:
+            commands += self._try_complete_change(now)
+        members_done = self.members and all(self.workers[m].state is WorkerState.DONE for m in self.members)
+        if not self.finishing and self.generation >= 0 and members_done:
+            self.finishing, self._finish_started = True, now
+            commands += self._request_final()
+        if self.finishing and now - self._finish_started > self.limits.recovery:
+            raise JobError(f"no final state from worker {self.final_from} within {self.limits.recovery:.0f} s")
+        if self.generation < 0:
+            if self._in(WorkerState.READY) and not self._in(WorkerState.STARTING):
+                commands += self._form_generation("start")  # the others failed to start: go without them
+            elif now - self._started > self.limits.start:
+                commands += self._start_deadline()
+        return commands
+
+    # -- internals --------------------------------------------------------------------------
+    def _start_replacements(self, now: float) -> list[Command]:
+        commands: list[Command] = []
+        for when, slot in list(self._replacements):
+            if now >= when and len(self.alive()) < self.limits.max_workers and not self.finishing:
+                self._replacements.remove((when, slot))
+                worker_id = self.allocate_id()
+                self.workers[worker_id] = WorkerRecord(slot=slot, last_seen=now)
+                commands.append(Start(slot, worker_id))
+        return commands
+
+    def _start_deadline(self) -> list[Command]:
+        """The start bound passed: go with the ready workers, or fail naming the missing ones."""
+        if not self._in(WorkerState.READY):
+            missing = self._in(WorkerState.STARTING)
+            raise JobError(
+                f"no worker became ready within {self.limits.start:.0f} s (EDT_START_TIME_OUT). "
+                f"Their logs:\n" + self._log_tail(missing)
+            )
+        return self._form_generation("start")
+
+    def _begin_change(self, reason: str, now: float) -> None:
+        if self._change is None:
+            log.info("generation %d ending: %s", self.generation, reason)
+            self._change = _Change(reason, now)
+
+    def _abort_members(self) -> list[Command]:
+        """Tell the members to give up this generation's collectives (once per generation)."""
+        if self._aborted_generation == self.generation:
+            return []
+        self._aborted_generation = self.generation
+        return [Send(m, p.Abort(self.generation)) for m in self._in(WorkerState.MEMBER) if m in self.members]
+
+    def _try_complete_change(self, now: float) -> list[Command]:
+        change = self._change
+        assert change is not None
+        # Members still heartbeating are busy (a long step, a validation); they report at their
+        # next micro-batch or collective. Silent ones are removed by the heartbeat check.
+        if any(self.workers[m].state is WorkerState.MEMBER and m not in change.reports for m in self.members):
+            return []
+        reports = {w: u for w, u in change.reports.items() if self.workers[w].state is not WorkerState.GONE}
+        reports.update({w: self.workers[w].done_unit for w in self.members if self.state(w) is WorkerState.DONE})
+        total = self.limits.total_units
+        if reports and max(reports.values()) >= total:  # some finished: the others are not needed
+            self.members = [w for w in self.members if self.workers[w].done_unit >= total]
+            self._change = None
+            self.finishing, self._finish_started = True, now
+            return [Settle(total, self.generation), *self._request_final()]
+        if not reports:
+            return self._without_holders(change, now)
+        return self._form_generation(change.reason, reports)
+
+    def _without_holders(self, change: _Change, now: float) -> list[Command]:
+        """No member holds the state: go on from a checkpoint of it, with whoever becomes ready."""
+        if self.committed_unit > 0 and self.checkpoints.restore_point(self.committed_unit) is None:
+            hint = (
+                "resume from the newest checkpoint with train(..., resume=True)" if self.checkpoints.has_any() else ""
+            )
+            raise self._last_user_error or JobError(
+                f"every worker holding the training state was lost ({change.reason}) and no checkpoint "
+                f"holds the last committed step; {hint or 'the run has no checkpoint to go on from'}"
+            )
+        if not self._in(WorkerState.READY):
+            waited = now - change.started
+            if (not self._replacements and not self._in(WorkerState.STARTING)) or waited > self.limits.recovery:
+                raise self._last_user_error or JobError(
+                    f"no worker left and none became ready in {waited:.0f} s ({change.reason})"
+                )
+            return []  # wait for a replacement (started or due) to become ready
+        return self._form_generation(change.reason, {})
+
+    def _form_generation(self, reason: str, reports: dict[int, int] | None = None) -> list[Command]:
+        reports = reports or {}
+        survivors = [m for m in self.members if m in reports]
+        room = self.limits.max_workers - len(survivors)
+        newcomers = [w for w in self._in(WorkerState.READY) if w not in survivors][: max(0, room)]
+        resume = max(reports.values()) if reports else self.committed_unit
+        holders = [m for m in survivors if reports[m] == resume]
+        members = survivors + newcomers
+        needs_state = bool(survivors) and (bool(newcomers) or len(holders) < len(survivors))
+        source = members.index(holders[0]) if needs_state else -1
+        # Nobody holds the state past the start: every member loads the checkpoint of `resume`.
+        restore = self.checkpoints.restore_point(resume) if not survivors and resume > 0 else None
+        if not survivors and resume > 0 and restore is None:
+            raise JobError(f"no worker holds the state of unit {resume} and no checkpoint does")
+        settings = self.checkpoints.settings(restore)
+        self.generation += 1
+        self.members, self._change = members, None
+        commands: list[Command] = [Settle(resume, self.generation - 1)]
+        for rank, worker_id in enumerate(members):
+            record = self.workers[worker_id]
+            record.state = WorkerState.MEMBER
+            message = p.EnterGeneration(self.generation, rank, len(members), resume, source, settings, record.attempt)
+            commands.append(Send(worker_id, message))
+        checkpoint = restore.name if restore is not None else None
+        commands.append(Formed(self.generation, tuple(members), reason, resume, source, checkpoint))
+        return commands
+
+    def _request_final(self) -> list[Command]:
+        """Ask one finished, live member for the final state."""
+        total = self.limits.total_units
+        finished = [
+            w for w in self.members if self.workers[w].done_unit >= total and self.state(w) is not WorkerState.GONE
+        ]
+        if not finished:
+            raise JobError("training ended, but every finished replica was lost before sending the final state")
+        self.final_from = finished[0]
+        return [Send(finished[0], p.SendFinalState())]

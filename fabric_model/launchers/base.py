@@ -1,0 +1,39 @@
+"""The launcher interface: how the driver starts, watches and stops worker processes.
+
+The driver knows workers by id only; where their processes run is the launcher's business
+(local processes today, Ray actors or hand-started workers on other hosts later). See
+docs/architecture.md, "Processes".
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+
+
+class Launcher(abc.ABC):
+    """Starts and supervises the worker processes of one job; ``stop_all`` leaves none running."""
+
+    @abc.abstractmethod
+    def start(self, worker_id: int, device: str | None) -> None:
+        """Start worker ``worker_id`` on ``device``; it connects to the driver by itself."""
+
+    @abc.abstractmethod
+    def exited(self) -> Mapping[int, int]:
+        """Worker ids whose process has ended, with their exit codes."""
+
+    @abc.abstractmethod
+    def kill(self, worker_id: int) -> None:
+        """Kill worker ``worker_id`` at once (it may be frozen); no-op if it is not ours or already dead."""
+
+    @abc.abstractmethod
+    def wait_all(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for every worker to exit by itself; whether all did."""
+
+    @abc.abstractmethod
+    def stop_all(self, timeout: float) -> None:
+        """Stop every worker: ask, then kill those still alive after ``timeout`` seconds."""
+
+    @abc.abstractmethod
+    def log_tail(self, worker_id: int, lines: int = 30) -> str:
+        """The last ``lines`` lines of the worker's output, for error messages."""

@@ -1,0 +1,84 @@
+"""The worker's side of the control channel: a reader thread and a heartbeat thread.
+
+The worker must not outlive its driver: when the control connection drops there is nobody to
+report to and nothing to train for, so the process exits at once. Two driver messages are
+not queued but recorded as flags the training loop polls: :class:`~fabric_model.protocol.JoinPending`
+(read at step boundaries, voted on inside the step's allreduce) and
+:class:`~fabric_model.protocol.Abort` (checked between micro-batches and between the wait
+slices of a collective). See docs/architecture.md, "Elasticity".
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import threading
+import time
+from typing import Any, TypeVar
+
+from .. import protocol as p
+from ..control import Channel
+
+M = TypeVar("M")
+
+
+class Inbox:
+    """Reads the driver's messages on a thread; a closed link or :class:`~fabric_model.protocol.Stop`
+    ends the process."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self._messages: queue.Queue[Any] = queue.Queue()
+        self.pending_generation = -1  # written by the reader thread only
+        self.abort_generation = -1  # likewise: collectives of this generation and older give up
+        threading.Thread(target=self._run, name="fabric-inbox", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                message = self.channel.recv()
+                if isinstance(message, p.Stop):
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(0)
+                elif isinstance(message, p.JoinPending):
+                    self.pending_generation = max(self.pending_generation, message.generation)
+                elif isinstance(message, p.Abort):
+                    self.abort_generation = max(self.abort_generation, message.generation)
+                else:
+                    self._messages.put(message)
+        except (EOFError, OSError):
+            os._exit(3)
+
+    def expect(self, kind: type[M], timeout: float) -> M:
+        """The driver's next queued message, which must be a ``kind``; ``TimeoutError`` after ``timeout`` s."""
+        try:
+            message = self._messages.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no {kind.__name__} message from the driver within {timeout:.0f} s") from None
+        if not isinstance(message, kind):
+            raise RuntimeError(f"expected {kind.__name__} from the driver, received {type(message).__name__}")
+        return message
+
+    def aborted(self, generation: int) -> bool:
+        """Whether the driver told the members of ``generation`` to give up its collectives."""
+        return self.abort_generation >= generation
+
+
+class Heartbeat:
+    """Tells the driver this process is alive, from a thread (a frozen process goes silent).
+
+    The interval can change once the job arrives with the driver's heartbeat bound."""
+
+    def __init__(self, channel: Channel, interval: float) -> None:
+        self.channel, self.interval = channel, interval
+        threading.Thread(target=self._run, name="fabric-heartbeat", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.interval)
+            try:
+                self.channel.send(p.Heartbeat())
+            except (OSError, EOFError):
+                return

@@ -1,0 +1,219 @@
+"""The membership state machine, driven in-process: events in, commands out, no processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fabric_model import protocol as p
+from fabric_model.driver.membership import (
+    USER_ERROR_LIMIT,
+    Formed,
+    Kill,
+    Limits,
+    Membership,
+    Send,
+    Settle,
+    Start,
+    WorkerState,
+)
+from fabric_model.errors import JobError
+
+HEARTBEAT, RECOVERY, START = 10.0, 120.0, 120.0
+
+
+class FakeCheckpoints:
+    """The run's complete checkpoints, by unit, without files."""
+
+    def __init__(self, units: tuple[int, ...] = ()) -> None:
+        self.units = set(units)
+
+    def restore_point(self, unit: int) -> Path | None:
+        return Path(f"ckpt-unit-{unit:08d}.pt") if unit in self.units else None
+
+    def has_any(self) -> bool:
+        return bool(self.units)
+
+    def settings(self, restore: Path | None) -> p.CheckpointSettings:
+        return p.CheckpointSettings(
+            "checkpoints", "torch", max(self.units, default=-1), str(restore) if restore else None
+        )
+
+
+def machine(workers: int = 2, checkpoints: tuple[int, ...] = (), replace: bool = True) -> Membership:
+    limits = Limits(
+        workers, total_units=100, heartbeat=HEARTBEAT, recovery=RECOVERY, start=START, replace_workers=replace
+    )
+    return Membership(limits, FakeCheckpoints(checkpoints), log_tail=lambda ids: f"logs of {ids}")
+
+
+def sent(commands, kind) -> dict[int, object]:
+    return {c.worker_id: c.message for c in commands if isinstance(c, Send) and isinstance(c.message, kind)}
+
+
+def formed(commands) -> Formed:
+    (record,) = [c for c in commands if isinstance(c, Formed)]
+    return record
+
+
+def started(workers: int = 2, **kwargs) -> Membership:
+    """A machine whose first generation has formed with every slot, at t=0."""
+    m = machine(workers, **kwargs)
+    m.start(0.0)
+    for w in range(workers):
+        m.seen(w, 0.0)
+        m.ready(w, 1, 0.0)
+    return m
+
+
+def test_start_forms_the_first_generation_once_every_worker_is_ready():
+    m = machine(2)
+    assert m.start(0.0) == [Start(0, 0), Start(1, 1)]
+    assert m.ready(0, 1, 0.5) == []  # worker 1 is still starting
+    commands = m.ready(1, 1, 0.6)
+    entered = sent(commands, p.EnterGeneration)
+    assert {w: (g.generation, g.rank, g.world_size, g.resume_unit, g.source_rank) for w, g in entered.items()} == {
+        0: (0, 0, 2, 0, -1),
+        1: (0, 1, 2, 0, -1),
+    }
+    assert commands[0] == Settle(0, -1)  # nothing to settle, but before anyone enters
+    assert formed(commands).reason == "start"
+    assert m.generation == 0 and m.members == [0, 1]
+    assert m.state(0) is WorkerState.MEMBER
+
+
+def test_start_deadline_goes_with_the_ready_workers_or_fails_with_their_logs():
+    m = machine(2)
+    m.start(0.0)
+    with pytest.raises(JobError, match=r"(?s)no worker became ready within 120 s.*logs of \[0, 1\]"):
+        m.tick(START + 1)
+    m = machine(2)
+    m.start(0.0)
+    m.ready(0, 1, 1.0)
+    m.seen(0, START + 1)  # heartbeats while it waits
+    commands = m.tick(START + 1)
+    assert formed(commands).members == (0,) and m.members == [0]
+
+
+def test_a_member_lost_mid_step_aborts_the_others_and_the_survivors_resume_where_they_got():
+    m = started(3)
+    m.committed(7)
+    commands = m.lost(1, "process exited with code -9", 5.0)
+    assert Kill(1) in commands
+    assert sent(commands, p.Abort) == {0: p.Abort(0), 2: p.Abort(0)}
+    assert m.tick(5.1) == []  # the survivors have not reported yet
+    m.left(0, p.LeftGeneration(0, 8, failed=True, reason="allreduce failed"), 5.2)
+    assert m.tick(5.3) == []
+    commands = m.left(2, p.LeftGeneration(0, 7, failed=True, reason="allreduce failed"), 5.4)
+    assert sent(commands, p.Abort) == {}  # once per generation
+    commands = m.tick(5.5)
+    entered = sent(commands, p.EnterGeneration)
+    # Worker 0 got one step further (its allreduce completed): the others take its state.
+    assert {w: (g.rank, g.world_size, g.resume_unit, g.source_rank) for w, g in entered.items()} == {
+        0: (0, 2, 8, 0),
+        2: (1, 2, 8, 0),
+    }
+    assert commands[0] == Settle(8, 0)
+
+
+def test_a_lost_local_worker_is_replaced_after_a_backoff():
+    m = started(2)
+    m.lost(1, "process exited with code 1", 10.0)
+    assert not [c for c in m.tick(10.5) if isinstance(c, Start)]
+    assert [c for c in m.tick(11.1) if isinstance(c, Start)] == [Start(1, 2)]  # slot 1, a new id
+    assert m.state(2) is WorkerState.STARTING
+
+
+def test_a_frozen_member_is_removed_after_the_heartbeat_bound():
+    m = started(2)
+    m.seen(0, 9.0)  # worker 0 keeps talking, worker 1 went silent at t=0
+    commands = m.tick(HEARTBEAT + 0.5)
+    assert Kill(1) in commands and sent(commands, p.Abort) == {0: p.Abort(0)}
+    assert m.state(1) is WorkerState.GONE and m.state(0) is WorkerState.MEMBER
+
+
+def test_a_join_is_voted_and_the_newcomer_pulls_the_state():
+    m = machine(2, replace=False)
+    m.start(0.0)
+    m.ready(0, 1, 0.0)
+    m.lost(1, "process exited with code 1", 0.5)  # slot 1 failed to start
+    m.tick(1.0)
+    assert m.members == [0]
+    m.seen(7, 20.0)  # a worker started by hand
+    commands = m.ready(7, 1, 20.0)
+    assert sent(commands, p.JoinPending) == {0: p.JoinPending(1)}
+    m.seen(0, 21.0)
+    commands = m.left(0, p.LeftGeneration(0, 30, failed=False, reason="switch"), 21.0)
+    assert sent(commands, p.Abort) == {}  # a voted switch aborts nothing
+    entered = sent(m.tick(21.1), p.EnterGeneration)
+    assert {w: (g.rank, g.resume_unit, g.source_rank) for w, g in entered.items()} == {0: (0, 30, 0), 7: (1, 30, 0)}
+
+
+def test_a_join_beyond_engines_number_is_refused():
+    m = started(2)
+    m.seen(9, 3.0)
+    assert m.ready(9, 1, 3.0) == [Send(9, p.Stop())]
+    assert m.state(9) is WorkerState.GONE
+    assert m.seen(9, 3.1) is False  # its later messages are ignored
+
+
+def test_every_holder_lost_without_a_checkpoint_fails_the_job():
+    m = started(2)
+    m.committed(12)
+    m.lost(0, "process exited with code -9", 5.0)
+    m.lost(1, "process exited with code -9", 5.0)
+    with pytest.raises(JobError, match="every worker holding the training state was lost"):
+        m.tick(5.1)
+
+
+def test_every_holder_lost_with_a_checkpoint_goes_on_from_it():
+    m = started(2, checkpoints=(12,))
+    m.committed(12)
+    m.lost(0, "process exited with code -9", 5.0)
+    m.lost(1, "process exited with code -9", 5.0)
+    assert m.tick(5.1) == []  # waiting for the replacements
+    replacements = [c for c in m.tick(6.1) if isinstance(c, Start)]
+    assert [c.slot for c in replacements] == [0, 1]
+    commands = []
+    for c in replacements:
+        m.seen(c.worker_id, 8.0)
+        commands += m.ready(c.worker_id, 1, 8.0)
+    commands += m.tick(8.1)
+    entered = sent(commands, p.EnterGeneration)
+    assert len(entered) == 2
+    assert all(g.resume_unit == 12 and g.source_rank == -1 for g in entered.values())
+    assert all(g.checkpoint.restore == "ckpt-unit-00000012.pt" for g in entered.values())
+    assert formed(commands).checkpoint == "ckpt-unit-00000012.pt"
+
+
+def test_the_same_user_error_three_times_fails_the_job_with_it():
+    m = started(4)
+    m.committed(5)
+    error = ValueError("bad batch")
+    for worker in range(USER_ERROR_LIMIT - 1):
+        commands = m.user_error(worker, error, "ValueError: bad batch", 3.0)
+        assert Kill(worker) in commands
+    with pytest.raises(ValueError, match="bad batch"):
+        m.user_error(USER_ERROR_LIMIT - 1, error, "ValueError: bad batch", 3.0)
+
+
+def test_a_user_error_on_every_worker_at_once_fails_at_once():
+    m = started(2)
+    error = KeyError("label")
+    m.user_error(0, error, "KeyError: 'label'", 1.0)
+    with pytest.raises(KeyError):
+        m.user_error(1, error, "KeyError: 'label'", 1.0)
+
+
+def test_the_end_asks_one_finished_replica_for_the_final_state_and_another_if_it_is_lost():
+    m = started(2)
+    m.finished(0, 100)
+    assert sent(m.tick(1.0), p.SendFinalState) == {}
+    m.finished(1, 100)
+    assert sent(m.tick(1.1), p.SendFinalState) == {0: p.SendFinalState()}
+    assert sent(m.lost(0, "connection lost", 1.2), p.SendFinalState) == {1: p.SendFinalState()}
+    late = 1.1 + RECOVERY + 1
+    m.seen(1, late)  # alive, but its final state never comes
+    with pytest.raises(JobError, match="no final state from worker 1"):
+        m.tick(late)

@@ -3,37 +3,32 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
-import secrets
 import shutil
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
-
-import cloudpickle
+from typing import TYPE_CHECKING, Any
 
 # Light modules only: `import fabric_model` must not import torch (and so torch.distributed).
 # The framework, checkpoints and the driver are imported inside the functions that use them.
-from . import compat
+from . import checkpoint, compat
 from . import validation as v
-from .callbacks import Callback, ProgressBar
-from .config import EngineSizing, TrainConfig, get_timeout, local_device_count, size_engines, threads_per_worker
-from .data import is_batch_level
+from .callbacks import Callback
+from .config import EngineSizing, Timeouts, TrainConfig, local_device_count, threads_per_worker
+from .hooks import Hooks
 from .job import Job
 from .plan import Plan
+from .progress import ProgressBar
+from .run_setup import LoopOptions, check_train_arguments, serialize_job, size_run
+from .rundir import RunDirectory
 
 if TYPE_CHECKING:
+    from .driver.driver import DriverSetup
     from .frameworks.base import Framework, FrameworkAdapter
 
 log = logging.getLogger(__name__)
-
-#: How many of the newest checkpoints ``train`` keeps: ``checkpoint.DEFAULT_KEEP``, written out
-#: here because importing checkpoint imports torch.
-_DEFAULT_KEEP_CHECKPOINTS = 3
 
 
 @dataclasses.dataclass
@@ -57,30 +52,6 @@ class TrainResult:
     seed: int
     replica_digests: dict[int, str]
     onnx_max_diff: float | None = None
-
-
-class _Loop(NamedTuple):
-    """``train``'s knobs of the loop, as given (checked by ``_check_train_arguments``)."""
-
-    num_dataloader_threads: Any
-    validation_freq: Any
-    checkpoint_freq: Any
-    keep_checkpoints: Any
-
-
-@dataclasses.dataclass
-class _Prepared:
-    """What ``train`` hands the driver: the checked data, the job as shipped, the run's configuration."""
-
-    train_set: Any
-    test_set: Any
-    adapter: FrameworkAdapter
-    payload: bytes
-    config: TrainConfig
-    plan: Plan
-    gpus: int
-    devices: list[str | None]
-    resumed: Any
 
 
 class FabricModel:
@@ -130,7 +101,7 @@ class FabricModel:
         worker_logger: Any = None,
         enable_onnx: bool | None = None,
     ) -> None:
-        # IBM's keyword names (compat.CONSTRUCTOR_ALIASES).
+        # IBM's keyword names are aliases of ours (compat.pick).
         driver_logger_callback = compat.pick(
             "driver_logger_callback", driver_logger_callback, "driver_logger", driver_logger
         )
@@ -170,7 +141,7 @@ class FabricModel:
         seed: int | None = None,
         run_dir: str | os.PathLike[str] | None = None,
         resume: bool = False,
-        keep_checkpoints: int = _DEFAULT_KEEP_CHECKPOINTS,
+        keep_checkpoints: int = checkpoint.DEFAULT_KEEP,
         worker_memory: Any = None,
         driver_memory: Any = None,
     ) -> TrainResult:
@@ -200,60 +171,40 @@ class FabricModel:
             worker_memory, driver_memory: accepted for scripts written for IBM's FabricModel,
                 and ignored: memory is not capped (a note is logged).
         """
-        prep = self._prepare(
-            epoch_number,
-            batch_size,
-            engines_number,
-            effective_batch_size,
-            _Loop(num_dataloader_threads, validation_freq, checkpoint_freq, keep_checkpoints),
-            seed,
-            run_dir,
-            resume,
-            {"worker_memory": worker_memory, "driver_memory": driver_memory},
+        loop = LoopOptions(num_dataloader_threads, validation_freq, checkpoint_freq, keep_checkpoints)
+        ignored = {"worker_memory": worker_memory, "driver_memory": driver_memory}
+        setup, adapter, train_set = self._prepare(
+            epoch_number, batch_size, engines_number, effective_batch_size, loop, seed, run_dir, resume, ignored
         )
-        payload, config, plan, adapter, test_set = prep.payload, prep.config, prep.plan, prep.adapter, prep.test_set
-        gpus, devices, sizing, resumed = prep.gpus, prep.devices, prep.config.sizing, prep.resumed
-        directory = _run_directory(run_dir)
-        _write_run_record(directory, config, plan, self.framework)
-        logger = compat.adapt_logger(self.driver_logger_callback, in_worker=False) or ProgressBar(
-            epoch_number, plan.steps_per_epoch, plan.global_batch
+        run = _open_run(run_dir, setup)
+        plan = setup.plan
+        hooks = Hooks.for_driver(
+            self.driver_logger_callback, ProgressBar(epoch_number, plan.steps_per_epoch, plan.global_batch)
         )
-
         from .driver.driver import Driver  # torch.distributed is imported only once training starts
 
-        driver = Driver(
-            payload,
-            config,
-            plan,
-            test_set is not None,
-            adapter.stat_names,
-            directory,
-            devices,
-            threads_per_worker(1 if gpus else sizing.max_workers),
-            logger,
-            framework=self.framework,
-            keep_checkpoints=keep_checkpoints,
-            resume=resumed,
-        )
+        driver = Driver(setup, run, hooks)
         final = driver.run()
-        onnx_diff = self._finish(final, adapter, prep.train_set, directory, logger)
-        self.run_dir = directory
+        onnx_diff = self._finish(final, adapter, train_set, run, hooks)
+        self.run_dir = run.path
         return TrainResult(
-            directory, driver.train_history, driver.test_history, config.seed, driver.replica_digests, onnx_diff
+            run.path, driver.train_history, driver.test_history, plan.seed, driver.replica_digests, onnx_diff
         )
 
     def _finish(
-        self, final: Any, adapter: FrameworkAdapter, train_set: Any, directory: Path, logger: Any
+        self, final: Any, adapter: FrameworkAdapter, train_set: Any, run: RunDirectory, hooks: Hooks
     ) -> float | None:
         """The trained state into the user's model and optimizer, the model saved (and exported)."""
         framework = self._framework
         framework.load_final_state(adapter, final.model_state, final.optimizer_state)
-        framework.save_model(directory / "model", self.model, final.model_state)
+        framework.save_model(run.model, self.model, final.model_state)
         if not self.save_to_onnx:
             return None
-        onnx_diff = _export_onnx(framework, self.model, adapter, train_set, directory)
-        if onnx_diff is not None and isinstance(logger, ProgressBar):  # the default logger shows it
-            logger.note(f"model/model.onnx written; onnxruntime vs {self.framework}: max abs diff {onnx_diff:.3g}")
+        from .export import export_final_model
+
+        onnx_diff = export_final_model(framework, self.model, adapter, train_set, run)
+        if onnx_diff is not None:  # the progress display shows it (a user's logger may take note() too)
+            hooks.note(f"model/model.onnx written; onnxruntime vs {self.framework}: max abs diff {onnx_diff:.3g}")
         return onnx_diff
 
     def download(self, out_dir: str | os.PathLike[str] | None = None) -> str:
@@ -272,46 +223,31 @@ class FabricModel:
         batch_size: int,
         engines_number: int | None,
         effective_batch_size: int | None,
-        loop: _Loop,
+        loop: LoopOptions,
         seed: int | None,
         run_dir: str | os.PathLike[str] | None,
         resume: bool,
         ignored: dict[str, Any],
-    ) -> _Prepared:
-        """Check ``train``'s arguments and the data, size the run, draw its seed, serialize the job."""
-        from . import checkpoint  # imports torch: only once training is asked for
+    ) -> tuple[DriverSetup, FrameworkAdapter, Any]:
+        """Check ``train``'s arguments and the data, size the run, draw its seed, serialize the job;
+        returns what the driver needs, the adapter and the training set."""
+        from .driver.driver import DriverSetup
 
-        _check_train_arguments(
+        check_train_arguments(
             epoch_number, batch_size, engines_number, effective_batch_size, loop, seed, resume, ignored
         )
         framework = self._framework
         if self.save_to_onnx:
-            _check_onnx_available(framework, self.model)  # a missing package fails now, not after training
+            from .export import check_onnx_available
+
+            check_onnx_available(framework, self.model)  # a missing package fails now, not after training
         train_set, test_set = v.check_datasets(self.get_datasets)
-        items_per_micro_batch, sizing = _size_run(train_set, batch_size, engines_number, effective_batch_size)
+        items_per_micro_batch, sizing = size_run(train_set, batch_size, engines_number, effective_batch_size)
         resumed = None
         if resume:  # the run's own seed and newest checkpoint; its plan is checked below
             resumed, seed = checkpoint.find_resume_point(run_dir, seed)
         seed = framework.draw_seed() if seed is None else seed
-        adapter = self._make_adapter()
-        first_batch = framework.first_batch(adapter, train_set)
-        payload = self._job_payload(framework.prepare_for_shipping(adapter, first_batch))
-        gpus = local_device_count()
-        devices: list[str | None] = [f"cuda:{i % gpus}" if gpus else "cpu" for i in range(sizing.max_workers)]
-        config = TrainConfig(
-            epochs=epoch_number,
-            batch_size=batch_size,
-            sizing=sizing,
-            seed=seed,
-            num_dataloader_threads=loop.num_dataloader_threads,
-            validation_freq=loop.validation_freq,
-            checkpoint_freq=loop.checkpoint_freq,
-            collective_timeout_s=get_timeout("EDT_COLLECTIVE_TIME_OUT").total_seconds(),
-            backend="nccl" if gpus else "gloo",
-        )
-        plan = Plan(
-            num_samples=len(train_set), batch_size=items_per_micro_batch, micro_batches=sizing.micro_batches, seed=seed
-        )
+        plan = Plan(len(train_set), items_per_micro_batch, sizing.micro_batches, seed)
         if resumed is not None:
             checkpoint.check_resumable(
                 resumed,
@@ -322,7 +258,22 @@ class FabricModel:
                 engines_number=engines_number,
                 effective_batch_size=effective_batch_size,
             )
-        return _Prepared(train_set, test_set, adapter, payload, config, plan, gpus, devices, resumed)
+        adapter = self._make_adapter()
+        payload = self._job_payload(framework.prepare_for_shipping(adapter, framework.first_batch(adapter, train_set)))
+        config = _train_config(epoch_number, batch_size, sizing, seed, loop)
+        setup = DriverSetup(
+            payload=payload,
+            config=config,
+            plan=plan,
+            has_test=test_set is not None,
+            stat_names=adapter.stat_names,
+            devices=_devices(sizing.max_workers),
+            threads=threads_per_worker(1 if config.backend == "nccl" else sizing.max_workers),
+            framework=self.framework,
+            keep_checkpoints=loop.keep_checkpoints,
+            resume=resumed,
+        )
+        return setup, adapter, train_set
 
     def _check_arguments(self, metrics: Any, user_callback: Any) -> tuple[list[Any], list[Any]]:
         """Check the constructor's arguments (messages name the argument); return the metrics and callbacks."""
@@ -372,142 +323,36 @@ class FabricModel:
 
     def _job_payload(self, adapter: FrameworkAdapter) -> bytes:
         """The job every worker receives, cloudpickled once."""
-        job = Job(
-            adapter,
-            self.get_datasets,
-            compat.adapt_logger(self.worker_logger_callback, in_worker=True),
-            list(self.user_callbacks),
-        )
-        try:
-            payload = cloudpickle.dumps(job)
-        except Exception as exc:
-            raise TypeError(
-                "Could not serialize the job (model, optimizer, get_datasets, loss_function, metrics, loggers) "
-                f"for the workers: {exc!r}. HINT: objects holding open files, locks or sockets cannot be sent; "
-                "create them inside get_datasets or the logger's methods instead."
-            ) from exc
-        if len(payload) > _LARGE_JOB_BYTES:
-            warnings.warn(
-                f"The job sent to each worker is {len(payload) / 2**20:,.0f} MiB. Data captured by get_datasets "
-                "(or tensors that are views of a larger tensor) travel with it. HINT: load or build the data inside "
-                "get_datasets, and .clone() tensor slices.",
-                stacklevel=4,
-            )
-        return payload
+        hooks = Hooks.for_worker(self.worker_logger_callback, self.user_callbacks)
+        return serialize_job(Job(adapter, self.get_datasets, hooks))
 
 
-_LARGE_JOB_BYTES = 256 * 2**20
-
-
-def _check_train_arguments(
-    epoch_number: Any,
-    batch_size: Any,
-    engines_number: Any,
-    effective_batch_size: Any,
-    loop: _Loop,
-    seed: Any,
-    resume: Any,
-    ignored: dict[str, Any],
-) -> None:
-    """Check ``train``'s arguments (messages name the argument); note the ignored ones."""
-    for name, value in ignored.items():
-        if value is not None:
-            log.info("%s=%r is ignored: %s", name, value, compat.IGNORED_TRAIN_KEYWORDS[name])
-    v.check_positive_int("epoch_number", epoch_number)
-    v.check_positive_int("batch_size", batch_size)
-    v.check_positive_int("engines_number", engines_number, allow_none=True)
-    v.check_positive_int("num_dataloader_threads", loop.num_dataloader_threads, minimum=0)
-    v.check_positive_int("validation_freq", loop.validation_freq)
-    v.check_positive_int("checkpoint_freq", loop.checkpoint_freq, minimum=0)
-    v.check_bool("resume", resume)
-    v.check_positive_int("keep_checkpoints", loop.keep_checkpoints)
-    v.check_effective_batch(effective_batch_size, batch_size)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise TypeError(f"Expected `seed` to be a non-negative int or None. Received: seed={seed!r}")
-
-
-def _size_run(
-    train_set: Any, batch_size: int, engines_number: int | None, effective_batch_size: int | None
-) -> tuple[int, EngineSizing]:
-    """(dataset items per micro-batch, the engines' sizing)."""
-    # A batch-level dataset (keras.utils.PyDataset) yields whole batches: the plan counts
-    # its items, each item is one micro-batch, and batch_size must be the dataset's own.
-    batch_level = is_batch_level(train_set)
-    items_per_micro_batch = 1 if batch_level else batch_size
-    if batch_level:
-        _check_batch_level(train_set, batch_size)
-    sizing = size_engines(
-        items_per_micro_batch,
-        engines_number,
-        None if effective_batch_size is None else effective_batch_size // batch_size * items_per_micro_batch,
+def _train_config(
+    epoch_number: int, batch_size: int, sizing: EngineSizing, seed: int, loop: LoopOptions
+) -> TrainConfig:
+    """What every worker is told of the run, its bounds included."""
+    return TrainConfig(
+        epochs=epoch_number,
+        batch_size=batch_size,
+        sizing=sizing,
+        seed=seed,
+        num_dataloader_threads=loop.num_dataloader_threads,
+        validation_freq=loop.validation_freq,
+        checkpoint_freq=loop.checkpoint_freq,
+        timeouts=Timeouts.from_environment(),  # read once, here; every worker gets the same bounds
+        backend="nccl" if local_device_count() else "gloo",
     )
-    return items_per_micro_batch, sizing
 
 
-def _run_directory(run_dir: str | os.PathLike[str] | None) -> Path:
-    if run_dir is not None:
-        path = Path(run_dir)
-    elif os.environ.get("RESULT_DIR"):
-        path = Path(os.environ["RESULT_DIR"])
-    else:
-        path = Path("fabric_runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
-    (path / "logs").mkdir(parents=True, exist_ok=True)
-    return path.resolve()
+def _devices(count: int) -> list[str | None]:
+    """One device per worker slot: the local GPUs round-robin, else the CPU."""
+    gpus = local_device_count()
+    return [f"cuda:{i % gpus}" if gpus else "cpu" for i in range(count)]
 
 
-def _check_onnx_available(framework: Framework, model: Any) -> None:
-    from .export import ExportError, _require
-
-    try:
-        for module in framework.onnx_requirements():
-            _require(module, framework.name, model)
-    except ExportError as exc:
-        raise ImportError(f"save_to_onnx=True needs the ONNX packages: {exc}") from None
-
-
-def _export_onnx(
-    framework: Framework, model: Any, adapter: FrameworkAdapter, train_set: Any, directory: Path
-) -> float | None:
-    """``model/model.onnx`` from the trained model, traced on the first training batch; returns
-    onnxruntime's max abs difference from the framework, also logged and written to
-    ``logs/metrics.jsonl`` as a ``type: "onnx"`` line. A failure is a warning (and such a line
-    with the error), not an exception: the trained model is already in ``model`` and ``model/``."""
-    from .export import ExportError, export_onnx
-
-    try:
-        inputs = framework.export_inputs(adapter, train_set)
-        diff = export_onnx(framework, model, inputs, directory / "model" / "model.onnx")
-    except ExportError as exc:
-        _append_log(directory, {"type": "onnx", "path": None, "error": str(exc)})
-        warnings.warn(f"save_to_onnx=True, but the ONNX export failed; no model.onnx was written. {exc}", stacklevel=4)
-        return None
-    _append_log(directory, {"type": "onnx", "path": "model/model.onnx", "max_abs_diff": diff})
-    log.info(
-        "model/model.onnx written; onnxruntime vs %s on real batches: max abs difference %.3g", framework.name, diff
-    )
-    return diff
-
-
-def _append_log(directory: Path, record: dict[str, Any]) -> None:
-    with open(directory / "logs" / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({**record, "time": time.time()}) + "\n")
-
-
-def _check_batch_level(train_set: Any, batch_size: int) -> None:
-    own = getattr(train_set, "batch_size", None)
-    if isinstance(own, int) and own != batch_size:
-        raise ValueError(
-            f"Expected `batch_size` to be the batch size of the train dataset, a {type(train_set).__name__} that "
-            f"yields whole batches of {own}. Received: batch_size={batch_size}. HINT: pass batch_size={own}; each "
-            "of its batches is one micro-batch."
-        )
-
-
-def _write_run_record(directory: Path, config: TrainConfig, plan: Plan, framework: str) -> None:
-    record = {
-        "framework": framework,
-        "config": dataclasses.asdict(config),
-        "plan": dataclasses.asdict(plan),
-        "started": time.time(),
-    }
-    (directory / "run.json").write_text(json.dumps(record, indent=2))
+def _open_run(run_dir: str | os.PathLike[str] | None, setup: DriverSetup) -> RunDirectory:
+    """The run directory, created, with ``run.json`` recording the call that started (or resumed) it."""
+    run = RunDirectory.resolve(run_dir).create()
+    config, plan = dataclasses.asdict(setup.config), dataclasses.asdict(setup.plan)
+    run.write_run_record({"framework": setup.framework, "config": config, "plan": plan, "started": time.time()})
+    return run

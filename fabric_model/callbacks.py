@@ -17,8 +17,6 @@ display (docs/architecture.md, "Hooks").
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 
@@ -65,34 +63,3 @@ class Callback:
 
     def on_batch_end(self, step: int) -> None:
         pass
-
-
-# -- transitional: removed once driver/worker use hooks -------------------------------------
-from .metrics import EpochAverage, stat_means  # noqa: E402  # transitional: removed once driver/worker use hooks
-from .metrics_log import MetricsLog as _MetricsLog  # noqa: E402  # transitional: removed once driver/worker use hooks
-from .progress import ProgressBar  # noqa: E402  # transitional: removed once driver/worker use hooks
-
-
-class MetricsLog(_MetricsLog):  # transitional: removed once driver/worker use hooks
-    """The old interface: ``write(record)`` with a hand-built record."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(path)
-
-    def write(self, record: dict[str, Any]) -> None:
-        self._write(record)
-
-
-def call_hook(logger: Any, hook: str, *args: Any) -> None:  # transitional: removed once driver/worker use hooks
-    """Call ``logger.hook(*args)`` if the logger defines it."""
-    method = getattr(logger, hook, None) if logger is not None else None
-    if callable(method):
-        method(*args)
-
-
-def run_callbacks(callbacks: Sequence[Callback], hook: str, *args: Any) -> None:  # transitional: removed once
-    for callback in callbacks:  # driver/worker use hooks
-        getattr(callback, hook)(*args)
-
-
-__all__ = ["Callback", "EpochAverage", "MetricsLog", "ProgressBar", "call_hook", "run_callbacks", "stat_means"]

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from .plan import Plan, Schedule
+from .protocol import CheckpointSettings
 from .rundir import RunDirectory, atomic_write
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ def _os_error_in(exc: BaseException) -> OSError | None:
 class CheckpointWriter:
     """The worker's side: knows when a checkpoint is due and writes it.
 
-    The driver sends ``{"dir", "framework", "written", "restore"}`` with every generation:
+    The driver sends :class:`~fabric_model.protocol.CheckpointSettings` with every generation:
     ``written`` is the newest checkpoint it has recorded (rank 0 of a generation entered at a
     due unit writes it when the previous rank 0 could not), ``restore`` a checkpoint every
     member loads before training (a resumed run, or every holder of the state lost)."""
@@ -130,14 +131,11 @@ class CheckpointWriter:
         self.framework = ""
         self.written = -1
 
-    def update(self, message: dict[str, Any] | None) -> Path | None:
+    def update(self, settings: CheckpointSettings) -> Path | None:
         """Take a generation's checkpoint settings; returns the checkpoint to restore, if any."""
-        if not message:
-            self.directory = None
-            return None
-        self.directory, self.framework = Path(message["dir"]), str(message["framework"])
-        self.written = max(self.written, int(message["written"]))
-        return Path(message["restore"]) if message.get("restore") else None
+        self.directory, self.framework = Path(settings.directory), settings.framework
+        self.written = max(self.written, settings.written)
+        return Path(settings.restore) if settings.restore else None
 
     def due(self, unit: int, rank: int) -> bool:
         return (
@@ -277,12 +275,6 @@ def set_aside_after(directory: Path, unit: int) -> None:
 
 
 # -- resume, checked in the caller before anything starts -----------------------------------
-# transitional: removed once driver/worker use hooks (api.py then calls RunDirectory.resolve itself)
-def resume_directory(run_dir: str | os.PathLike[str] | None) -> Path:
-    """The run directory ``resume=True`` continues: ``run_dir``, else ``$RESULT_DIR``."""
-    return RunDirectory.resolve(run_dir, for_resume=True).path
-
-
 def find_resume_point(
     run_dir: str | os.PathLike[str] | None, seed: int | None
 ) -> tuple[CheckpointInfo | None, int | None]:

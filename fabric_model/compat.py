@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from .hooks import OldStyleLogger, adapt_logger  # transitional: removed once driver/worker use hooks
-
 #: ``train()`` keywords IBM scripts pass that have no effect here, and why.
 IGNORED_TRAIN_KEYWORDS = {
     "worker_memory": "memory is not capped here: workers use what the host and device have",
@@ -26,4 +24,4 @@ def pick(name: str, value: Any, alias: str, alias_value: Any) -> Any:
     return alias_value
 
 
-__all__ = ["IGNORED_TRAIN_KEYWORDS", "OldStyleLogger", "adapt_logger", "pick"]
+__all__ = ["IGNORED_TRAIN_KEYWORDS", "pick"]

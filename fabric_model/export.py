@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from .tree import leaves
 
 if TYPE_CHECKING:
     from .frameworks.base import Framework
+    from .rundir import RunDirectory
 
 logger = logging.getLogger(__name__)
 
@@ -234,3 +236,38 @@ def _export_and_check(framework: Framework, model: Any, sample_input: Any, stage
             hint="the model's code fixes the batch size (a reshape to a constant batch?); use -1 or x.shape[0]",
         )
     return _compare(staged, framework, model, [sample_input, framework.grow_batch(sample_input)])
+
+
+# -- after train(): the run's model/model.onnx ----------------------------------------------------------
+def check_onnx_available(framework: Framework, model: Any) -> None:
+    """Fail before training, not after it, when ``save_to_onnx=True`` lacks a package."""
+    try:
+        for module in framework.onnx_requirements():
+            _require(module, framework.name, model)
+    except ExportError as exc:
+        raise ImportError(f"save_to_onnx=True needs the ONNX packages: {exc}") from None
+
+
+def export_final_model(
+    framework: Framework, model: Any, adapter: Any, train_set: Any, run: RunDirectory
+) -> float | None:
+    """``model/model.onnx`` from the trained model, traced on the first training batch; returns
+    onnxruntime's max abs difference from the framework, also logged and written to
+    ``logs/metrics.jsonl`` as a ``type: "onnx"`` line. A failure is a warning (and such a line
+    with the error), not an exception: the trained model is already in ``model`` and ``model/``."""
+    from .metrics_log import MetricsLog
+
+    try:
+        inputs = framework.export_inputs(adapter, train_set)
+        diff = export_onnx(framework, model, inputs, run.model / "model.onnx")
+    except ExportError as exc:
+        with MetricsLog(run.metrics, append=True) as metrics:
+            metrics.onnx(path=None, error=str(exc))
+        warnings.warn(f"save_to_onnx=True, but the ONNX export failed; no model.onnx was written. {exc}", stacklevel=4)
+        return None
+    with MetricsLog(run.metrics, append=True) as metrics:
+        metrics.onnx(path="model/model.onnx", max_abs_diff=diff)
+    logger.info(
+        "model/model.onnx written; onnxruntime vs %s on real batches: max abs difference %.3g", framework.name, diff
+    )
+    return diff

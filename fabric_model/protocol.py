@@ -37,11 +37,9 @@ REPLACE_WORKERS_ENV = "EDT_REPLACE_WORKERS"
 #: Failed pulls after which a joining worker gives up.
 PULL_FAILED_LIMITS_ENV = "EDT_PULL_FAILED_LIMITS"
 
-_message = dataclasses.dataclass(frozen=True)
-
 
 # -- worker -> driver -----------------------------------------------------------------------
-@_message
+@dataclasses.dataclass(frozen=True)
 class Hello:
     """The first message on a connection. ``worker_id`` None asks the driver to assign one."""
 
@@ -50,14 +48,14 @@ class Hello:
     host: str
 
 
-@_message
+@dataclasses.dataclass(frozen=True)
 class Ready:
     """Set up (job, datasets, device) and waiting to enter a generation; ``attempt`` counts pulls."""
 
     attempt: int = 1
 
 
-@_message
+@dataclasses.dataclass(frozen=True)
 class LeftGeneration:
     """The worker left ``generation`` at ``next_unit`` (-1: it never entered it).
 
@@ -70,12 +68,12 @@ class LeftGeneration:
     reason: str = ""
 
 
-@_message
+@dataclasses.dataclass(frozen=True)
 class Heartbeat:
     """Sent from a thread at a fixed interval: a frozen process goes silent."""
 
 
-@_message
+@dataclasses.dataclass(frozen=True)
 class StepDone:
     """Rank ``rank`` of ``world_size`` finished step ``step`` of ``epoch`` having computed
     ``micro_batches``; ``stats`` are the step's reduced stat sums (loss, metrics..., count)."""
@@ -89,7 +87,7 @@ class StepDone:
     stats: tuple[float, ...]
 
 
-@_message
+@dataclasses.dataclass(frozen=True)
 class EvalDone:
     """A validation's reduced stat sums (loss, metrics..., count)."""
 
@@ -97,7 +95,7 @@ class EvalDone:
     stats: tuple[float, ...]
 
 
-@_message
+@dataclasses.dataclass(frozen=True)
 class CheckpointWritten:
     """Rank 0 wrote (``path``) or failed to write (``error``) the checkpoint of ``unit``."""
 
@@ -109,7 +107,7 @@ class CheckpointWritten:
     error: str | None = None
 
 
-@_message
+@dataclasses.dataclass(frozen=True)
 class Finished:
     """The schedule is done; ``digest`` fingerprints the replica's weights and optimizer state."""
 
@@ -117,7 +115,7 @@ class Finished:
     next_unit: int
 
 
-@_message
+@dataclasses.dataclass(frozen=True)
 class FinalState:
     """The trained state, sent by the one finished worker the driver asks."""
 
@@ -125,7 +123,7 @@ class FinalState:
     optimizer_state: dict[str, Any]
 
 
-@_message
+@dataclasses.dataclass(frozen=True)
 class WorkerFailed:
     """An exception in the worker. ``exception`` is the cloudpickled exception (None if it
     does not pickle); ``collective`` marks failures that are not the user's code's."""
@@ -136,14 +134,14 @@ class WorkerFailed:
 
 
 # -- driver -> worker -----------------------------------------------------------------------
-@_message
+@dataclasses.dataclass(frozen=True)
 class Assigned:
     """The id the driver gave a worker that connected without one."""
 
     worker_id: int
 
 
-@_message
+@dataclasses.dataclass(frozen=True)
 class JobSpec:
     """The job: the cloudpickled :class:`~fabric_model.job.Job`, its configuration (timeouts
     included, resolved once in the caller) and plan, the rendezvous store, device and threads."""
@@ -156,7 +154,7 @@ class JobSpec:
     threads: int
 
 
-@_message
+@dataclasses.dataclass(frozen=True)
 class CheckpointSettings:
     """Where checkpoints go, the newest recorded, and one every member must load first."""
 
@@ -166,7 +164,7 @@ class CheckpointSettings:
     restore: str | None = None
 
 
-@_message
+@dataclasses.dataclass(frozen=True)
 class EnterGeneration:
     """Enter ``generation`` as ``rank`` of ``world_size`` and resume at ``resume_unit``; the
     member at ``source_rank`` (-1: none) broadcasts the state. ``attempt`` answers a Ready."""
@@ -180,32 +178,32 @@ class EnterGeneration:
     attempt: int = 1
 
 
-@_message
+@dataclasses.dataclass(frozen=True)
 class JoinPending:
     """A worker waits to join: vote to switch to ``generation`` after the next step."""
 
     generation: int
 
 
-@_message
+@dataclasses.dataclass(frozen=True)
 class Abort:
     """A member of ``generation`` was lost: give up that generation's collectives."""
 
     generation: int
 
 
-@_message
+@dataclasses.dataclass(frozen=True)
 class SendFinalState:
     """Send :class:`FinalState`."""
 
 
-@_message
+@dataclasses.dataclass(frozen=True)
 class Stop:
     """Exit now."""
 
 
 # -- inside the driver ----------------------------------------------------------------------
-@_message
+@dataclasses.dataclass(frozen=True)
 class ConnectionLost:
     """Raised by the driver's reader thread when a worker's connection closes."""
 

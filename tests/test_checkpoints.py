@@ -34,6 +34,7 @@ from fabric_model.checkpoint import (
     read_info,
 )
 from fabric_model.errors import JobError
+from fabric_model.protocol import CheckpointSettings
 from fabric_model.plan import Plan, Schedule
 from fabric_model.testing import CheckpointFault, FaultInjector, Kill
 
@@ -74,7 +75,7 @@ def units_in(directory: Path) -> list[int]:
 # -- checkpoint.py on its own ----------------------------------------------------------------
 def _writer(directory: Path, wrap_stream=None) -> CheckpointWriter:
     writer = CheckpointWriter(SCHEDULE, 1, BATCH, wrap_stream)
-    writer.update({"dir": str(directory), "framework": "torch", "written": -1, "restore": None})
+    writer.update(CheckpointSettings(str(directory), "torch", written=-1))
     return writer
 
 

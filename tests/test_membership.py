@@ -7,17 +7,8 @@ from pathlib import Path
 import pytest
 
 from fabric_model import protocol as p
-from fabric_model.driver.membership import (
-    USER_ERROR_LIMIT,
-    Formed,
-    Kill,
-    Limits,
-    Membership,
-    Send,
-    Settle,
-    Start,
-    WorkerState,
-)
+from fabric_model.driver.commands import Formed, Kill, Limits, Send, Settle, Start
+from fabric_model.driver.membership import USER_ERROR_LIMIT, Membership, WorkerState
 from fabric_model.errors import JobError
 
 HEARTBEAT, RECOVERY, START = 10.0, 120.0, 120.0

@@ -28,7 +28,8 @@ from ..launchers.local import LocalLauncher
 from ..metrics_log import MetricsLog
 from ..plan import Plan, Schedule
 from .checkpoints import CheckpointBook
-from .membership import Command, Formed, Kill, Limits, Membership, Send, Settle, Start
+from .commands import Command, Formed, Kill, Limits, Send, Settle, Start
+from .membership import Membership
 from .progress import Progress
 
 log = logging.getLogger(__name__)

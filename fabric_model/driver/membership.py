@@ -22,11 +22,10 @@ import enum
 import logging
 import threading
 from collections.abc import Callable
-from pathlib import Path
-from typing import Protocol
 
 from .. import protocol as p
 from ..errors import JobError
+from .commands import Checkpoints, Command, Formed, Kill, Limits, Send, Settle, Start
 
 log = logging.getLogger(__name__)
 
@@ -44,67 +43,6 @@ class WorkerState(enum.Enum):
     MEMBER = "member"  # in the current generation
     DONE = "done"  # finished the schedule as a member
     GONE = "gone"  # lost, refused or stopped; its messages are ignored
-
-
-# -- commands -------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Send:
-    """Send ``message`` to worker ``worker_id``."""
-
-    worker_id: int
-    message: p.DriverMessage
-
-
-@dataclasses.dataclass(frozen=True)
-class Kill:
-    """Make sure the process of a lost worker is dead (a frozen one cannot come back half-alive)."""
-
-    worker_id: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Start:
-    """Start a new worker process with id ``worker_id`` on local device slot ``slot``."""
-
-    slot: int
-    worker_id: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Settle:
-    """Settle the step reports of generations up to ``upto_generation``: steps below
-    ``resume_unit`` were committed, the others will be redone."""
-
-    resume_unit: int
-    upto_generation: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Formed:
-    """Generation ``generation`` formed (for the metrics log and the driver's log)."""
-
-    generation: int
-    members: tuple[int, ...]
-    reason: str
-    resume_unit: int
-    source_rank: int
-    checkpoint: str | None
-
-
-Command = Send | Kill | Start | Settle | Formed
-
-
-class Checkpoints(Protocol):
-    """What membership asks of the run's checkpoints (``driver.checkpoints.CheckpointBook``)."""
-
-    def restore_point(self, unit: int) -> Path | None:
-        """This run's complete checkpoint of ``unit``, or None."""
-
-    def has_any(self) -> bool:
-        """Whether this run has a complete checkpoint at all."""
-
-    def settings(self, restore: Path | None) -> p.CheckpointSettings:
-        """The checkpoint settings sent with a generation."""
 
 
 @dataclasses.dataclass
@@ -126,18 +64,6 @@ class _Change:
     reason: str
     started: float
     reports: dict[int, int] = dataclasses.field(default_factory=dict)  # worker id -> next_unit
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """The bounds membership enforces (seconds, except ``max_workers``)."""
-
-    max_workers: int  # engines_number: local device slots, and the most members at once
-    total_units: int  # the schedule's length
-    heartbeat: float
-    recovery: float
-    start: float
-    replace_workers: bool = True
 
 
 class Membership:

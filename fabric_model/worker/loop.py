@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from .. import protocol as p
-from ..callbacks import call_hook, run_callbacks, stat_means
 from ..checkpoint import CheckpointWriter, load_checkpoint
 from ..collective import Collective, CollectiveError
 from ..config import TrainConfig
@@ -33,6 +32,7 @@ from ..context import WorkerContext
 from ..control import Channel
 from ..data import PrefetchLoader, first_of, is_batch_level
 from ..job import Job
+from ..metrics import stat_means
 from ..plan import Plan, Schedule, assigned_micro_batches, epoch_permutation, eval_batches, micro_batch_seed
 from .inbox import Inbox
 
@@ -227,11 +227,9 @@ class TrainingLoop:
                 collective.generation, epoch, step, collective.rank, collective.world_size, tuple(mine), tuple(stats)
             )
         )
-        if self.job.worker_logger is not None:
+        if self.hooks.defines("log_train_metrics"):
             metrics = stat_means(adapter.stat_names, stats)
-            call_hook(
-                self.job.worker_logger, "log_train_metrics", metrics, self.iterations, epoch, collective.world_size
-            )
+            self.hooks.log_train_metrics(metrics, self.iterations, epoch, collective.world_size)
         return switch
 
     def _validate(self, epoch: int) -> None:
@@ -245,17 +243,11 @@ class TrainingLoop:
             sums = adapter.evaluate_batches(self._abortable(batches))
         finally:
             loader.close()
-        reduced = sums.to(adapter.step_buffer.device)
+        reduced = sums.to(collective.device)  # where the collective reduces (NCCL: the GPU)
         collective.all_reduce_sum(reduced)
         stats = reduced.cpu().tolist()
         # Every rank reports: if rank 0's allreduce failed where others' succeeded, the
         # validation still counts (the driver keeps the first report of an epoch).
         self.channel.send(p.EvalDone(epoch, tuple(stats)))
-        if self.job.worker_logger is not None:
-            call_hook(
-                self.job.worker_logger,
-                "log_test_metrics",
-                stat_means(adapter.stat_names, stats),
-                self.iterations,
-                epoch,
-            )
+        if self.hooks.defines("log_test_metrics"):
+            self.hooks.log_test_metrics(stat_means(adapter.stat_names, stats), self.iterations, epoch)

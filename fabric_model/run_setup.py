@@ -1,0 +1,106 @@
+"""What ``train()`` decides before any worker starts: its checked arguments, the run's sizing,
+and the job as every worker receives it. Errors name the argument, what was received and
+what is accepted."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, NamedTuple
+
+import cloudpickle
+
+from . import compat
+from . import validation as v
+from .config import EngineSizing, size_engines
+from .data import is_batch_level
+from .job import Job
+
+log = logging.getLogger(__name__)
+
+#: A job larger than this is shipped with a warning: data captured by get_datasets travels with it.
+LARGE_JOB_BYTES = 256 * 2**20
+
+
+class LoopOptions(NamedTuple):
+    """``train``'s knobs of the loop, as given (checked by :func:`check_train_arguments`)."""
+
+    num_dataloader_threads: Any
+    validation_freq: Any
+    checkpoint_freq: Any
+    keep_checkpoints: Any
+
+
+def check_train_arguments(
+    epoch_number: Any,
+    batch_size: Any,
+    engines_number: Any,
+    effective_batch_size: Any,
+    loop: LoopOptions,
+    seed: Any,
+    resume: Any,
+    ignored: dict[str, Any],
+) -> None:
+    """Check ``train``'s arguments; note the IBM keywords that are accepted and ignored."""
+    for name, value in ignored.items():
+        if value is not None:
+            log.info("%s=%r is ignored: %s", name, value, compat.IGNORED_TRAIN_KEYWORDS[name])
+    v.check_positive_int("epoch_number", epoch_number)
+    v.check_positive_int("batch_size", batch_size)
+    v.check_positive_int("engines_number", engines_number, allow_none=True)
+    v.check_positive_int("num_dataloader_threads", loop.num_dataloader_threads, minimum=0)
+    v.check_positive_int("validation_freq", loop.validation_freq)
+    v.check_positive_int("checkpoint_freq", loop.checkpoint_freq, minimum=0)
+    v.check_bool("resume", resume)
+    v.check_positive_int("keep_checkpoints", loop.keep_checkpoints)
+    v.check_effective_batch(effective_batch_size, batch_size)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise TypeError(f"Expected `seed` to be a non-negative int or None. Received: seed={seed!r}")
+
+
+def size_run(
+    train_set: Any, batch_size: int, engines_number: int | None, effective_batch_size: int | None
+) -> tuple[int, EngineSizing]:
+    """(dataset items per micro-batch, the engines' sizing)."""
+    # A batch-level dataset (keras.utils.PyDataset) yields whole batches: the plan counts
+    # its items, each item is one micro-batch, and batch_size must be the dataset's own.
+    batch_level = is_batch_level(train_set)
+    items_per_micro_batch = 1 if batch_level else batch_size
+    if batch_level:
+        _check_batch_level(train_set, batch_size)
+    sizing = size_engines(
+        items_per_micro_batch,
+        engines_number,
+        None if effective_batch_size is None else effective_batch_size // batch_size * items_per_micro_batch,
+    )
+    return items_per_micro_batch, sizing
+
+
+def _check_batch_level(train_set: Any, batch_size: int) -> None:
+    own = getattr(train_set, "batch_size", None)
+    if isinstance(own, int) and own != batch_size:
+        raise ValueError(
+            f"Expected `batch_size` to be the batch size of the train dataset, a {type(train_set).__name__} that "
+            f"yields whole batches of {own}. Received: batch_size={batch_size}. HINT: pass batch_size={own}; each "
+            "of its batches is one micro-batch."
+        )
+
+
+def serialize_job(job: Job) -> bytes:
+    """The job every worker receives, cloudpickled once; a job that cannot travel fails here."""
+    try:
+        payload = cloudpickle.dumps(job)
+    except Exception as exc:
+        raise TypeError(
+            "Could not serialize the job (model, optimizer, get_datasets, loss_function, metrics, loggers) "
+            f"for the workers: {exc!r}. HINT: objects holding open files, locks or sockets cannot be sent; "
+            "create them inside get_datasets or the logger's methods instead."
+        ) from exc
+    if len(payload) > LARGE_JOB_BYTES:
+        warnings.warn(
+            f"The job sent to each worker is {len(payload) / 2**20:,.0f} MiB. Data captured by get_datasets "
+            "(or tensors that are views of a larger tensor) travel with it. HINT: load or build the data inside "
+            "get_datasets, and .clone() tensor slices.",
+            stacklevel=5,
+        )
+    return payload

@@ -309,7 +309,9 @@ class FabricModel:
         return checked_metrics, list(callbacks)
 
     def _make_adapter(self) -> FrameworkAdapter:
-        return self._framework.make_adapter(
+        from .frameworks.base import UserObjects
+
+        user = UserObjects(
             self.model,
             self.optimizer,
             self.loss_function,
@@ -320,6 +322,7 @@ class FabricModel:
             fn_test=self.fn_test,
             fn_args=self.fn_args,
         )
+        return self._framework.make_adapter(user)
 
     def _job_payload(self, adapter: FrameworkAdapter) -> bytes:
         """The job every worker receives, cloudpickled once."""

@@ -5,6 +5,7 @@ each worker. Only these know which framework a model belongs to; see docs/archit
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -100,6 +101,21 @@ class FrameworkAdapter(abc.ABC):
         """Optimizer state (moments, step counts), as CPU objects."""
 
 
+@dataclasses.dataclass(frozen=True)
+class UserObjects:
+    """What the user handed ``FabricModel`` that the worker half is made of (already checked)."""
+
+    model: Any
+    optimizer: Any
+    loss_function: Any
+    metrics: Sequence[Any]
+    collate: Callable[[Sequence[Any]], Any] | None = None
+    custom_objects: dict[str, Any] | None = None  # Keras only
+    fn_step_train: Callable[..., Any] | None = None  # torch only
+    fn_test: Callable[..., Any] | None = None  # torch only
+    fn_args: Any = None
+
+
 class Framework(abc.ABC):
     """One framework seen from the caller's process: checks the user's arguments, makes the
     adapter that travels to the workers, and handles the trained model afterwards."""
@@ -129,19 +145,7 @@ class Framework(abc.ABC):
         """Raise when ``optimizer`` is no optimizer for ``model``."""
 
     @abc.abstractmethod
-    def make_adapter(
-        self,
-        model: Any,
-        optimizer: Any,
-        loss_function: Any,
-        metrics: Sequence[Any],
-        *,
-        collate: Callable[[Sequence[Any]], Any] | None,
-        custom_objects: dict[str, Any] | None,
-        fn_step_train: Callable[..., Any] | None,
-        fn_test: Callable[..., Any] | None,
-        fn_args: Any,
-    ) -> FrameworkAdapter:
+    def make_adapter(self, user: UserObjects) -> FrameworkAdapter:
         """The worker half for the user's objects (checked first)."""
 
     # -- batches and shipping -----------------------------------------------------------------

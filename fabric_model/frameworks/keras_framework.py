@@ -7,13 +7,12 @@ reported) here, in the caller. TensorFlow is imported only when a Keras model is
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 
-from .base import Framework, FrameworkAdapter
+from .base import Framework, FrameworkAdapter, UserObjects
 from .keras_names import resolve_loss, resolve_metric, resolve_optimizer
 
 
@@ -55,23 +54,13 @@ class KerasFramework(Framework):
         """A Keras optimizer instance or name (it is built over the rebuilt model in each worker)."""
         resolve_optimizer(optimizer)
 
-    def make_adapter(
-        self,
-        model: Any,
-        optimizer: Any,
-        loss_function: Any,
-        metrics: Sequence[Any],
-        *,
-        collate: Callable[[Sequence[Any]], Any] | None,
-        custom_objects: dict[str, Any] | None,
-        fn_step_train: Callable[..., Any] | None,
-        fn_test: Callable[..., Any] | None,
-        fn_args: Any,
-    ) -> FrameworkAdapter:
+    def make_adapter(self, user: UserObjects) -> FrameworkAdapter:
         """A :class:`~.keras_adapter.KerasAdapter` (a custom step is rejected by ``check_options``)."""
         from .keras_adapter import KerasAdapter
 
-        return KerasAdapter(model, optimizer, loss_function, metrics, custom_objects, collate)
+        return KerasAdapter(
+            user.model, user.optimizer, user.loss_function, user.metrics, user.custom_objects, user.collate
+        )
 
     def split_batch(self, batch: Any) -> tuple[Any, Any]:
         """An ``(x, y)`` pair or a dict with a target key."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -11,7 +10,7 @@ import numpy as np
 
 from .. import validation as v
 from ..tree import leaves
-from .base import Framework, FrameworkAdapter
+from .base import Framework, FrameworkAdapter, UserObjects
 
 
 class TorchFramework(Framework):
@@ -56,23 +55,20 @@ class TorchFramework(Framework):
                 "after any model.to(device) or re-creation."
             )
 
-    def make_adapter(
-        self,
-        model: Any,
-        optimizer: Any,
-        loss_function: Any,
-        metrics: Sequence[Any],
-        *,
-        collate: Callable[[Sequence[Any]], Any] | None,
-        custom_objects: dict[str, Any] | None,
-        fn_step_train: Callable[..., Any] | None,
-        fn_test: Callable[..., Any] | None,
-        fn_args: Any,
-    ) -> FrameworkAdapter:
+    def make_adapter(self, user: UserObjects) -> FrameworkAdapter:
         """A :class:`~.torch_adapter.TorchAdapter` (``custom_objects`` is Keras' only)."""
         from .torch_adapter import TorchAdapter
 
-        return TorchAdapter(model, optimizer, loss_function, metrics, collate, fn_step_train, fn_test, fn_args)
+        return TorchAdapter(
+            user.model,
+            user.optimizer,
+            user.loss_function,
+            user.metrics,
+            user.collate,
+            user.fn_step_train,
+            user.fn_test,
+            user.fn_args,
+        )
 
     def split_batch(self, batch: Any) -> tuple[Any, Any]:
         """A pair, a longer tuple (several inputs, then the target) or a dict with a target key."""

@@ -9,18 +9,22 @@ not proven it holds the job's secret. Messages are the dataclasses of
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import queue
 import socket
 import threading
 from collections.abc import Callable
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
 from typing import Any
 
 from . import protocol as p
 
 log = logging.getLogger(__name__)
+
+#: Seconds a new connection has to complete the handshake before it is cut off.
+HANDSHAKE_TIMEOUT = 10.0
 
 
 class Channel:
@@ -69,7 +73,10 @@ class ControlServer:
         self, secret: bytes, host: str = "127.0.0.1", port: int = 0, allocate_id: Callable[[], int] | None = None
     ) -> None:
         self._allocate_id = allocate_id
-        self._listener = Listener((host, port), family="AF_INET", authkey=secret)
+        self._secret = secret
+        # No authkey here: Listener.accept() would then run the handshake on the accept thread,
+        # where one idle or garbage-sending peer stalls (or, on OSError, ends) all registration.
+        self._listener = Listener((host, port), family="AF_INET")
         self.events: queue.Queue[tuple[int, Any]] = queue.Queue()
         self.channels: dict[int, Channel] = {}
         self._closed = threading.Event()
@@ -86,13 +93,34 @@ class ControlServer:
         while not self._closed.is_set():
             try:
                 conn = self._listener.accept()
-            except (AuthenticationError, EOFError, ConnectionError):
-                if not self._closed.is_set():
-                    log.warning("rejected a control-plane connection that failed authentication")
-                continue
             except OSError:
-                return  # listener closed
-            threading.Thread(target=self._read_loop, args=(Channel(conn),), daemon=True).start()
+                if self._closed.is_set():
+                    return  # listener closed
+                log.warning("control plane: accepting a connection failed", exc_info=True)
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="fabric-conn", daemon=True).start()
+
+    def _serve(self, conn: Connection) -> None:
+        """One connection's life, on its own thread: the handshake, then its messages."""
+        if self._authenticate(conn):
+            self._read_loop(Channel(conn))
+
+    def _authenticate(self, conn: Connection) -> bool:
+        """The HMAC challenge both ways, within ``HANDSHAKE_TIMEOUT`` seconds; nothing is
+        unpickled before it succeeds. A peer that fails it or stays silent is cut off."""
+        timer = threading.Timer(HANDSHAKE_TIMEOUT, _shut_down, args=(conn,))
+        timer.start()
+        try:
+            deliver_challenge(conn, self._secret)
+            answer_challenge(conn, self._secret)
+            return True
+        except (AuthenticationError, EOFError, OSError, ValueError) as exc:
+            if not self._closed.is_set():
+                log.warning("control plane: rejected a connection that failed authentication (%s)", type(exc).__name__)
+            conn.close()
+            return False
+        finally:
+            timer.cancel()
 
     def _read_loop(self, channel: Channel) -> None:
         worker_id = -1
@@ -146,3 +174,17 @@ class ControlServer:
             for channel in self.channels.values():
                 channel.close()
             self.channels.clear()
+
+
+def _shut_down(conn: Connection) -> None:
+    """Wake a thread blocked reading ``conn`` (closing the descriptor alone does not)."""
+    try:
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+    except OSError:
+        return  # already closed
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.close()

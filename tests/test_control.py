@@ -1,0 +1,103 @@
+"""The control plane under a hostile peer: garbage, an idle socket, a pickle that would run code.
+
+Registration of honest workers must go on, and nothing is unpickled from a peer that has not
+authenticated (docs/architecture.md, "Processes").
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import struct
+import time
+
+import pytest
+
+from fabric_model import control
+from fabric_model import protocol as p
+
+SECRET = b"s" * 32
+
+
+class _RunsCode:
+    """Unpickling this creates ``path``: the proof that something was unpickled."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.fixture
+def server():
+    ids = iter(range(100, 200))
+    srv = control.ControlServer(SECRET, allocate_id=lambda: next(ids))
+    yield srv
+    srv.close()
+
+
+def _register(server: control.ControlServer, worker_id: int | None = 7) -> tuple[control.Channel, float]:
+    """Connect as an honest worker; returns the channel and the seconds until the driver saw Hello."""
+    started = time.monotonic()
+    channel = control.connect(server.address, SECRET)
+    channel.send(p.Hello(worker_id, os.getpid(), "host"))
+    got_id, message = server.events.get(timeout=5)
+    assert isinstance(message, p.Hello) and got_id == (worker_id if worker_id is not None else 100)
+    return channel, time.monotonic() - started
+
+
+def test_an_idle_socket_does_not_delay_registration(server):
+    idle = socket.create_connection(server.address, timeout=5)  # connects, then says nothing
+    try:
+        time.sleep(0.1)
+        channel, seconds = _register(server)
+        assert seconds < 1.0
+        channel.close()
+    finally:
+        idle.close()
+
+
+def test_garbage_and_a_code_running_pickle_are_refused_and_registration_goes_on(server, tmp_path):
+    proof = tmp_path / "unpickled"
+    payload = pickle.dumps(_RunsCode(str(proof)))
+    for data in (b"\x00\xff" * 64, b"GET / HTTP/1.1\r\n\r\n", struct.pack("!i", len(payload)) + payload):
+        with socket.create_connection(server.address, timeout=5) as sock:
+            sock.sendall(data)
+            sock.settimeout(2)
+            try:
+                while sock.recv(4096):  # the server sends its challenge, then hangs up
+                    pass
+            except OSError:
+                pass
+    channel, seconds = _register(server, worker_id=None)  # the id comes back assigned
+    assert seconds < 1.0
+    assert not proof.exists(), "something was unpickled from an unauthenticated peer"
+    with pytest.raises(queue.Empty):
+        server.events.get(timeout=0.2)  # no event from any of the hostile connections
+    channel.close()
+
+
+def test_a_wrong_secret_is_refused(server):
+    with pytest.raises(Exception):  # noqa: B017 - AuthenticationError or a closed connection
+        control.connect(server.address, b"x" * 32).send(p.Hello(3, os.getpid(), "host"))
+    with pytest.raises(queue.Empty):
+        server.events.get(timeout=0.3)
+    _register(server)[0].close()
+
+
+def test_a_silent_peer_is_cut_off_after_the_handshake_bound(monkeypatch, tmp_path):
+    monkeypatch.setattr(control, "HANDSHAKE_TIMEOUT", 0.3)
+    srv = control.ControlServer(SECRET)
+    try:
+        with socket.create_connection(srv.address, timeout=5) as idle:
+            idle.settimeout(3)
+            started = time.monotonic()
+            received = b""
+            while chunk := idle.recv(4096):  # the challenge, then EOF when the server gives up
+                received += chunk
+            assert time.monotonic() - started < 2.5 and received  # cut off, not left hanging
+    finally:
+        srv.close()

@@ -15,14 +15,12 @@ agreed unit with that step's micro-batches re-divided among the new members.
 
 from __future__ import annotations
 
-import io
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import numpy as np
-import torch
 
 from .. import protocol as p
 from ..checkpoint import CheckpointWriter, load_checkpoint
@@ -35,6 +33,7 @@ from ..job import Job
 from ..metrics import stat_means
 from ..plan import Plan, Schedule, assigned_micro_batches, epoch_permutation, eval_batches, micro_batch_seed
 from .inbox import Inbox
+from .state_transfer import broadcast_state
 
 log = logging.getLogger(__name__)
 
@@ -114,11 +113,11 @@ class TrainingLoop:
         if restore is not None:  # a resumed run (or no holder of the state left): every member loads it
             state = load_checkpoint(restore, self.plan)
             self.adapter.load_state(state["model"], state["optimizer"])
-        if source >= 0:
-            data = self._state_bytes() if self.collective.rank == source else None
-            data = self.collective.broadcast_bytes(data, source)
+        if source >= 0:  # the members that lack the agreed state take it from the one that holds it
+            mine = self._state() if self.collective.rank == source else None
+            state = broadcast_state(self.collective, mine, source)
             if self.collective.rank != source:
-                self._load_state_bytes(data)
+                self.adapter.load_state(state["model"], state["optimizer"])
         self.next_unit = generation.resume_unit
         log.info(
             "generation %d: rank %d/%d at unit %d (group %.3f s, state %s %.3f s)",
@@ -131,14 +130,8 @@ class TrainingLoop:
             time.monotonic() - formed,
         )
 
-    def _state_bytes(self) -> bytes:
-        buffer = io.BytesIO()
-        torch.save({"model": self.adapter.model_state(), "optimizer": self.adapter.optimizer_state()}, buffer)
-        return buffer.getvalue()
-
-    def _load_state_bytes(self, data: bytes) -> None:
-        state = torch.load(io.BytesIO(data), weights_only=True)  # never unpickle arbitrary objects
-        self.adapter.load_state(state["model"], state["optimizer"])
+    def _state(self) -> dict[str, Any]:
+        return {"model": self.adapter.model_state(), "optimizer": self.adapter.optimizer_state()}
 
     def _checkpoint_if_due(self) -> None:
         """Rank 0 writes the checkpoint due before ``next_unit`` (all replicas are identical)."""

@@ -34,8 +34,8 @@ from fabric_model.checkpoint import (
     read_info,
 )
 from fabric_model.errors import JobError
-from fabric_model.protocol import CheckpointSettings
 from fabric_model.plan import Plan, Schedule
+from fabric_model.protocol import CheckpointSettings
 from fabric_model.testing import CheckpointFault, FaultInjector, Kill
 
 from .helpers import fresh_model_and_optimizer, make_data, max_rel_diff, records, reference_train

@@ -1,7 +1,7 @@
 """fabric_model: elastic data-parallel training for PyTorch models.
 
 from fabric_model import FabricModel
-FabricModel(model, get_datasets, loss_function, optimizer).train(epochs, batch_size, engines)
+FabricModel(model, datasets_function, loss_function, optimizer).train(epochs, batch_size, engines)
 """
 
 from .api import FabricModel, TrainResult

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 from . import checkpoint, compat
 from . import validation as v
 from .callbacks import Callback
-from .config import EngineSizing, Timeouts, TrainConfig, local_device_count, threads_per_worker
+from .config import EngineSizing, Timeouts, TrainConfig, _usable_cores, threads_per_worker
+from .devices import cap_workers, cpu_workers_from_environment, report, worker_gpu_count
 from .hooks import Hooks
 from .job import Job
 from .plan import Plan
@@ -60,7 +61,7 @@ class FabricModel:
     Args:
         model: a ``torch.nn.Module`` or a Keras 3 ``keras.Model`` (see the README's "Keras
             models": names are accepted for a Keras loss, optimizer and metrics).
-        get_datasets: a function returning ``(train_dataset, test_dataset)``: map-style
+        datasets_function: a function returning ``(train_dataset, test_dataset)``: map-style
             datasets (``__len__`` and ``__getitem__``) whose samples are ``(input, target)``
             tuples or dicts with a ``target``/``label`` key; ``test_dataset`` may be None.
             It is called once in the caller (to check it) and once in each worker.
@@ -83,9 +84,9 @@ class FabricModel:
     def __init__(
         self,
         model: Any,
-        get_datasets: Callable[[], tuple[Any, Any]],
-        loss_function: Callable[[Any, Any], Any],
-        optimizer: Any,
+        datasets_function: Callable[[], tuple[Any, Any]] | None = None,
+        loss_function: Callable[[Any, Any], Any] | None = None,
+        optimizer: Any = None,
         metrics: Sequence[Callable[[Any, Any], Any]] | None = None,
         worker_logger_callback: Any = None,
         driver_logger_callback: Any = None,
@@ -100,8 +101,22 @@ class FabricModel:
         driver_logger: Any = None,
         worker_logger: Any = None,
         enable_onnx: bool | None = None,
+        get_datasets: Callable[[], tuple[Any, Any]] | None = None,
     ) -> None:
-        # IBM's keyword names are aliases of ours (compat.pick).
+        # IBM's keyword names are aliases of ours (compat.pick); `get_datasets` is this package's old name.
+        datasets_function = compat.pick("datasets_function", datasets_function, "get_datasets", get_datasets)
+        # Defaults exist only so `get_datasets=` can stand in for the second parameter; all three are required.
+        missing = [
+            n
+            for n, x in (
+                ("datasets_function", datasets_function),
+                ("loss_function", loss_function),
+                ("optimizer", optimizer),
+            )
+            if x is None
+        ]
+        if missing:
+            raise TypeError(f"FabricModel() is missing required argument(s): {', '.join(missing)}. Received: None")
         driver_logger_callback = compat.pick(
             "driver_logger_callback", driver_logger_callback, "driver_logger", driver_logger
         )
@@ -113,9 +128,9 @@ class FabricModel:
 
         self._framework: Framework = detect_framework(model)  # chosen once; only it knows the framework
         self.framework = self._framework.name  # as run records and checkpoints spell it
-        self.model, self.get_datasets, self.loss_function, self.optimizer = (
+        self.model, self.datasets_function, self.loss_function, self.optimizer = (
             model,
-            get_datasets,
+            datasets_function,
             loss_function,
             optimizer,
         )
@@ -152,6 +167,11 @@ class FabricModel:
             batch_size: samples per micro-batch (per device).
             engines_number: the most workers at once; with ``batch_size`` it sets the global
                 batch ``batch_size * engines_number``. Default: one per local GPU (1 on CPU).
+                As in IBM's EDT it is a cap: ``min(engines_number, devices)`` workers start, one
+                per GPU, or without a GPU one per usable core (``FABRIC_MODEL_CPU_WORKERS=N`` in
+                the environment allows N CPU workers); fewer workers keep the global batch by
+                accumulating more micro-batches each. One line (logged, and printed to stderr when
+                the cap applies) says how many start, on what, and why.
             num_dataloader_threads: threads per worker reading upcoming micro-batches (0: none).
             validation_freq: validate after every ``validation_freq``-th epoch.
             checkpoint_freq: write a checkpoint (``run_dir/checkpoints/``) after every
@@ -241,8 +261,13 @@ class FabricModel:
             from .export import check_onnx_available
 
             check_onnx_available(framework, self.model)  # a missing package fails now, not after training
-        train_set, test_set = v.check_datasets(self.get_datasets)
+        train_set, test_set = v.check_datasets(self.datasets_function)
         items_per_micro_batch, sizing = size_run(train_set, batch_size, engines_number, effective_batch_size)
+        gpus = worker_gpu_count()
+        cpu_workers = cpu_workers_from_environment()  # read once, here, in the caller
+        cap = cap_workers(sizing.max_workers, gpus=gpus, cores=_usable_cores(), cpu_workers=cpu_workers)
+        report(cap)  # the micro-batches stay: fewer workers accumulate more of them
+        sizing = dataclasses.replace(sizing, max_workers=cap.workers)
         resumed = None
         if resume:  # the run's own seed and newest checkpoint; its plan is checked below
             resumed, seed = checkpoint.find_resume_point(run_dir, seed)
@@ -260,14 +285,14 @@ class FabricModel:
             )
         adapter = self._make_adapter()
         payload = self._job_payload(framework.prepare_for_shipping(adapter, framework.first_batch(adapter, train_set)))
-        config = _train_config(epoch_number, batch_size, sizing, seed, loop)
+        config = _train_config(epoch_number, batch_size, sizing, seed, loop, gpus)
         setup = DriverSetup(
             payload=payload,
             config=config,
             plan=plan,
             has_test=test_set is not None,
             stat_names=adapter.stat_names,
-            devices=_devices(sizing.max_workers),
+            devices=_devices(sizing.max_workers, gpus),
             threads=threads_per_worker(1 if config.backend == "nccl" else sizing.max_workers),
             framework=self.framework,
             keep_checkpoints=loop.keep_checkpoints,
@@ -282,9 +307,9 @@ class FabricModel:
             fn_step_train=self.fn_step_train, fn_test=self.fn_test, keras_custom_objects=self.keras_custom_objects
         )
         v.check_callable(
-            "get_datasets",
-            self.get_datasets,
-            hint=" HINT: pass the function itself, get_datasets=my_fn, not its result my_fn().",
+            "datasets_function",
+            self.datasets_function,
+            hint=" HINT: pass the function itself, datasets_function=my_fn, not its result my_fn().",
         )
         framework.check_loss(self.loss_function)
         checked_metrics = framework.check_metrics(metrics)
@@ -327,11 +352,11 @@ class FabricModel:
     def _job_payload(self, adapter: FrameworkAdapter) -> bytes:
         """The job every worker receives, cloudpickled once."""
         hooks = Hooks.for_worker(self.worker_logger_callback, self.user_callbacks)
-        return serialize_job(Job(adapter, self.get_datasets, hooks))
+        return serialize_job(Job(adapter, self.datasets_function, hooks))
 
 
 def _train_config(
-    epoch_number: int, batch_size: int, sizing: EngineSizing, seed: int, loop: LoopOptions
+    epoch_number: int, batch_size: int, sizing: EngineSizing, seed: int, loop: LoopOptions, gpus: int
 ) -> TrainConfig:
     """What every worker is told of the run, its bounds included."""
     return TrainConfig(
@@ -343,13 +368,12 @@ def _train_config(
         validation_freq=loop.validation_freq,
         checkpoint_freq=loop.checkpoint_freq,
         timeouts=Timeouts.from_environment(),  # read once, here; every worker gets the same bounds
-        backend="nccl" if local_device_count() else "gloo",
+        backend="nccl" if gpus else "gloo",  # as the workers will see the GPUs
     )
 
 
-def _devices(count: int) -> list[str | None]:
-    """One device per worker slot: the local GPUs round-robin, else the CPU."""
-    gpus = local_device_count()
+def _devices(count: int, gpus: int) -> list[str | None]:
+    """One device per worker slot: the local GPUs (``count`` is capped at ``gpus``), else the CPU."""
     return [f"cuda:{i % gpus}" if gpus else "cpu" for i in range(count)]
 
 

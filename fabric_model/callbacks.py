@@ -55,7 +55,8 @@ class Callback:
     def on_epoch_begin(self, epoch: int) -> None:
         pass
 
-    def on_epoch_end(self, epoch: int) -> None:
+    def on_epoch_end(self, epoch: int, save_model: bool = False) -> None:
+        # IBM's Callback has `save_model`; the loop calls on_epoch_end(epoch), so overrides with it work.
         pass
 
     def on_batch_begin(self, step: int) -> None:

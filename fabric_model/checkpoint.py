@@ -320,7 +320,8 @@ def check_resumable(
         raise ValueError(f"Expected a {info.framework} model, as in {where}. Received: a {framework} model.")
     if plan.num_samples != info.plan.num_samples:
         raise ValueError(
-            f"Expected the training dataset from `get_datasets` to hold {info.plan.num_samples} items, as in {where}. "
+            f"Expected the training dataset from `datasets_function` to hold {info.plan.num_samples} items, "
+            f"as in {where}. "
             f"Received: {plan.num_samples}. HINT: the data order is fixed by the dataset length; pass resume=False "
             "to train afresh on different data."
         )

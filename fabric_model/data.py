@@ -82,3 +82,45 @@ def is_batch_level(dataset: Any) -> bool:
 def first_of(samples: Sequence[Any]) -> Any:
     """The collate of a batch-level dataset: a micro-batch is one of its items, as it is."""
     return samples[0]
+
+
+def own_shuffle(dataset: Any) -> bool:
+    """A Keras image ``Iterator`` (``ImageDataGenerator().flow(..., shuffle=True)``): a batch-level
+    dataset whose batches are drawn from its own shuffled ``index_array``."""
+    return (
+        is_batch_level(dataset)
+        and bool(getattr(dataset, "shuffle", False))
+        and callable(getattr(dataset, "_get_batches_of_transformed_samples", None))
+        and isinstance(getattr(dataset, "n", None), int)
+        and isinstance(getattr(dataset, "batch_size", None), int)
+    )
+
+
+class EpochShuffledBatches:
+    """A Keras image ``Iterator`` that shuffles as the plan does: the same batches on every worker.
+
+    Such an iterator shuffles its samples with NumPy's global generator, differently in each
+    worker process, so the plan's batch ``i`` would hold different samples on different workers
+    and exactly-once would break. Here item ``epoch * len + i`` is batch ``i`` of epoch
+    ``epoch``: samples ``order[i*b:(i+1)*b]`` of an order drawn from ``(seed, epoch)`` only, read
+    through the iterator's own ``_get_batches_of_transformed_samples`` (augmentation included).
+    It keeps no state between calls, so prefetching threads and joining workers agree; each
+    sample is in exactly one batch per epoch, and the plan uses each batch exactly once.
+    """
+
+    def __init__(self, inner: Any, seed: int) -> None:
+        self.inner = inner
+        self.seed = seed
+        self.items = (inner.n + inner.batch_size - 1) // inner.batch_size
+
+    def __len__(self) -> int:
+        return self.items
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The epoch's sample order (a stream of its own: the plan's batch order uses ``(seed, epoch)``)."""
+        return np.random.default_rng([self.seed, epoch, 1]).permutation(self.inner.n)
+
+    def __getitem__(self, item: int) -> Any:
+        epoch, i = divmod(int(item), self.items)
+        b = self.inner.batch_size
+        return self.inner._get_batches_of_transformed_samples(self.order(epoch)[i * b : (i + 1) * b])

@@ -126,31 +126,46 @@ class Hooks:
 
 
 # -- IBM's older logger signature ------------------------------------------------------------
-def _is_old_style(method: Any) -> bool:
+def _form(method: Any) -> str | None:
+    """``"loss"`` for ``(loss, acc, completed_batch, worker=0)``, ``"metrics"`` for IBM's second
+    form ``(metrics, completed_batch, epoch, worker=0)``, None for ``(metrics, iteration, epoch, workers)``."""
     try:
         names = list(inspect.signature(method).parameters)
     except (TypeError, ValueError):
-        return False
-    return bool(names) and names[0] == "loss"
+        return None
+    if names and names[0] == "loss":
+        return "loss"
+    if "completed_batch" in names[1:2] or names[3:4] == ["worker"]:
+        return "metrics"
+    return None
+
+
+def logger_form(logger: Any) -> str | None:
+    """Which of IBM's older signatures ``logger``'s metric hooks have, if any (see :func:`_form`)."""
+    forms = [_form(getattr(logger, h, None)) for h in ("log_train_metrics", "log_test_metrics")]
+    return "loss" if "loss" in forms else "metrics" if "metrics" in forms else None
 
 
 def is_old_style_logger(logger: Any) -> bool:
-    """Whether ``logger``'s metric hooks have IBM's older signature (first parameter ``loss``)."""
-    return any(_is_old_style(getattr(logger, h, None)) for h in ("log_train_metrics", "log_test_metrics"))
+    """Whether ``logger``'s metric hooks have one of IBM's older signatures."""
+    return logger_form(logger) is not None
 
 
 class OldStyleLogger:
-    """Presents a logger with IBM's signature as one with this package's.
+    """Presents a logger with one of IBM's older signatures as one with this package's.
 
-    ``log_train_metrics(loss, acc, completed_batch, worker=0)`` receives the loss, the first
-    metric (or None), the iteration, and the live worker count on the driver or the rank in a
-    worker; ``log_test_metrics(loss, acc, completed_batch, ...)`` likewise. Every other
-    attribute is the inner logger's.
+    ``log_train_metrics(loss, acc, completed_batch, worker=0)`` receives the loss, the default
+    accuracy in percent (else the first metric, or None), the iteration, and the live worker count
+    on the driver or the rank in a worker; ``log_test_metrics(loss, acc, completed_batch, ...)``
+    likewise. The second form, ``log_train_metrics(metrics, completed_batch, epoch, worker=0)`` and
+    ``log_test_metrics(metrics, completed_batch, epoch)``, receives the metrics dict, the
+    iteration, the epoch and the same ``worker``. Every other attribute is the inner logger's.
     """
 
-    def __init__(self, inner: Any, in_worker: bool) -> None:
+    def __init__(self, inner: Any, in_worker: bool, form: str = "loss") -> None:
         self.inner = inner
         self.in_worker = in_worker
+        self.form = form
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names not set here; guarded so unpickling (no `inner` yet) cannot recurse.
@@ -160,12 +175,20 @@ class OldStyleLogger:
 
     def log_train_metrics(self, metrics: dict[str, float], iteration: int, epoch: int, workers: int) -> None:
         method = getattr(self.inner, "log_train_metrics", None)
-        if callable(method):
+        if not callable(method):
+            return
+        if self.form == "metrics":
+            method(metrics, iteration, epoch, self._worker(workers))
+        else:
             method(metrics.get("loss"), _first_metric(metrics), iteration, self._worker(workers))
 
     def log_test_metrics(self, metrics: dict[str, float], iteration: int, epoch: int) -> None:
         method = getattr(self.inner, "log_test_metrics", None)
-        if callable(method):
+        if not callable(method):
+            return
+        if self.form == "metrics":
+            method(metrics, iteration, epoch)
+        else:
             method(metrics.get("loss"), _first_metric(metrics), iteration, self._worker(0))
 
     def _worker(self, workers: int) -> int:
@@ -178,6 +201,10 @@ class OldStyleLogger:
 
 
 def _first_metric(metrics: dict[str, float]) -> Any:
+    # IBM handed these loggers its accuracy in percent (their scripts divide by 100): the default
+    # accuracy, shown as a fraction under "accuracy", arrives in percent; other metrics as they are.
+    if "accuracy" in metrics:
+        return 100.0 * metrics["accuracy"]
     return next((v for k, v in metrics.items() if k != "loss"), None)
 
 
@@ -185,4 +212,5 @@ def adapt_logger(logger: Any, in_worker: bool) -> Any:
     """The logger itself, or a wrapper if its methods have IBM's older signature (None stays None)."""
     if logger is None or isinstance(logger, OldStyleLogger):
         return logger
-    return OldStyleLogger(logger, in_worker) if is_old_style_logger(logger) else logger
+    form = logger_form(logger)
+    return OldStyleLogger(logger, in_worker, form) if form is not None else logger

@@ -36,6 +36,10 @@ LAUNCHED_ENV = "FABRIC_MODEL_LAUNCHED"
 REPLACE_WORKERS_ENV = "EDT_REPLACE_WORKERS"
 #: Failed pulls after which a joining worker gives up.
 PULL_FAILED_LIMITS_ENV = "EDT_PULL_FAILED_LIMITS"
+#: ``N``: on a host without a GPU, allow up to N CPU workers (default: one per usable core).
+CPU_WORKERS_ENV = "FABRIC_MODEL_CPU_WORKERS"
+#: The GPUs a process may use; the launcher drops it for workers when the script changed it.
+CUDA_VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 
 
 # -- worker -> driver -----------------------------------------------------------------------

@@ -18,7 +18,7 @@ from .job import Job
 
 log = logging.getLogger(__name__)
 
-#: A job larger than this is shipped with a warning: data captured by get_datasets travels with it.
+#: A job larger than this is shipped with a warning: data captured by datasets_function travels with it.
 LARGE_JOB_BYTES = 256 * 2**20
 
 
@@ -92,15 +92,15 @@ def serialize_job(job: Job) -> bytes:
         payload = cloudpickle.dumps(job)
     except Exception as exc:
         raise TypeError(
-            "Could not serialize the job (model, optimizer, get_datasets, loss_function, metrics, loggers) "
+            "Could not serialize the job (model, optimizer, datasets_function, loss_function, metrics, loggers) "
             f"for the workers: {exc!r}. HINT: objects holding open files, locks or sockets cannot be sent; "
-            "create them inside get_datasets or the logger's methods instead."
+            "create them inside datasets_function or the logger's methods instead."
         ) from exc
     if len(payload) > LARGE_JOB_BYTES:
         warnings.warn(
-            f"The job sent to each worker is {len(payload) / 2**20:,.0f} MiB. Data captured by get_datasets "
+            f"The job sent to each worker is {len(payload) / 2**20:,.0f} MiB. Data captured by datasets_function "
             "(or tensors that are views of a larger tensor) travel with it. HINT: load or build the data inside "
-            "get_datasets, and .clone() tensor slices.",
+            "datasets_function, and .clone() tensor slices.",
             stacklevel=5,
         )
     return payload

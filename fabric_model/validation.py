@@ -99,17 +99,17 @@ def check_user_callbacks(callbacks: Any) -> list[Any]:
     return list(callbacks)
 
 
-def check_datasets(get_datasets: Any) -> tuple[Any, Any]:
-    """Call ``get_datasets`` once and check it returns a (train, test) pair of map-style datasets."""
+def check_datasets(datasets_function: Any) -> tuple[Any, Any]:
+    """Call ``datasets_function`` once and check it returns a (train, test) pair of map-style datasets."""
     check_callable(
-        "get_datasets",
-        get_datasets,
-        hint=" HINT: pass the function itself, get_datasets=my_fn, not its result my_fn().",
+        "datasets_function",
+        datasets_function,
+        hint=" HINT: pass the function itself, datasets_function=my_fn, not its result my_fn().",
     )
-    result = get_datasets()
+    result = datasets_function()
     if not isinstance(result, (tuple, list)) or len(result) != 2:
         raise TypeError(
-            "Expected `get_datasets` to return a (train_dataset, test_dataset) pair. "
+            "Expected `datasets_function` to return a (train_dataset, test_dataset) pair. "
             f"Received a return value of {_show(result)} ({type(result).__name__})"
         )
     train, test = result
@@ -118,14 +118,14 @@ def check_datasets(get_datasets: Any) -> tuple[Any, Any]:
             continue
         if not is_map_dataset(ds):
             raise TypeError(
-                f"Expected the {role} dataset returned by `get_datasets` to be map-style "
+                f"Expected the {role} dataset returned by `datasets_function` to be map-style "
                 f"(with __len__ and __getitem__){' or None' if role == 'test' else ''}. "
                 f"Received: {type(ds).__name__}. HINT: an iterable-only dataset cannot be divided into "
                 "exactly-once micro-batches; wrap its samples in a list or a torch Dataset."
             )
     if len(train) == 0:
         raise ValueError(
-            "Expected the train dataset returned by `get_datasets` to hold samples. Received: an empty dataset"
+            "Expected the train dataset returned by `datasets_function` to hold samples. Received: an empty dataset"
         )
     return train, test
 

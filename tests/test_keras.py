@@ -263,7 +263,7 @@ def test_a_model_rebuilt_into_another_function_fails_early(run_dir):
 
 def test_samples_the_model_cannot_take_fail_early_naming_get_datasets(run_dir):
     samples = [((x[:6], x[6:]), y) for x, y in DATA]  # two inputs for a one-input model
-    with pytest.raises(ValueError, match=r"(?s)fails on the first training batch.*tuple of 2.*`get_datasets`"):
+    with pytest.raises(ValueError, match=r"(?s)fails on the first training batch.*tuple of 2.*`datasets_function`"):
         FabricModel(mlp(), lambda: (samples, None), LOSS, "sgd").train(1, BATCH, 2, seed=SEED, run_dir=run_dir)
     assert not run_dir.exists()
 

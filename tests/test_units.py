@@ -101,3 +101,49 @@ def test_rebuilt_exception_keeps_type_and_remote_traceback():
 
     exc = rebuild_exception(encode_exception(Unpicklable(1, 2)), "Traceback...\nUnpicklable: 1", "worker 0")
     assert isinstance(exc, WorkerError) and "Unpicklable: 1" in str(exc)
+
+
+def _cap(requested: int, **kw: int | None) -> tuple[int, str, bool]:
+    from fabric_model.devices import cap_workers
+
+    c = cap_workers(requested, **kw)  # type: ignore[arg-type]
+    return c.workers, c.device, c.capped
+
+
+def test_engines_number_is_a_cap_on_the_devices():
+    """IBM's engines_number is the most devices a job may use; the global batch is kept by accumulation."""
+    from fabric_model.devices import cap_workers
+
+    cap = cap_workers(16, gpus=0, cores=2, cpu_workers=None)  # a script's default of 16 on a 2-core host
+    assert (cap.workers, cap.device, cap.capped) == (2, "cpu", True)
+    assert "2 worker(s) on CPU" in cap.line and "FABRIC_MODEL_CPU_WORKERS" in cap.line
+    assert _cap(16, gpus=4, cores=2, cpu_workers=None) == (4, "gpu", True)
+    assert _cap(2, gpus=8, cores=2, cpu_workers=None) == (2, "gpu", False)
+    assert _cap(3, gpus=0, cores=2, cpu_workers=3) == (3, "cpu", False)  # asked for explicitly
+    assert _cap(1, gpus=0, cores=1, cpu_workers=None) == (1, "cpu", False)
+    s = size_engines(32, 16, None)  # the plan keeps 16 micro-batches whatever the cap
+    assert (s.micro_batches, s.global_batch) == (16, 512)
+
+
+def test_cpu_workers_variable_is_checked(monkeypatch):
+    from fabric_model.devices import cpu_workers_from_environment
+
+    monkeypatch.setenv("FABRIC_MODEL_CPU_WORKERS", "3")
+    assert cpu_workers_from_environment() == 3
+    monkeypatch.setenv("FABRIC_MODEL_CPU_WORKERS", "many")
+    with pytest.raises(ValueError, match="FABRIC_MODEL_CPU_WORKERS='many'"):
+        cpu_workers_from_environment()
+    monkeypatch.delenv("FABRIC_MODEL_CPU_WORKERS")
+    assert cpu_workers_from_environment() is None
+
+
+def test_workers_get_cuda_visible_devices_as_the_process_started(monkeypatch):
+    """A script's CUDA_VISIBLE_DEVICES="" is its driver's own; a value from before the process started is kept."""
+    from fabric_model import devices
+
+    monkeypatch.setattr(devices, "_CUDA_VISIBLE_AT_START", "0,1")
+    assert devices.cuda_visible_for_workers("0,1") == (False, "0,1")  # a cluster's allocation
+    assert devices.cuda_visible_for_workers("") == (True, "0,1")  # the script hid the GPUs from itself
+    monkeypatch.setattr(devices, "_CUDA_VISIBLE_AT_START", None)
+    assert devices.cuda_visible_for_workers("") == (True, None)  # unset again for the workers
+    assert devices.cuda_visible_for_workers(None) == (False, None)

@@ -34,10 +34,10 @@ def _other_optimizer():
 CONSTRUCTOR_CASES = [
     ("model", lambda kw: {**kw, "model": "resnet"}, TypeError, ["`model`", "torch.nn.Module", "str"]),
     (
-        "get_datasets",
+        "datasets_function",
         lambda kw: {**kw, "get_datasets": (DATA, DATA)},
         TypeError,
-        ["`get_datasets`", "callable", "HINT"],
+        ["`datasets_function`", "callable", "HINT"],
     ),
     (
         "loss_function",

@@ -39,8 +39,8 @@ class KerasFramework(Framework):
 
     def check_metrics(self, metrics: Any) -> list[Any]:
         """A list of metric names, ``keras.metrics.Metric`` instances or ``metric(y_true, y_pred)``."""
-        if metrics is None:
-            return []
+        if metrics is None:  # IBM's default: the accuracy compile(metrics=["accuracy"]) picks
+            return ["accuracy"]
         if not isinstance(metrics, (list, tuple)):
             raise TypeError(
                 "Expected `metrics` to be a list of Keras metric names ('accuracy'), keras.metrics.Metric objects "

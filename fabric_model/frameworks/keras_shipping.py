@@ -62,7 +62,7 @@ def checked_form(
     except Exception as exc:
         raise ValueError(
             f"The Keras model fails on the first training batch ({type(exc).__name__}: {str(exc)[:600]}). "
-            f"Inputs received: {_describe(x)}. HINT: `get_datasets` must return samples (x, y) whose x the model "
+            f"Inputs received: {_describe(x)}. HINT: `datasets_function` must return samples (x, y) whose x the model "
             "takes once stacked into a batch (a dict of arrays keyed by input name for several inputs), or pass "
             "`fn_batch_collate` returning (x, y)."
         ) from exc

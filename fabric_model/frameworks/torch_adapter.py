@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -13,6 +14,7 @@ from ..step_layout import StepLayout, StepResult
 from ..tree import map_tree
 from .base import FrameworkAdapter, metric_name
 from .torch_batches import split_batch, to_device
+from .torch_ibm import Eva, accuracy, forbidden_step, test_result
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 MetricFn = Callable[[Any, Any], Any]
@@ -39,15 +41,28 @@ class TorchAdapter(FrameworkAdapter):
         self.model = model
         self.optimizer = optimizer
         self.loss_function = loss_function
-        self.metrics = list(metrics)
+        # No metrics: IBM's default accuracy (torch_accuracy.py); prepare_for_shipping drops it
+        # for outputs it cannot apply to.
+        self.default_accuracy = not metrics
+        self.metrics = list(metrics) or ([accuracy] if step_fn is None else [])
         self._collate_fn = collate_fn
         self.step_fn, self.test_fn, self.fn_args = step_fn, test_fn, fn_args
+        self.eva = Eva(self.metrics)  # a custom step's third argument
         self.train_set: Any = None  # handed to a custom step as its ``train_loader``
+        self._name_stats()
+
+    def _name_stats(self) -> None:
         taken: set[str] = set()
-        if step_fn is not None:
-            self.stat_names = ["loss", "metric"]  # what a custom step returns
+        if self.step_fn is not None:  # what a custom step returns: (its metric, loss), shown as it is
+            self.stat_names = ["loss", "metric"]
         else:
             self.stat_names = ["loss"] + [metric_name(m, i, taken) for i, m in enumerate(self.metrics)]
+
+    def drop_default_accuracy(self) -> None:
+        """No accuracy for a model whose outputs are not a classifier's (before the adapter is shipped)."""
+        if self.default_accuracy and self.step_fn is None:
+            self.metrics = []
+            self._name_stats()
         self.device = torch.device("cpu")
         self._buf_start: list[torch.Tensor] = []
         self._in_step = False
@@ -229,9 +244,9 @@ class TorchAdapter(FrameworkAdapter):
             offset += p.numel()
         shadowed = "step" in vars(self.optimizer)
         previous = vars(self.optimizer).get("step")
-        self.optimizer.step = _forbidden_step
+        self.optimizer.step = forbidden_step
         try:
-            metric, loss = self.step_fn(self.model, (inputs, target), self.metrics, self.train_set, self.fn_args)
+            metric, loss = self.step_fn(self.model, (inputs, target), self.eva, self.train_set, self.fn_args)
         finally:
             if shadowed:
                 self.optimizer.step = previous
@@ -318,21 +333,25 @@ class TorchAdapter(FrameworkAdapter):
             for indices, batch in batches:
                 total += self._evaluate_batch(batch, len(indices))
             return total
+        first = next(batches, None)
+        if first is None:  # an empty test shard: no call (IBM's fn_test divides by its count); zero samples
+            return torch.zeros(self._layout.eval_size, dtype=torch.float64)
         count = 0
 
         def test_iter() -> Iterator[tuple[Any, Any]]:
             nonlocal count
-            for indices, batch in batches:
+            for indices, batch in itertools.chain([first], batches):
                 count += len(indices)
                 yield split_batch(to_device(batch, self.device))
 
         self.model.eval()
         try:
             with torch.no_grad():
-                metric, loss = self.test_fn(self.model, test_iter(), self.fn_args)
+                result = self.test_fn(self.model, test_iter(), self.fn_args)
         finally:
             self.model.train()
-        values = [float(_scalar(loss, torch.device("cpu"))), float(_scalar(metric, torch.device("cpu")))]
+        values = [float(_scalar(v, torch.device("cpu"))) for v in test_result(result)]
+        values = (values + [float("nan")] * len(self.stat_names))[: len(self.stat_names)]
         return torch.tensor([v * count for v in values] + [count], dtype=torch.float64)
 
     @torch.no_grad()
@@ -360,13 +379,6 @@ class TorchAdapter(FrameworkAdapter):
 
     def optimizer_state(self) -> dict[str, Any]:
         return map_tree(_cpu_copy, self.optimizer.state_dict())
-
-
-def _forbidden_step(*args: Any, **kwargs: Any) -> None:
-    raise RuntimeError(
-        "fn_step_train called optimizer.step(): leave the step to fabric_model, which applies it once per global "
-        "batch, after the gradients of all workers are summed. Call only loss.backward() (and clip, if you wish)."
-    )
 
 
 def _scalar(value: Any, device: torch.device) -> torch.Tensor:

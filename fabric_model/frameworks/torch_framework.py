@@ -55,6 +55,30 @@ class TorchFramework(Framework):
                 "after any model.to(device) or re-creation."
             )
 
+    def prepare_for_shipping(self, adapter: FrameworkAdapter, first_batch: Any) -> FrameworkAdapter:
+        """Keep the default accuracy only if the model's output on the first batch is a classifier's."""
+        if getattr(adapter, "default_accuracy", False) and getattr(adapter, "step_fn", None) is None:
+            import torch
+
+            from .torch_batches import to_device
+            from .torch_ibm import accuracy_applies
+
+            model = adapter.model
+            device = next(model.parameters(), torch.zeros(0)).device
+            inputs, target = self.split_batch(to_device(first_batch, device))
+            was_training = model.training
+            model.eval()  # no BatchNorm statistics updated, no dropout
+            try:
+                with torch.no_grad():
+                    output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+            except Exception:  # the workers report the model's own error, with its context
+                output = None
+            finally:
+                model.train(was_training)
+            if not accuracy_applies(output, target):
+                adapter.drop_default_accuracy()  # type: ignore[attr-defined]
+        return adapter
+
     def make_adapter(self, user: UserObjects) -> FrameworkAdapter:
         """A :class:`~.torch_adapter.TorchAdapter` (``custom_objects`` is Keras' only)."""
         from .torch_adapter import TorchAdapter

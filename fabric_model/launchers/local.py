@@ -4,6 +4,11 @@ Workers are fresh interpreters running ``python -m fabric_model worker`` (never 
 CUDA and TensorFlow break under it). Unlike ``multiprocessing``'s spawn, this does not
 re-import the user's main script in the child, so a script without an
 ``if __name__ == "__main__":`` guard, or a notebook, works unchanged.
+
+Workers choose their devices independently of the driver's ``CUDA_VISIBLE_DEVICES``: when the
+script changed it after the process started (TensorFlow scripts set ``""`` to keep the driver off
+the GPU), workers get the value the process started with, or none; a value set before the process
+started (a cluster's allocation) is passed on (see :mod:`fabric_model.devices`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from ..protocol import LAUNCHED_ENV, SECRET_ENV
+from ..devices import cuda_visible_for_workers
+from ..protocol import CUDA_VISIBLE_ENV, LAUNCHED_ENV, SECRET_ENV
 from .base import Launcher
 
 log = logging.getLogger(__name__)
@@ -43,6 +49,11 @@ class LocalLauncher(Launcher):
 
     def _environment(self) -> dict[str, str]:
         env = dict(os.environ)
+        changed, cuda_visible = cuda_visible_for_workers()
+        if changed:  # the script's own choice for the driver, not the job's allocation
+            env.pop(CUDA_VISIBLE_ENV, None)
+            if cuda_visible is not None:
+                env[CUDA_VISIBLE_ENV] = cuda_visible
         env[SECRET_ENV] = self.secret.hex()
         env[LAUNCHED_ENV] = "1"
         # The worker must import what the caller could import (modules next to the script).

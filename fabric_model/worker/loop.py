@@ -28,7 +28,7 @@ from ..collective import Collective, CollectiveError
 from ..config import TrainConfig
 from ..context import WorkerContext
 from ..control import Channel
-from ..data import PrefetchLoader, first_of, is_batch_level
+from ..data import EpochShuffledBatches, PrefetchLoader, first_of, is_batch_level, own_shuffle
 from ..job import Job
 from ..metrics import stat_means
 from ..plan import Plan, Schedule, assigned_micro_batches, epoch_permutation, eval_batches, micro_batch_seed
@@ -56,6 +56,10 @@ class TrainingLoop:
         self.adapter = job.adapter
         self.channel, self.membership, self.collective = channel, inbox, collective
         self.train_set, self.test_set = datasets
+        # Items are addressed as epoch * len + item, so each epoch draws its own sample order.
+        self._epoch_items = own_shuffle(self.train_set)
+        if self._epoch_items:
+            self.train_set = EpochShuffledBatches(self.train_set, plan.seed)
         self.context = context
         self.recovery_timeout = config.timeouts.recovery
         self.schedule = Schedule(plan, config.epochs, config.validation_freq, self.test_set is not None)
@@ -168,7 +172,8 @@ class TrainingLoop:
             loader.close()
 
     def _collate_for(self, dataset: Any) -> Callable[[Any], Any]:
-        return first_of if is_batch_level(dataset) else self.adapter.collate
+        batch_level = is_batch_level(dataset) or isinstance(dataset, EpochShuffledBatches)
+        return first_of if batch_level else self.adapter.collate
 
     def _check_abort(self) -> None:
         """Leave a long step or validation early when the driver ends this generation."""
@@ -192,7 +197,8 @@ class TrainingLoop:
             if epoch != perm_epoch:
                 perm, perm_epoch = epoch_permutation(self.plan.seed, epoch, self.plan.num_samples), epoch
             for j in assigned_micro_batches(self.plan.num_micro_batches(epoch, step), rank, world):
-                yield (epoch, step, j), self.plan.micro_batch_indices(epoch, step, j, perm)
+                indices = self.plan.micro_batch_indices(epoch, step, j, perm)
+                yield (epoch, step, j), indices + epoch * self.plan.num_samples if self._epoch_items else indices
 
     def _step(self, epoch: int, step: int, batches: Iterator[tuple[Hashable, np.ndarray, Any]]) -> bool:
         """One step; returns whether the members voted to switch generation after it."""

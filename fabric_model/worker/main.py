@@ -75,10 +75,10 @@ def _join(loop: TrainingLoop, inbox: Inbox, channel: Channel, timeouts: Timeouts
 
 
 def _set_up(spec: p.JobSpec, worker_id: int, device: str | None, inbox: Inbox) -> tuple[Job, WorkerContext, str]:
-    """Unpickle the job, install the worker context, place the model, call ``get_datasets``."""
+    """Unpickle the job, install the worker context, place the model, call ``datasets_function``."""
     job: Job = cloudpickle.loads(spec.payload)
     device = device or spec.device or "cpu"
-    # Installed before any user code runs here, so get_datasets can ask where it is.
+    # Installed before any user code runs here, so datasets_function can ask where it is.
     context = WorkerContext(worker_id)
     context.pending_join = lambda: inbox.pending_generation > context.generation
     _install(context)

@@ -374,3 +374,99 @@ def test_engines_number_is_capped_by_the_cores(tmp_path: Path) -> None:
     check_finished(proc)
     worker_logs = list((only_run_dir(tmp_path) / "logs").glob("worker-*.log"))
     assert 1 <= len(worker_logs) <= cores
+
+
+SCHEDULE_ONNX_SCRIPT = """
+import argparse
+sys.path.insert(0, os.path.join(os.environ["FABRIC_HOME"], "libs", "fabric.zip"))
+from callbacks import Callback
+from fabric_model import FabricModel
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--numWorker", type=int, default=16)
+args, _ = parser.parse_known_args()
+
+class Schedule(Callback):  # IBM's LR schedules set the rate through self.params["optimizer"]
+    def on_epoch_begin(self, epoch):
+        for group in self.params["optimizer"].param_groups:
+            group["lr"] = 0.2 * (0.5 ** epoch)
+
+    def on_epoch_end(self, epoch, save_model=False):
+        pass
+
+class MetricsForm:  # IBM's second older form: log_train_metrics(metrics, completed_batch, epoch, worker=0)
+    def __init__(self):
+        self.seen = []
+
+    def log_train_metrics(self, metrics, completed_batch, epoch, worker=0):
+        self.seen.append(("train", dict(metrics), completed_batch, epoch))
+
+    def log_test_metrics(self, metrics, completed_batch, epoch):
+        self.seen.append(("test", dict(metrics), completed_batch, epoch))
+
+model = make_model()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+before = full_loss(model)
+logger = MetricsForm()
+m = FabricModel(model, get_datasets, F.cross_entropy, optimizer, driver_logger=logger,
+                user_callback=[Schedule()], enable_onnx=True)
+m.train(3, 16, args.numWorker)
+archive = m.download()
+save_result(before=before, after=full_loss(model), lr=optimizer.param_groups[0]["lr"], archive=archive,
+            seen=logger.seen)
+"""
+
+
+def test_lr_schedule_onnx_download_and_the_metrics_logger_form(tmp_path: Path) -> None:
+    """An LR schedule through ``self.params['optimizer']``, ``enable_onnx``, ``download()`` and the
+    ``(metrics, completed_batch, epoch, worker=0)`` logger, through ``fabric-model run``."""
+    script = write_script(tmp_path, SCHEDULE_ONNX_SCRIPT)
+    check_finished(fabric_run(script, "--numWorker", "2", cwd=tmp_path))
+    run_dir = only_run_dir(tmp_path)
+    res = result(run_dir)
+    assert res["after"] < res["before"]
+    assert res["lr"] == pytest.approx(0.2 * 0.5**2)  # the last epoch's rate came back in the user's optimizer
+    assert (run_dir / "model" / "model.onnx").is_file()
+    assert Path(res["archive"]).is_file() and res["archive"].endswith(".zip")
+    train = [s for s in res["seen"] if s[0] == "train"]
+    test = [s for s in res["seen"] if s[0] == "test"]
+    assert train and test and "loss" in train[-1][1] and "accuracy" in train[-1][1]
+    assert [s[3] for s in test] == [0, 1, 2]  # one validation per epoch, with its epoch
+
+
+KERAS_FLOW_SCRIPT = """
+import argparse
+import numpy as np
+import keras
+from tensorflow.keras.preprocessing.image import ImageDataGenerator  # as IBM's TF scripts import it
+from pyedt.fabric_model import FabricModel
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--numWorker", type=int, default=16)
+args, _ = parser.parse_known_args()
+
+def get_datasets():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128, 4, 4, 1)).astype("float32")
+    y = (x.reshape(128, -1).sum(1) > 0).astype("int64")
+    return ImageDataGenerator().flow(x, y, batch_size=16, shuffle=True, seed=1), None
+
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((4, 4, 1)), keras.layers.Flatten(), keras.layers.Dense(2, activation="softmax")])
+m = FabricModel(model, get_datasets, "sparse_categorical_crossentropy", "adam")
+result = m.train(4, 16, args.numWorker)
+save_result(history=result.history)
+"""
+
+
+def test_keras_script_with_a_loss_name_and_image_data_generator_flow(tmp_path: Path) -> None:
+    """A Keras script: a loss by name, ``ImageDataGenerator().flow(shuffle=True)``, two workers."""
+    if importlib.util.find_spec("tensorflow") is None:
+        if os.environ.get("FABRIC_MODEL_TEST_ALL_EXTRAS"):
+            raise AssertionError("TensorFlow is missing where every extra must be installed")
+        pytest.skip("TensorFlow is not installed")
+    script = write_script(tmp_path, KERAS_FLOW_SCRIPT)
+    check_finished(fabric_run(script, "--numWorker", "2", cwd=tmp_path))
+    history = result(only_run_dir(tmp_path))["history"]
+    assert len(history) == 4 and "accuracy" in history[-1]
+    assert history[-1]["loss"] < history[0]["loss"]

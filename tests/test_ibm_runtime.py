@@ -404,11 +404,16 @@ class MetricsForm:  # IBM's second older form: log_train_metrics(metrics, comple
     def log_test_metrics(self, metrics, completed_batch, epoch):
         self.seen.append(("test", dict(metrics), completed_batch, epoch))
 
+class Documented:  # this package's documented form, in every worker: (metrics, iteration, epoch, workers)
+    def log_train_metrics(self, metrics, iteration, epoch, workers):
+        with open(os.path.join(os.environ["RESULT_DIR"], f"worker-{os.getpid()}.jsonl"), "a") as f:
+            f.write(json.dumps({"metrics": metrics, "iteration": iteration, "epoch": epoch, "workers": workers}) + "\\n")
+
 model = make_model()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
 before = full_loss(model)
 logger = MetricsForm()
-m = FabricModel(model, get_datasets, F.cross_entropy, optimizer, driver_logger=logger,
+m = FabricModel(model, get_datasets, F.cross_entropy, optimizer, driver_logger=logger, worker_logger=Documented(),
                 user_callback=[Schedule()], enable_onnx=True)
 m.train(3, 16, args.numWorker)
 archive = m.download()
@@ -432,6 +437,10 @@ def test_lr_schedule_onnx_download_and_the_metrics_logger_form(tmp_path: Path) -
     test = [s for s in res["seen"] if s[0] == "test"]
     assert train and test and "loss" in train[-1][1] and "accuracy" in train[-1][1]
     assert [s[3] for s in test] == [0, 1, 2]  # one validation per epoch, with its epoch
+    per_worker = [
+        [json.loads(line) for line in f.read_text().splitlines()] for f in run_dir.glob("worker-*.jsonl")
+    ]
+    assert len(per_worker) == 2 and all(r["workers"] == 2 and "accuracy" in r["metrics"] for w in per_worker for r in w)
 
 
 KERAS_FLOW_SCRIPT = """

@@ -407,7 +407,8 @@ class MetricsForm:  # IBM's second older form: log_train_metrics(metrics, comple
 class Documented:  # this package's documented form, in every worker: (metrics, iteration, epoch, workers)
     def log_train_metrics(self, metrics, iteration, epoch, workers):
         with open(os.path.join(os.environ["RESULT_DIR"], f"worker-{os.getpid()}.jsonl"), "a") as f:
-            f.write(json.dumps({"metrics": metrics, "iteration": iteration, "epoch": epoch, "workers": workers}) + "\\n")
+            record = {"metrics": metrics, "iteration": iteration, "epoch": epoch, "workers": workers}
+            f.write(json.dumps(record) + "\\n")
 
 model = make_model()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.2)

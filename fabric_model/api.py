@@ -106,17 +106,7 @@ class FabricModel:
         # IBM's keyword names are aliases of ours (compat.pick); `get_datasets` is this package's old name.
         datasets_function = compat.pick("datasets_function", datasets_function, "get_datasets", get_datasets)
         # Defaults exist only so `get_datasets=` can stand in for the second parameter; all three are required.
-        missing = [
-            n
-            for n, x in (
-                ("datasets_function", datasets_function),
-                ("loss_function", loss_function),
-                ("optimizer", optimizer),
-            )
-            if x is None
-        ]
-        if missing:
-            raise TypeError(f"FabricModel() is missing required argument(s): {', '.join(missing)}. Received: None")
+        _require(datasets_function=datasets_function, loss_function=loss_function, optimizer=optimizer)
         driver_logger_callback = compat.pick(
             "driver_logger_callback", driver_logger_callback, "driver_logger", driver_logger
         )
@@ -128,12 +118,8 @@ class FabricModel:
 
         self._framework: Framework = detect_framework(model)  # chosen once; only it knows the framework
         self.framework = self._framework.name  # as run records and checkpoints spell it
-        self.model, self.datasets_function, self.loss_function, self.optimizer = (
-            model,
-            datasets_function,
-            loss_function,
-            optimizer,
-        )
+        self.model, self.datasets_function = model, datasets_function
+        self.loss_function, self.optimizer = loss_function, optimizer
         self.worker_logger_callback = worker_logger_callback
         self.driver_logger_callback = driver_logger_callback
         self.save_to_onnx = save_to_onnx
@@ -165,31 +151,23 @@ class FabricModel:
         Args:
             epoch_number: epochs to train.
             batch_size: samples per micro-batch (per device).
-            engines_number: the most workers at once; with ``batch_size`` it sets the global
-                batch ``batch_size * engines_number``. Default: one per local GPU (1 on CPU).
-                As in IBM's EDT it is a cap: ``min(engines_number, devices)`` workers start, one
-                per GPU, or without a GPU one per usable core (``FABRIC_MODEL_CPU_WORKERS=N`` in
-                the environment allows N CPU workers); fewer workers keep the global batch by
-                accumulating more micro-batches each. One line (logged, and printed to stderr when
-                the cap applies) says how many start, on what, and why.
+            engines_number: the most devices the job may use; the global batch is
+                ``batch_size * engines_number``. ``min(engines_number, devices)`` workers start
+                (see :mod:`fabric_model.devices`), accumulating micro-batches to keep the global
+                batch. Default: one per local GPU (1 on CPU).
             num_dataloader_threads: threads per worker reading upcoming micro-batches (0: none).
             validation_freq: validate after every ``validation_freq``-th epoch.
-            checkpoint_freq: write a checkpoint (``run_dir/checkpoints/``) after every
-                ``checkpoint_freq``-th epoch (0: never).
+            checkpoint_freq: checkpoint after every ``checkpoint_freq``-th epoch (0: never).
             effective_batch_size: the global batch, a multiple of ``batch_size``; see
                 :func:`fabric_model.config.size_engines` for how it combines with engines_number.
-            seed: the run's seed; by default drawn from the framework's global generator
-                (torch's; for Keras, NumPy's, which ``keras.utils.set_random_seed`` seeds), so
-                ``torch.manual_seed(0)`` or ``keras.utils.set_random_seed(0)`` at the top of a
-                script makes the run reproducible.
+            seed: the run's seed; by default drawn from the framework's global generator, so
+                ``torch.manual_seed(0)`` or ``keras.utils.set_random_seed(0)`` makes a run reproducible.
             run_dir: where logs go; default ``$RESULT_DIR`` or ``./fabric_runs/<run-id>``.
             resume: continue the run in ``run_dir`` (or ``$RESULT_DIR``) from its newest complete
-                checkpoint, with its seed and plan; the dataset length, ``batch_size`` and the
-                global batch must match it, ``engines_number`` may differ. Without a checkpoint,
-                training starts from the beginning (a warning is logged).
+                checkpoint, with its seed and plan (the README's "checkpoints and resume" says what
+                must match); without a checkpoint, training starts from the beginning.
             keep_checkpoints: how many of the newest checkpoints to keep (older ones are deleted).
-            worker_memory, driver_memory: accepted for scripts written for IBM's FabricModel,
-                and ignored: memory is not capped (a note is logged).
+            worker_memory, driver_memory: IBM's; accepted and ignored (memory is not capped).
         """
         loop = LoopOptions(num_dataloader_threads, validation_freq, checkpoint_freq, keep_checkpoints)
         ignored = {"worker_memory": worker_memory, "driver_memory": driver_memory}
@@ -264,10 +242,7 @@ class FabricModel:
         train_set, test_set = v.check_datasets(self.datasets_function)
         items_per_micro_batch, sizing = size_run(train_set, batch_size, engines_number, effective_batch_size)
         gpus = worker_gpu_count()
-        cpu_workers = cpu_workers_from_environment()  # read once, here, in the caller
-        cap = cap_workers(sizing.max_workers, gpus=gpus, cores=_usable_cores(), cpu_workers=cpu_workers)
-        report(cap)  # the micro-batches stay: fewer workers accumulate more of them
-        sizing = dataclasses.replace(sizing, max_workers=cap.workers)
+        sizing = _cap_workers(sizing, gpus)  # the micro-batches stay: fewer workers accumulate more of them
         resumed = None
         if resume:  # the run's own seed and newest checkpoint; its plan is checked below
             resumed, seed = checkpoint.find_resume_point(run_dir, seed)
@@ -383,3 +358,18 @@ def _open_run(run_dir: str | os.PathLike[str] | None, setup: DriverSetup) -> Run
     config, plan = dataclasses.asdict(setup.config), dataclasses.asdict(setup.plan)
     run.write_run_record({"framework": setup.framework, "config": config, "plan": plan, "started": time.time()})
     return run
+
+
+def _require(**arguments: Any) -> None:
+    """Raise naming the required arguments that were not given."""
+    missing = [name for name, value in arguments.items() if value is None]
+    if missing:
+        raise TypeError(f"FabricModel() is missing required argument(s): {', '.join(missing)}. Received: None")
+
+
+def _cap_workers(sizing: EngineSizing, gpus: int) -> EngineSizing:
+    """``engines_number`` as a cap on the devices; says in one line how many workers start, and why."""
+    cpu_workers = cpu_workers_from_environment()  # read once, here, in the caller
+    cap = cap_workers(sizing.max_workers, gpus=gpus, cores=_usable_cores(), cpu_workers=cpu_workers)
+    report(cap)
+    return dataclasses.replace(sizing, max_workers=cap.workers)

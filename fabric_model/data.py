@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -118,9 +119,17 @@ class EpochShuffledBatches:
 
     def order(self, epoch: int) -> np.ndarray:
         """The epoch's sample order (a stream of its own: the plan's batch order uses ``(seed, epoch)``)."""
-        return np.random.default_rng([self.seed, epoch, 1]).permutation(self.inner.n)
+        return _epoch_order(self.seed, epoch, self.inner.n)
 
     def __getitem__(self, item: int) -> Any:
         epoch, i = divmod(int(item), self.items)
         b = self.inner.batch_size
         return self.inner._get_batches_of_transformed_samples(self.order(epoch)[i * b : (i + 1) * b])
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
+    """Drawn once per epoch, not once per batch (every batch of an epoch reads it)."""
+    order = np.random.default_rng([seed, epoch, 1]).permutation(n)
+    order.flags.writeable = False  # shared by every caller
+    return order

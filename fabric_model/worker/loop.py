@@ -66,6 +66,9 @@ class TrainingLoop:
         self.next_unit = 0
         self.iterations = 0  # steps this worker took part in
         self.hooks = job.hooks
+        # Asked once: the metrics a logger would get are not computed each step for nobody.
+        self._logs_train = self.hooks.defines("log_train_metrics")
+        self._logs_test = self.hooks.defines("log_test_metrics")
         self.checkpoints = CheckpointWriter(
             self.schedule, config.checkpoint_freq, config.batch_size, wrap_stream=self.hooks.wrap_checkpoint_stream
         )
@@ -226,7 +229,7 @@ class TrainingLoop:
                 collective.generation, epoch, step, collective.rank, collective.world_size, tuple(mine), tuple(stats)
             )
         )
-        if self.hooks.defines("log_train_metrics"):
+        if self._logs_train:
             metrics = stat_means(adapter.stat_names, stats)
             self.hooks.log_train_metrics(metrics, self.iterations, epoch, collective.world_size)
         return switch
@@ -248,5 +251,5 @@ class TrainingLoop:
         # Every rank reports: if rank 0's allreduce failed where others' succeeded, the
         # validation still counts (the driver keeps the first report of an epoch).
         self.channel.send(p.EvalDone(epoch, tuple(stats)))
-        if self.hooks.defines("log_test_metrics"):
+        if self._logs_test:
             self.hooks.log_test_metrics(stat_means(adapter.stat_names, stats), self.iterations, epoch)

@@ -58,10 +58,13 @@ class Channel:
         return self._conn.recv_bytes()
 
     def close(self) -> None:
-        try:
-            self._conn.close()
-        except OSError:
-            pass
+        # Under the send lock: a reader thread closing the connection while the driver sends
+        # on it would otherwise hand the send a closed (or reused) descriptor mid-write.
+        with self._lock:
+            try:
+                self._conn.close()
+            except OSError:
+                pass
 
     def shutdown(self) -> None:
         """Close, waking a thread blocked reading this channel (closing alone does not)."""

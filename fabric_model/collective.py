@@ -33,10 +33,11 @@ class CollectiveError(RuntimeError):
 
 
 class Collective:
-    """A re-configurable communicator over a TCPStore hosted by the driver.
+    """A re-configurable communicator over the driver's rendezvous store.
 
     Args:
-        store_address: the driver's TCPStore.
+        store: the rendezvous store (a :class:`~fabric_model.remote_store.RemoteStore` in a
+            worker); generation ``g`` uses its keys under ``generation/{g}/``.
         backend: ``"gloo"`` or ``"nccl"``.
         timeout: the longest one operation may take.
         device: where tensors of this worker live.
@@ -46,7 +47,7 @@ class Collective:
 
     def __init__(
         self,
-        store_address: tuple[str, int],
+        store: dist.Store,
         backend: str,
         timeout: timedelta,
         device: str = "cpu",
@@ -56,9 +57,7 @@ class Collective:
         self.device = torch.device(device)
         self.timeout = timeout
         self.should_abort = should_abort
-        self._store = dist.TCPStore(
-            store_address[0], store_address[1], is_master=False, timeout=timeout, wait_for_workers=False
-        )
+        self._store = store
         self._group: Any = None
         self._abandoned: list[Any] = []
         self.generation = -1
@@ -81,7 +80,7 @@ class Collective:
                 self._group = dist.ProcessGroupNCCL(store, rank, world_size, options)
             else:
                 self._group = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
-        except RuntimeError as exc:  # a peer that died or froze before the group formed
+        except RuntimeError as exc:  # a peer died or froze before the group formed, or the store fenced us out
             raise CollectiveError(f"forming generation {generation} failed: {exc}") from exc
         log.debug("joined generation %d as rank %d/%d", generation, rank, world_size)
 

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
-from typing import Any
+from typing import Any, Protocol
 
 from . import protocol as p
 
@@ -48,16 +48,40 @@ class Channel:
             raise TimeoutError(f"no message from the peer within {timeout:.1f} s")
         return pickle.loads(self._conn.recv_bytes())
 
+    def send_bytes(self, data: bytes) -> None:
+        """Send one raw frame (the store's, :mod:`fabric_model.store_wire`)."""
+        with self._lock:
+            self._conn.send_bytes(data)
+
+    def recv_bytes(self) -> bytes:
+        """Next raw frame; ``EOFError`` on close."""
+        return self._conn.recv_bytes()
+
     def close(self) -> None:
-        try:
-            self._conn.close()
-        except OSError:
-            pass
+        # Under the send lock: a reader thread closing the connection while the driver sends
+        # on it would otherwise hand the send a closed (or reused) descriptor mid-write.
+        with self._lock:
+            try:
+                self._conn.close()
+            except OSError:
+                pass
+
+    def shutdown(self) -> None:
+        """Close, waking a thread blocked reading this channel (closing alone does not)."""
+        _shut_down(self._conn)
+        self.close()
 
 
 def connect(address: tuple[str, int], secret: bytes) -> Channel:
     """A worker's connection to the driver at ``address``, authenticated with ``secret``."""
     return Channel(Client(address, family="AF_INET", authkey=secret))
+
+
+class StoreHandler(Protocol):
+    """What serves a store connection (:class:`fabric_model.store_service.StoreService`)."""
+
+    def serve(self, channel: Channel, worker_id: int) -> None:
+        """Answer the connection's requests on the calling thread until it closes."""
 
 
 class ControlServer:
@@ -66,17 +90,27 @@ class ControlServer:
     Every message from every worker lands on one queue as ``(worker_id, message)``, so the
     driver is a single loop over events. ``worker_id`` is learned from the worker's first
     message (:class:`~fabric_model.protocol.Hello`); a closed connection becomes a
-    :class:`~fabric_model.protocol.ConnectionLost` event.
+    :class:`~fabric_model.protocol.ConnectionLost` event. A connection that opens with
+    :class:`~fabric_model.protocol.StoreOpen` is handed to ``store`` on its own thread
+    instead: the rendezvous store shares this port and its authentication.
     """
 
     def __init__(
-        self, secret: bytes, host: str = "127.0.0.1", port: int = 0, allocate_id: Callable[[], int] | None = None
+        self,
+        secret: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        allocate_id: Callable[[], int] | None = None,
+        store: StoreHandler | None = None,
     ) -> None:
         self._allocate_id = allocate_id
+        self._store = store
         self._secret = secret
         # No authkey here: Listener.accept() would then run the handshake on the accept thread,
         # where one idle or garbage-sending peer stalls (or, on OSError, ends) all registration.
-        self._listener = Listener((host, port), family="AF_INET")
+        # A deep backlog: with the default of 1, a burst of connections (honest or not) waits
+        # for SYN retransmits while the accept thread is busy.
+        self._listener = Listener((host, port), family="AF_INET", backlog=64)
         self.events: queue.Queue[tuple[int, Any]] = queue.Queue()
         self.channels: dict[int, Channel] = {}
         self._closed = threading.Event()
@@ -126,6 +160,9 @@ class ControlServer:
         worker_id = -1
         try:
             hello = channel.recv(timeout=60.0)
+            if isinstance(hello, p.StoreOpen) and self._store is not None:
+                self._store.serve(channel, int(hello.worker_id))
+                return
             if not isinstance(hello, p.Hello):
                 raise ValueError(f"expected Hello first, got {type(hello).__name__}")
             if hello.worker_id is None:
@@ -140,7 +177,7 @@ class ControlServer:
             self.events.put((worker_id, hello))
             while True:
                 self.events.put((worker_id, channel.recv()))
-        except (EOFError, OSError, TimeoutError, ValueError, KeyError) as exc:
+        except (EOFError, OSError, TimeoutError, ValueError, KeyError, TypeError) as exc:
             if worker_id >= 0:
                 self.events.put((worker_id, p.ConnectionLost(repr(exc))))
         finally:

@@ -21,6 +21,9 @@ A worker's life in messages::
     FinalState -------------------->
           <------------------------- Stop
     WorkerFailed (at any time: an exception, with its traceback)
+
+A second connection, opened with ``StoreOpen``, carries the rendezvous store's frames
+(:mod:`fabric_model.store_wire`), not these messages.
 """
 
 from __future__ import annotations
@@ -148,12 +151,12 @@ class Assigned:
 @dataclasses.dataclass(frozen=True)
 class JobSpec:
     """The job: the cloudpickled :class:`~fabric_model.job.Job`, its configuration (timeouts
-    included, resolved once in the caller) and plan, the rendezvous store, device and threads."""
+    included, resolved once in the caller) and plan, device and threads. The rendezvous store
+    is at the address the worker reached the driver at (a :class:`StoreOpen` connection)."""
 
     payload: bytes
     config: Any  # fabric_model.config.TrainConfig
     plan: Any  # fabric_model.plan.Plan
-    store: tuple[str, int]
     device: str | None
     threads: int
 
@@ -212,6 +215,15 @@ class ConnectionLost:
     """Raised by the driver's reader thread when a worker's connection closes."""
 
     reason: str
+
+
+# -- worker -> driver, opening a store connection ----------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class StoreOpen:
+    """The first message on a worker's second connection: it carries rendezvous-store frames
+    (:mod:`fabric_model.store_wire`), served to ``worker_id`` while it is a member."""
+
+    worker_id: int
 
 
 WorkerMessage = (

@@ -50,10 +50,10 @@ def no_replacement(monkeypatch):
     monkeypatch.setenv("EDT_REPLACE_WORKERS", "0")
 
 
-def train(run_dir, marker_dir, faults=(), joins=(), workers=3, adam=False, step_delay=0.0):
+def train(run_dir, marker_dir, faults=(), joins=(), workers=3, adam=False, step_delay=0.0, driver_logger=None):
     model, opt = fresh_model_and_optimizer(adam=adam)
     injector = FaultInjector(faults, marker_dir, step_delay=step_delay)
-    starter = WorkerStarter(run_dir, joins)
+    starter = WorkerStarter(run_dir, joins, inner=driver_logger)
     try:
         result = FabricModel(
             model,

@@ -42,14 +42,14 @@ def _assert_same(a, b):
 
 
 def test_state_broadcast_over_gloo_arrives_bit_for_bit():
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    store = dist.HashStore()  # threads of one process; the driver's store is tested in tests/test_store.py
     state = _trained_state()
     results: dict[int, object] = {}
     errors: list[BaseException] = []
 
     def rank(r: int) -> None:
         try:
-            collective = Collective(("127.0.0.1", store.port), "gloo", timedelta(seconds=30))
+            collective = Collective(store, "gloo", timedelta(seconds=30))
             collective.configure(0, r, 3)
             results[r] = broadcast_state(collective, state if r == 1 else None, source=1)
             collective.shutdown()

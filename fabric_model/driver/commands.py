@@ -44,7 +44,8 @@ class Settle:
 
 @dataclasses.dataclass(frozen=True)
 class Formed:
-    """Generation ``generation`` formed (for the metrics log and the driver's log)."""
+    """Generation ``generation`` formed (for the metrics log, the driver's log and the store's
+    fence); it comes before the ``EnterGeneration`` messages of its members."""
 
     generation: int
     members: tuple[int, ...]

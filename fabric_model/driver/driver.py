@@ -15,7 +15,6 @@ import queue
 import secrets
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 from .. import protocol as p
@@ -27,6 +26,7 @@ from ..launchers.base import Launcher
 from ..launchers.local import LocalLauncher
 from ..metrics_log import MetricsLog
 from ..plan import Plan, Schedule
+from ..store_service import StoreService
 from .checkpoints import CheckpointBook
 from .commands import Command, Formed, Kill, Limits, Send, Settle, Start
 from .membership import Membership
@@ -138,15 +138,11 @@ class Driver:
 
     # -- the run ----------------------------------------------------------------------------
     def run(self) -> FinalState:
-        import torch.distributed as dist  # here: `import fabric_model` stays light
-
         secret = secrets.token_bytes(32)
-        self._server = ControlServer(secret, allocate_id=self.membership.allocate_id)
+        # One listener: the rendezvous store is served on the control plane's port (docs/architecture.md, "Processes").
+        self._store = StoreService()
+        self._server = ControlServer(secret, allocate_id=self.membership.allocate_id, store=self._store)
         timeouts = self.setup.config.timeouts
-        store = dist.TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeouts.collective)
-        )
-        self._store_address = ("127.0.0.1", store.port)
         self._launcher = self._launcher_factory(self._server.address, secret)
         self.run_dir.write_join_info(self._server.address, secret)
         try:
@@ -165,7 +161,6 @@ class Driver:
             self._server.close()
             self.metrics.close()
             self.run_dir.remove_join_info()
-            del store
         assert self._final is not None
         return self._final
 
@@ -200,7 +195,7 @@ class Driver:
         slot = self.membership.slot_of(worker_id)
         device = self.setup.devices[slot] if slot is not None else None
         setup = self.setup
-        spec = p.JobSpec(setup.payload, setup.config, setup.plan, self._store_address, device, setup.threads)
+        spec = p.JobSpec(setup.payload, setup.config, setup.plan, device, setup.threads)
         self._server.send(worker_id, spec)
 
     def _on_step(self, worker_id: int, message: p.StepDone) -> None:
@@ -243,7 +238,8 @@ class Driver:
                 unit = self.progress.settle(command.resume_unit, command.upto_generation)
                 if unit is not None:
                     self.membership.committed(unit)
-            elif isinstance(command, Formed):
+            elif isinstance(command, Formed):  # before the members are told: the store must admit them
+                self._store.admit(command.generation, command.members)
                 self._record_generation(command)
 
     def _record_generation(self, formed: Formed) -> None:

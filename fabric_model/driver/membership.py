@@ -333,14 +333,17 @@ class Membership:
         settings = self.checkpoints.settings(restore)
         self.generation += 1
         self.members, self._change = members, None
-        commands: list[Command] = [Settle(resume, self.generation - 1)]
+        checkpoint = restore.name if restore is not None else None
+        # Formed before the Sends: the driver's store admits the members before they are told.
+        commands: list[Command] = [
+            Settle(resume, self.generation - 1),
+            Formed(self.generation, tuple(members), reason, resume, source, checkpoint),
+        ]
         for rank, worker_id in enumerate(members):
             record = self.workers[worker_id]
             record.state = WorkerState.MEMBER
             message = p.EnterGeneration(self.generation, rank, len(members), resume, source, settings, record.attempt)
             commands.append(Send(worker_id, message))
-        checkpoint = restore.name if restore is not None else None
-        commands.append(Formed(self.generation, tuple(members), reason, resume, source, checkpoint))
         return commands
 
     def _request_final(self) -> list[Command]:

@@ -29,6 +29,7 @@ from ..control import Channel
 from ..digest import state_digest
 from ..errors import encode_exception
 from ..job import Job
+from ..remote_store import RemoteStore
 from .inbox import Heartbeat, Inbox
 from .loop import TrainingLoop
 
@@ -86,7 +87,9 @@ def _set_up(spec: p.JobSpec, worker_id: int, device: str | None, inbox: Inbox) -
     return job, context, device
 
 
-def _train(spec: p.JobSpec, worker_id: int, device: str | None, inbox: Inbox, channel: Channel) -> Collective | None:
+def _train(
+    spec: p.JobSpec, worker_id: int, device: str | None, inbox: Inbox, channel: Channel, store: RemoteStore
+) -> Collective | None:
     """Set up, join, train to the schedule's end, report and hand over the final state on request."""
     job, context, device = _set_up(spec, worker_id, device, inbox)
     config, plan = spec.config, spec.plan
@@ -103,7 +106,7 @@ def _train(spec: p.JobSpec, worker_id: int, device: str | None, inbox: Inbox, ch
     job.hooks.set_context(job.adapter.model, params)
     # Through the hooks: a test's fault injector may wrap the collective (docs/architecture.md, "Testing seams").
     collective = job.hooks.wrap_collective(
-        Collective(spec.store, config.backend, timedelta(seconds=timeouts.collective), device, inbox.aborted)
+        Collective(store, config.backend, timedelta(seconds=timeouts.collective), device, inbox.aborted)
     )
     loop = TrainingLoop(job, config, plan, channel, inbox, collective, datasets, context)
     if not _join(loop, inbox, channel, timeouts):
@@ -146,7 +149,9 @@ def run(address: tuple[str, int], secret: bytes, worker_id: int | None, device: 
             worker_id = inbox.expect(p.Assigned, start).worker_id
         spec = inbox.expect(p.JobSpec, start)
         heartbeat.interval = heartbeat_interval(spec.config.timeouts.heartbeat)
-        collective = _train(spec, worker_id, device, inbox, channel)
+        # The store shares the control plane's address and secret (docs/architecture.md, "Processes").
+        store = RemoteStore(address, secret, worker_id, timedelta(seconds=spec.config.timeouts.collective))
+        collective = _train(spec, worker_id, device, inbox, channel, store)
         return 0
     except BaseException as exc:  # report everything, KeyboardInterrupt included, then exit
         _report_failure(channel, exc)

@@ -17,7 +17,7 @@ import torch
 
 from fabric_model import control
 from fabric_model import protocol as p
-from fabric_model.network import resolve_bind_address
+from fabric_model.network import advertised_address, interface_addresses, resolve_bind_address, select_interfaces
 
 from . import multihost_job as job
 from . import netns
@@ -60,6 +60,20 @@ def test_a_bad_bind_address_fails_in_the_caller(run_dir, tmp_path):
     with pytest.raises(ValueError, match=r"IPv6 is not supported yet. Received: bind_address='::'"):
         resolve_bind_address("::")
     assert not run_dir.exists()  # nothing started
+
+
+def test_interfaces_follow_the_route_to_the_driver_unless_the_user_chose(caplog):
+    env: dict[str, str] = {}
+    assert select_interfaces("127.0.0.1", env) == "lo" and env == {"GLOO_SOCKET_IFNAME": "lo"}  # NCCL keeps its own
+    env = {"GLOO_SOCKET_IFNAME": "mine"}
+    select_interfaces("localhost", env)
+    assert env == {"GLOO_SOCKET_IFNAME": "mine"}
+    with caplog.at_level("WARNING"):
+        assert resolve_bind_address("0.0.0.0") == "0.0.0.0"
+    assert "every interface" in caplog.text  # a wildcard only when named, with a warning
+    routable = [a for a in interface_addresses().values() if not a.startswith("127.")]
+    assert advertised_address("0.0.0.0") in (routable or ["127.0.0.1"])  # workers are told a real address
+    assert advertised_address("127.0.0.1") == "127.0.0.1"
 
 
 def test_the_command_line_lists_the_worker_and_its_options():

@@ -20,6 +20,7 @@ from .config import EngineSizing, Timeouts, TrainConfig, _usable_cores, threads_
 from .devices import cap_workers, cpu_workers_from_environment, report, worker_gpu_count
 from .hooks import Hooks
 from .job import Job
+from .network import resolve_bind_address
 from .plan import Plan
 from .progress import ProgressBar
 from .run_setup import LoopOptions, check_train_arguments, serialize_job, size_run
@@ -145,6 +146,7 @@ class FabricModel:
         keep_checkpoints: int = checkpoint.DEFAULT_KEEP,
         worker_memory: Any = None,
         driver_memory: Any = None,
+        bind_address: str | None = None,
     ) -> TrainResult:
         """Train for ``epoch_number`` epochs; the user's ``model`` then holds the trained weights.
 
@@ -168,12 +170,17 @@ class FabricModel:
                 must match); without a checkpoint, training starts from the beginning.
             keep_checkpoints: how many of the newest checkpoints to keep (older ones are deleted).
             worker_memory, driver_memory: IBM's; accepted and ignored (memory is not capped).
+            bind_address: the address of this host the driver listens on, for workers started by
+                hand on other hosts (``fabric-model worker``); default ``$FABRIC_MODEL_BIND_ADDRESS``,
+                else ``127.0.0.1``. ``"0.0.0.0"`` (every interface) only when asked for, with a warning.
         """
         loop = LoopOptions(num_dataloader_threads, validation_freq, checkpoint_freq, keep_checkpoints)
         ignored = {"worker_memory": worker_memory, "driver_memory": driver_memory}
+        host = resolve_bind_address(bind_address)  # checked before anything starts
         setup, adapter, train_set = self._prepare(
             epoch_number, batch_size, engines_number, effective_batch_size, loop, seed, run_dir, resume, ignored
         )
+        setup = dataclasses.replace(setup, bind_address=host)
         run = _open_run(run_dir, setup)
         plan = setup.plan
         hooks = Hooks.for_driver(
@@ -242,6 +249,7 @@ class FabricModel:
         train_set, test_set = v.check_datasets(self.datasets_function)
         items_per_micro_batch, sizing = size_run(train_set, batch_size, engines_number, effective_batch_size)
         gpus = worker_gpu_count()
+        engines = sizing.max_workers  # hand-started workers may fill the slots this host's devices cannot
         sizing = _cap_workers(sizing, gpus)  # the micro-batches stay: fewer workers accumulate more of them
         resumed = None
         if resume:  # the run's own seed and newest checkpoint; its plan is checked below
@@ -272,6 +280,7 @@ class FabricModel:
             framework=self.framework,
             keep_checkpoints=loop.keep_checkpoints,
             resume=resumed,
+            max_workers=engines,
         )
         return setup, adapter, train_set
 

@@ -57,6 +57,20 @@ class Channel:
         """Next raw frame; ``EOFError`` on close."""
         return self._conn.recv_bytes()
 
+    def fence(self, message: Any) -> None:
+        """Send ``message``, then end our half of the stream (the peer reads it, then EOF)."""
+        try:
+            self.send(message)
+            sock = socket.socket(fileno=os.dup(self._conn.fileno()))
+        except (OSError, EOFError):
+            return
+        try:
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
     def close(self) -> None:
         # Under the send lock: a reader thread closing the connection while the driver sends
         # on it would otherwise hand the send a closed (or reused) descriptor mid-write.
@@ -194,6 +208,17 @@ class ControlServer:
             return True
         except (OSError, EOFError):
             return False
+
+    def fence(self, worker_id: int, reason: str) -> None:
+        """Tell a removed worker why (:class:`~fabric_model.protocol.Stop`) and close our side.
+
+        On a thread: a peer behind a partition cannot block the driver's loop. The write side
+        is shut after the message, so it arrives before the end of the stream even when the
+        partition heals later; the reader thread ends when the peer closes."""
+        with self._lock:
+            channel = self.channels.get(worker_id)
+        if channel is not None:
+            threading.Thread(target=channel.fence, args=(p.Stop(reason),), name="fabric-fence", daemon=True).start()
 
     def close(self) -> None:
         self._closed.set()

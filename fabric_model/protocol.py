@@ -206,7 +206,10 @@ class SendFinalState:
 
 @dataclasses.dataclass(frozen=True)
 class Stop:
-    """Exit now."""
+    """Exit now. A ``reason`` means the driver turned this worker away (a join refused, or a
+    worker removed from the job and fenced out): it prints it and exits non-zero."""
+
+    reason: str = ""
 
 
 # -- inside the driver ----------------------------------------------------------------------

@@ -144,7 +144,8 @@ def test_a_join_is_voted_and_the_newcomer_pulls_the_state():
 def test_a_join_beyond_engines_number_is_refused():
     m = started(2)
     m.seen(9, 3.0)
-    assert m.ready(9, 1, 3.0) == [Send(9, p.Stop())]
+    (command,) = m.ready(9, 1, 3.0)
+    assert command.worker_id == 9 and "join refused: all 2 slots are taken" in command.message.reason
     assert m.state(9) is WorkerState.GONE
     assert m.seen(9, 3.1) is False  # its later messages are ignored
 

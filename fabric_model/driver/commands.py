@@ -20,9 +20,11 @@ class Send:
 
 @dataclasses.dataclass(frozen=True)
 class Kill:
-    """Make sure the process of a lost worker is dead (a frozen one cannot come back half-alive)."""
+    """Make sure the process of a lost worker is dead (a frozen one cannot come back half-alive);
+    a worker on another host is told ``reason`` and cut off (docs/architecture.md, "Processes")."""
 
     worker_id: int
+    reason: str = dataclasses.field(default="", compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +77,10 @@ class Checkpoints(Protocol):
 class Limits:
     """The bounds membership enforces (seconds, except ``max_workers``)."""
 
-    max_workers: int  # engines_number: local device slots, and the most members at once
+    max_workers: int  # engines_number: the most members at once, hand-started workers included
     total_units: int  # the schedule's length
     heartbeat: float
     recovery: float
     start: float
     replace_workers: bool = True
+    local_slots: int | None = None  # workers the launcher starts (this host's devices); None: max_workers

@@ -25,6 +25,7 @@ from ..errors import rebuild_exception
 from ..launchers.base import Launcher
 from ..launchers.local import LocalLauncher
 from ..metrics_log import MetricsLog
+from ..network import DEFAULT_BIND_ADDRESS, advertised_address
 from ..plan import Plan, Schedule
 from ..store_service import StoreService
 from .checkpoints import CheckpointBook
@@ -52,6 +53,10 @@ class DriverSetup:
         framework: the framework's name, recorded in checkpoints.
         keep_checkpoints: how many of the newest checkpoints to keep.
         resume: the checkpoint a resumed run continues from.
+        bind_address: where the control plane and the store listen (checked by
+            :func:`fabric_model.network.resolve_bind_address`).
+        max_workers: the most workers at once, hand-started ones included (engines_number);
+            None: one per local slot.
     """
 
     payload: bytes
@@ -64,6 +69,8 @@ class DriverSetup:
     framework: str
     keep_checkpoints: int
     resume: CheckpointInfo | None = None
+    bind_address: str = DEFAULT_BIND_ADDRESS
+    max_workers: int | None = None
 
 
 @dataclasses.dataclass
@@ -97,12 +104,13 @@ class Driver:
         self.progress = Progress(setup.plan, self.schedule, setup.stat_names, self.metrics, hooks)
         self.checkpoints = CheckpointBook(run_dir.checkpoints, setup.framework, setup.keep_checkpoints, self.metrics)
         limits = Limits(
-            max_workers=len(setup.devices),
+            max_workers=max(len(setup.devices), setup.max_workers or 0),
             total_units=self.schedule.total_units,
             heartbeat=timeouts.heartbeat,
             recovery=timeouts.recovery,
             start=timeouts.start,
             replace_workers=timeouts.replace_workers,
+            local_slots=len(setup.devices),
         )
         self.membership = Membership(limits, self.checkpoints, self._log_tails)
         if setup.resume is not None and history is not None:
@@ -139,12 +147,16 @@ class Driver:
     # -- the run ----------------------------------------------------------------------------
     def run(self) -> FinalState:
         secret = secrets.token_bytes(32)
-        # One listener: the rendezvous store is served on the control plane's port (docs/architecture.md, "Processes").
+        # One chosen address for everything that listens (docs/architecture.md, "Processes"):
+        # the rendezvous store is served on the control plane's port; workers are told a
+        # routable address when the bind address is a wildcard.
+        host = self.setup.bind_address
         self._store = StoreService()
-        self._server = ControlServer(secret, allocate_id=self.membership.allocate_id, store=self._store)
+        self._server = ControlServer(secret, host=host, allocate_id=self.membership.allocate_id, store=self._store)
+        address = (advertised_address(host), self._server.address[1])
         timeouts = self.setup.config.timeouts
-        self._launcher = self._launcher_factory(self._server.address, secret)
-        self.run_dir.write_join_info(self._server.address, secret)
+        self._launcher = self._launcher_factory(address, secret)
+        self.run_dir.write_join_info(address, secret)
         try:
             self.checkpoints.prepare(self.setup.resume, self.progress.iteration)
             self._execute(self.membership.start(time.monotonic()))
@@ -231,6 +243,7 @@ class Driver:
             if isinstance(command, Send):
                 self._server.send(command.worker_id, command.message)
             elif isinstance(command, Kill):
+                self._server.fence(command.worker_id, command.reason)  # a worker we cannot kill learns why
                 self._launcher.kill(command.worker_id)
             elif isinstance(command, Start):
                 self._launcher.start(command.worker_id, self.setup.devices[command.slot])

@@ -107,11 +107,12 @@ class Membership:
 
     # -- events -----------------------------------------------------------------------------
     def start(self, now: float) -> list[Command]:
-        """The job starts: one worker per slot."""
+        """The job starts: one worker per local slot."""
         self._started = now
-        for slot in range(self.limits.max_workers):
+        slots = self.limits.max_workers if self.limits.local_slots is None else self.limits.local_slots
+        for slot in range(slots):
             self.workers[slot] = WorkerRecord(slot=slot, last_seen=now)
-        return [Start(slot, slot) for slot in range(self.limits.max_workers)]
+        return [Start(slot, slot) for slot in range(slots)]
 
     def seen(self, worker_id: int, now: float) -> bool:
         """Any message from ``worker_id`` arrived; False when it is gone (ignore the message).
@@ -136,9 +137,11 @@ class Membership:
             commands += self._abort_members()
         taken = [w for w in self._in(WorkerState.MEMBER, WorkerState.READY, WorkerState.DONE) if w != worker_id]
         if len(taken) >= self.limits.max_workers or self.finishing:
-            log.info("worker %d refused: already %d workers (engines_number)", worker_id, len(taken))
+            why = "the job is finishing" if self.finishing else f"all {self.limits.max_workers} slots are taken"
+            reason = f"join refused: {why} (engines_number={self.limits.max_workers})"
+            log.info("worker %d %s", worker_id, reason)
             record.state = WorkerState.GONE
-            return [*commands, Send(worker_id, p.Stop())]
+            return [*commands, Send(worker_id, p.Stop(reason))]
         record.state = WorkerState.READY
         if self.generation < 0:
             if not self._in(WorkerState.STARTING):
@@ -210,7 +213,7 @@ class Membership:
         was_member = record.state in (WorkerState.MEMBER, WorkerState.DONE) and worker_id in self.members
         record.state = WorkerState.GONE
         log.warning("worker %d lost: %s", worker_id, reason)
-        commands: list[Command] = [Kill(worker_id)]
+        commands: list[Command] = [Kill(worker_id, f"removed from the job: {reason}")]
         if self.finishing and worker_id == self.final_from:
             commands += self._request_final()
         if record.slot is not None and self.limits.replace_workers and not self.finishing:

@@ -22,6 +22,19 @@ from ..control import Channel
 
 M = TypeVar("M")
 
+#: Exit codes: the driver turned this worker away (a refused join, a removed worker fenced out),
+#: or the control connection dropped.
+REFUSED_EXIT, LOST_EXIT = 4, 3
+
+
+def _exit(code: int, reason: str) -> None:
+    """End the process now, saying why on its console (a hand-started worker's user reads it)."""
+    if reason:
+        sys.stderr.write(f"fabric_model worker: exiting ({code}): {reason}\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
 
 class Inbox:
     """Reads the driver's messages on a thread; a closed link or :class:`~fabric_model.protocol.Stop`
@@ -39,17 +52,15 @@ class Inbox:
             while True:
                 message = self.channel.recv()
                 if isinstance(message, p.Stop):
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(0)
+                    _exit(REFUSED_EXIT if message.reason else 0, message.reason)
                 elif isinstance(message, p.JoinPending):
                     self.pending_generation = max(self.pending_generation, message.generation)
                 elif isinstance(message, p.Abort):
                     self.abort_generation = max(self.abort_generation, message.generation)
                 else:
                     self._messages.put(message)
-        except (EOFError, OSError):
-            os._exit(3)
+        except (EOFError, OSError) as exc:
+            _exit(LOST_EXIT, f"lost the connection to the driver ({type(exc).__name__}); nothing left to train for")
 
     def expect(self, kind: type[M], timeout: float) -> M:
         """The driver's next queued message, which must be a ``kind``; ``TimeoutError`` after ``timeout`` s."""

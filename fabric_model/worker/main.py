@@ -17,6 +17,7 @@ import sys
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing import AuthenticationError
 
 import cloudpickle
 
@@ -29,7 +30,9 @@ from ..control import Channel
 from ..digest import state_digest
 from ..errors import encode_exception
 from ..job import Job
+from ..network import select_interfaces
 from ..remote_store import RemoteStore
+from . import cli
 from .inbox import Heartbeat, Inbox
 from .loop import TrainingLoop
 
@@ -137,7 +140,12 @@ def _report_failure(channel: Channel, exc: BaseException) -> None:
 
 def run(address: tuple[str, int], secret: bytes, worker_id: int | None, device: str | None) -> int:
     """The whole life of a worker; returns the process exit code."""
-    channel = control.connect(address, secret)
+    try:
+        channel = control.connect(address, secret)
+    except (OSError, EOFError, AuthenticationError) as exc:
+        why = "it refused the secret" if isinstance(exc, AuthenticationError) else f"{type(exc).__name__}: {exc}"
+        sys.stderr.write(f"fabric_model worker: cannot join the driver at {address[0]}:{address[1]}: {why}\n")
+        return 2
     channel.send(p.Hello(worker_id, os.getpid(), socket.gethostname()))
     inbox = Inbox(channel)
     # Until the job brings the driver's bounds, this worker's own environment sets them.
@@ -162,23 +170,19 @@ def run(address: tuple[str, int], secret: bytes, worker_id: int | None, device: 
 
 
 def main(argv: list[str]) -> int:
-    """``fabric_model worker --driver HOST:PORT [--worker-id N] [--device DEV]``."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m fabric_model worker", description=main.__doc__)
-    parser.add_argument("--driver", required=True, help="HOST:PORT of the driver's control plane")
-    parser.add_argument("--worker-id", type=int, default=None, help="default: the driver assigns one")
-    parser.add_argument("--device", default=None, help="cpu, cuda:0, ... (default: what the driver assigns)")
-    args = parser.parse_args(argv)
-    secret_hex = os.environ.get(p.SECRET_ENV)
-    if not secret_hex:
-        parser.error(f"the job's secret must be in the environment variable {p.SECRET_ENV}")
-    host, _, port = args.driver.rpartition(":")
+    """``fabric-model worker`` (see :mod:`fabric_model.worker.cli` for its options)."""
+    parser = cli.parser()
+    args = cli.resolve(parser.parse_args(argv), parser)
     if os.environ.get(p.LAUNCHED_ENV):
         _die_with_parent()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver owns Ctrl-C and stops us
     logging.basicConfig(level=logging.INFO, format="[worker] %(asctime)s %(levelname)s %(name)s: %(message)s")
-    code = run((host, int(port)), bytes.fromhex(secret_hex), args.worker_id, args.device)
+    # Collectives go out on the interface that routes to the driver (docs/architecture.md, "Processes").
+    interface = select_interfaces(args.address[0])
+    log.info(
+        "driver %s:%d, collectives on interface %s", *args.address, os.environ.get("GLOO_SOCKET_IFNAME", interface)
+    )
+    code = run(args.address, args.secret, args.worker_id, args.device)
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: prefetch threads and the inbox thread need no join.

@@ -1,0 +1,68 @@
+"""A small torch job for the multi-host tests, run as a script (the driver) or imported.
+
+``python -m tests.multihost_job RUN_DIR BIND_ADDRESS PACE_FLAG OUT`` trains on up to 3
+engines with one local worker (``FABRIC_MODEL_CPU_WORKERS=1`` in its environment); workers
+started by hand fill the other slots. Steps are paced while ``PACE_FLAG`` exists, so the
+test's faults land mid-run however slow the host is; the final state goes to ``OUT``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from fabric_model import FabricModel
+from fabric_model.plan import Plan
+
+from .helpers import fresh_model_and_optimizer, make_data
+
+SEED, EPOCHS, BATCH, GLOBAL, ENGINES = 7, 8, 8, 24, 3
+DATA = make_data(240)  # 10 steps an epoch
+PLAN = Plan(len(DATA), BATCH, GLOBAL // BATCH, SEED)
+
+
+def datasets():
+    return DATA, DATA[:24]
+
+
+class Pace:
+    """A worker logger that sleeps ``seconds`` after each step while ``flag`` exists."""
+
+    def __init__(self, flag: str, seconds: float = 0.25) -> None:
+        self.flag, self.seconds = flag, seconds
+
+    def on_train_begin(self) -> None:
+        pass
+
+    def on_train_end(self) -> None:
+        pass
+
+    def log_train_metrics(self, metrics, iteration, epoch, workers) -> None:
+        if os.path.exists(self.flag):
+            time.sleep(self.seconds)
+
+    def log_test_metrics(self, metrics, iteration, epoch) -> None:
+        pass
+
+
+def train(run_dir: str, bind_address: str | None, pace_flag: str, driver_logger=None, engines: int = ENGINES):
+    model, opt = fresh_model_and_optimizer()
+    result = FabricModel(
+        model,
+        datasets,
+        F.cross_entropy,
+        opt,
+        worker_logger_callback=Pace(pace_flag),
+        driver_logger_callback=driver_logger,
+    ).train(EPOCHS, BATCH, engines, effective_batch_size=GLOBAL, seed=SEED, run_dir=run_dir, bind_address=bind_address)
+    return model, result
+
+
+if __name__ == "__main__":
+    run_dir, bind, flag, out = sys.argv[1:5]
+    model, result = train(run_dir, bind, flag)
+    torch.save({"state": model.state_dict(), "digests": result.replica_digests}, out)

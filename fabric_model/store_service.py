@@ -54,6 +54,7 @@ class StoreService:
         self._lock = threading.Lock()
         self.generation = -1
         self.members: frozenset[int] = frozenset()
+        self.aborted = -1  # generations up to this one are being abandoned
 
     # -- the driver's side ------------------------------------------------------------------
     def admit(self, generation: int, members: Iterable[int]) -> None:
@@ -65,6 +66,17 @@ class StoreService:
             self._waiters = [w for w in self._waiters if w not in stale]
         for waiter in stale:
             _reply(waiter.channel, waiter.request, ERROR, [f"generation {generation} has formed: fenced".encode()])
+
+    def abort(self, generation: int) -> None:
+        """``generation`` is being abandoned (a member was lost): fail its waiters and refuse its
+        requests from now on, so a rank still forming its group fails at once instead of
+        waiting for a peer that will never come (EDT_COLLECTIVE_TIME_OUT)."""
+        with self._lock:
+            self.aborted = max(self.aborted, generation)
+            stale = [w for w in self._waiters if any(_generation_of(k) <= generation for k in w.keys)]
+            self._waiters = [w for w in self._waiters if w not in stale]
+        for waiter in stale:
+            _reply(waiter.channel, waiter.request, ERROR, [f"generation {generation} was aborted".encode()])
 
     def keys(self) -> list[bytes]:
         """The keys held now (for tests and diagnostics)."""
@@ -116,6 +128,8 @@ class StoreService:
             _reply(waiter.channel, waiter.request, OK, values)
 
     def _fence(self, worker_id: int, keys: list[bytes]) -> None:
+        if self.generation <= self.aborted:
+            raise Refused(f"generation {self.generation} was aborted")
         if worker_id not in self.members:
             raise Refused(f"fenced: worker {worker_id} is not a member of generation {self.generation}")
         for key in keys:

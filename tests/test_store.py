@@ -84,7 +84,7 @@ class _Workers:
 
 
 @pytest.mark.timeout(120)
-def test_gloo_groups_form_over_the_store_and_a_zombie_of_an_older_generation_is_fenced(store):
+def test_gloo_groups_form_over_the_store_a_zombie_is_fenced_and_an_aborted_formation_fails_at_once(store):
     service, server, _ = store
     workers = _Workers(server.address, [10, 11, 12])
     try:
@@ -102,6 +102,16 @@ def test_gloo_groups_form_over_the_store_and_a_zombie_of_an_older_generation_is_
             assert "fenced" in zombie.get("error", ""), zombie
             assert zombie["seconds"] < 5.0  # refused at once, not after the 20 s timeout
         assert all(k.startswith(b"generation/1/") for k in service.keys())
+        # Generation 2: worker 12 never comes (it died as the group formed). The driver aborts the
+        # generation; the two ranks blocked in the group's rendezvous fail at once, not after 20 s.
+        service.admit(2, [10, 11, 12])
+        aborter = threading.Timer(1.0, service.abort, args=(2,))
+        aborter.start()
+        results = workers.run([(10, 2, 0, 3), (11, 2, 1, 3)])
+        aborter.join()
+        for result in results:
+            assert "aborted" in result.get("error", ""), results
+            assert result["seconds"] < 6.0, results
     finally:
         workers.close()
 

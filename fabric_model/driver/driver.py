@@ -241,6 +241,8 @@ class Driver:
     def _execute(self, commands: list[Command]) -> None:
         for command in commands:
             if isinstance(command, Send):
+                if isinstance(command.message, p.Abort):  # ranks still forming the group fail now
+                    self._store.abort(command.message.generation)
                 self._server.send(command.worker_id, command.message)
             elif isinstance(command, Kill):
                 self._server.fence(command.worker_id, command.reason)  # a worker we cannot kill learns why

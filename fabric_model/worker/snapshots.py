@@ -83,14 +83,18 @@ class StateUploader:
             self.schedule, unit, self.framework, self.batch_size, _copy(model_state), _copy(optimizer_state)
         )
         copied = time.monotonic() - started
-        if kind == "checkpoint":
-            self.written = unit
-        self._last_steps, self._last_time = steps_below(self.schedule, unit), time.monotonic()
+        self.mark(kind, unit)
         self._thread = threading.Thread(
             target=self._send, args=(kind, unit, generation, record), name="fabric-upload", daemon=True
         )
         self._thread.start()
         return copied
+
+    def mark(self, kind: str, unit: int) -> None:
+        """An upload of ``unit`` started: the next snapshot counts from it."""
+        if kind == "checkpoint":
+            self.written = unit
+        self._last_steps, self._last_time = steps_below(self.schedule, unit), time.monotonic()
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the upload in flight, if any, is sent."""

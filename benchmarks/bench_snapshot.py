@@ -10,7 +10,7 @@ measures the three parts of one snapshot as rank 0 takes it:
   the training loop waits for (``worker/snapshots.py``, ``StateUploader.upload``);
 - serialize: ``torch.save`` of the copy to bytes, on the background thread;
 - send: the bytes in 4 MiB ``StateChunk`` messages over a real authenticated control channel
-  to a ``ControlServer``, until the driver's queue holds the last chunk;
+  to a ``ControlServer`` in another process (the driver), until it holds the last chunk;
 
 and the training step time with and without a snapshot sent from a background thread during
 every step (what sharing the CPU with the upload costs the step).
@@ -19,6 +19,7 @@ every step (what sharing the CPU with the upload costs the step).
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import secrets
 import statistics
 import sys
@@ -76,12 +77,19 @@ def send(record: dict, server, channel) -> dict:
         channel.send(
             p.StateChunk(0, 5, "snapshot", i, bytes(view[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES]), i == count - 1)
         )
-    while True:  # the driver's side: until the last chunk is on its queue
-        _, message = server.events.get(timeout=60)
-        if isinstance(message, p.StateChunk) and message.last:
-            break
+    server.get(timeout=60)  # the driver's side has the last chunk
     sent = time.perf_counter()
     return {"serialize": serialized - copied, "send": sent - serialized, "bytes": len(data)}
+
+
+def driver_side(secret: bytes, out) -> None:
+    """A driver's control server in its own process: says when each upload's last chunk arrived."""
+    server = ControlServer(secret)
+    out.put(server.address)
+    while True:
+        _, message = server.events.get()
+        if isinstance(message, p.StateChunk) and message.last:
+            out.put("done")
 
 
 def main() -> None:
@@ -90,10 +98,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)  # one worker's share of a small host
     secret = secrets.token_bytes(32)
-    server = ControlServer(secret)
-    channel = connect(server.address, secret)
+    context = multiprocessing.get_context("spawn")
+    server = context.Queue()
+    driver = context.Process(target=driver_side, args=(secret, server), daemon=True)
+    driver.start()
+    channel = connect(server.get(timeout=60), secret)
     channel.send(p.Hello(0, 0, "bench"))
-    server.events.get(timeout=10)
     schedule = Schedule(Plan(1000, 32, 1, 0), 1, 1, False)
     try:
         for name, (model, features) in models().items():
@@ -113,14 +123,15 @@ def main() -> None:
                     during.append(one_step(model, opt, x, y))
                 thread.join()
             print(
-                f"{name}: {params / 1e6:.2f}M parameters, snapshot {med['bytes'] / 2**20:.1f} MiB: "
+                f"{name}: {params:,} parameters, snapshot {med['bytes'] / 2**20:.1f} MiB: "
                 f"copy (the step loop's pause) {med['copy'] * 1e3:.2f} ms, "
                 f"serialize {med['serialize'] * 1e3:.1f} ms and send {med['send'] * 1e3:.1f} ms on the thread; "
                 f"step {plain * 1e3:.1f} ms alone, {statistics.median(during) * 1e3:.1f} ms while a snapshot is sent"
             )
     finally:
         channel.close()
-        server.close()
+        driver.terminate()
+        driver.join()
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ Worker-side faults ride in a worker logger, through the hooks' seams: the worker
 is what :meth:`FaultInjector.wrap_collective` returns (the manner of torchft's
 ``FakeProcessGroupWrapper``). Checkpoint files are written by the driver, so
 :class:`CheckpointFault` acts through the driver's hooks: a ``FaultInjector`` given as the
-driver logger (or a driver logger calling its ``wrap_checkpoint_stream``). Adding a worker is a driver logger that starts one by hand,
-the way a user would on another host::
+driver logger (or a driver logger calling its ``wrap_checkpoint_stream``). Adding a worker is
+a driver logger that starts one by hand, the way a user would on another host::
 
     faults = FaultInjector([Kill(worker=1, step=5), Hang(worker=2, step=9)], marker_dir=tmp)
     starter = WorkerStarter(run_dir, at_iterations=[7])

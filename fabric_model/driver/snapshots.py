@@ -47,7 +47,7 @@ class StateBook:
         self.checkpoints = checkpoints
         self.held: list[RestorePoint] = []  # by unit, oldest first
         self.committed_unit = 0
-        self._uploads: dict[int, _Upload] = {}  # sender -> its upload in progress
+        self._uploads: dict[int, _Upload] = {}  # sender -> its upload in progress (one at most)
         self.refused = 0  # chunks refused by the fence (for tests and logs)
 
     # -- uploads ------------------------------------------------------------------------------
@@ -58,7 +58,9 @@ class StateBook:
             if message.generation != generation or not members or members[0] != worker_id:
                 self._refuse(worker_id, message, generation)
                 return
-            upload = self._uploads[worker_id] = _Upload(message.generation, message.unit, message.kind, [])
+            # One upload at a time: a former rank 0's unfinished one (it may have died) is dropped.
+            upload = _Upload(message.generation, message.unit, message.kind, [])
+            self._uploads = {worker_id: upload}
         elif upload is None or (upload.generation, upload.unit, upload.kind, len(upload.parts)) != (
             message.generation,
             message.unit,

@@ -11,10 +11,14 @@ the *unit* the run goes on from (that epoch's validation slot, see
      "model": adapter.model_state(), "optimizer": adapter.optimizer_state(), "time": ...}
 
 The data order and every RNG of a run are functions of ``(seed, epoch, step,
-micro-batch)``, so the plan and the unit are the whole data and RNG position.
+micro-batch)``, so the plan and the unit are the whole data and RNG position. A snapshot
+(kept in the driver's memory, never on disk) has the same shape at any step boundary.
 
-Writes are atomic (:func:`fabric_model.rundir.atomic_write`): a temporary file in the same
-directory, fsynced, renamed over the final name, then the directory fsynced. A crash in the
+Rank 0 of a generation builds the bytes (:func:`state_record`, :func:`encode_state`) and
+uploads them to the driver, which writes the file: no shared storage is needed, and the
+driver accepts state only from rank 0 of its current generation. Writes are atomic
+(:func:`fabric_model.rundir.atomic_write`): a temporary file in the same directory, fsynced,
+renamed over the final name, then the directory fsynced. A crash in the
 middle leaves a temporary file that every reader ignores and the driver removes; the newest
 complete checkpoint is never touched.
 Reading uses ``torch.load(..., weights_only=True)`` only: nothing but tensors and plain
@@ -25,6 +29,7 @@ values is ever unpickled. torch is imported inside the functions that use it, so
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import os
 import re
@@ -34,7 +39,6 @@ from pathlib import Path
 from typing import IO, Any
 
 from .plan import Plan, Schedule
-from .protocol import CheckpointSettings
 from .rundir import RunDirectory, atomic_write
 
 log = logging.getLogger(__name__)
@@ -43,8 +47,10 @@ FORMAT = "fabric_model.checkpoint/1"
 #: Checkpoints a run keeps by default (``train(keep_checkpoints=...)``); older ones are deleted.
 DEFAULT_KEEP = 3
 #: ``wrap_stream(file, unit) -> file``: the file a checkpoint of ``unit`` is written through
-#: (``Hooks.wrap_checkpoint_stream``: a fault injector's seam; by default the file itself).
+#: (``Hooks.wrap_checkpoint_stream`` of the driver's hooks: a fault injector's seam; by
+#: default the file itself).
 StreamWrapper = Callable[[IO[bytes], int], Any]
+_WRITE_CHUNK = 1 << 22  # 4 MiB a write
 
 _NAME = re.compile(r"^ckpt-unit-(\d{8})\.pt$")
 _TEMP = re.compile(r"^\.ckpt-unit-\d{8}\.pt\.(\d+)\.tmp$")  # atomic_write's temporary name
@@ -76,104 +82,80 @@ class CheckpointInfo:
     plan: Plan
 
 
-# -- writing -------------------------------------------------------------------------------
-def write_checkpoint(
-    directory: Path, unit: int, state: dict[str, Any], wrap_stream: StreamWrapper | None = None
-) -> Path:
-    """Write ``state`` as the checkpoint of ``unit`` atomically; returns its path.
+# -- the state's bytes (built by rank 0 of a generation, written or kept by the driver) ------
+def steps_below(schedule: Schedule, unit: int) -> int:
+    """How many steps come before ``unit`` (validation slots are not steps)."""
+    epoch, k = divmod(unit, schedule.units_per_epoch)
+    return epoch * schedule.plan.steps_per_epoch + min(k, schedule.plan.steps_per_epoch)
+
+
+def state_record(
+    schedule: Schedule,
+    unit: int,
+    framework: str,
+    batch_size: int,
+    model_state: dict[str, Any],
+    optimizer_state: dict[str, Any],
+) -> dict[str, Any]:
+    """The checkpoint dict (module docstring) of the state before ``unit``; a snapshot taken
+    inside an epoch has the same shape, ``epoch`` and ``step`` naming its last step."""
+    plan = schedule.plan
+    done = steps_below(schedule, unit)
+    epoch, step = divmod(max(done - 1, 0), plan.steps_per_epoch)
+    return {
+        "format": FORMAT,
+        "framework": framework,
+        "unit": unit,
+        "epoch": epoch,
+        "step": step,
+        "steps_done": done,
+        "batch_size": batch_size,
+        "plan": dataclasses.asdict(plan),
+        "model": model_state,
+        "optimizer": optimizer_state,
+        "time": time.time(),
+    }
+
+
+def encode_state(record: dict[str, Any]) -> bytes:
+    """``torch.save`` of a :func:`state_record`, in memory."""
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(record, buffer)
+    return buffer.getvalue()
+
+
+def decode_state(data: bytes, plan: Plan | None = None, where: str = "the state received") -> dict[str, Any]:
+    """The inverse of :func:`encode_state`, checked like :func:`load_checkpoint` (``weights_only``)."""
+    import torch
+
+    state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    info = _info(Path(where), state)
+    if plan is not None and info.plan != plan:
+        raise ValueError(f"{where} belongs to another plan: {info.plan}, this run's is {plan}")
+    return state
+
+
+def write_checkpoint(directory: Path, unit: int, data: bytes, wrap_stream: StreamWrapper | None = None) -> Path:
+    """Write ``data`` (:func:`encode_state`'s bytes) as the checkpoint of ``unit`` atomically;
+    returns its path.
 
     Args:
         directory: the run's ``checkpoints/``.
         unit: the unit the checkpoint resumes at (it names the file).
-        state: what ``torch.save`` writes.
+        data: the checkpoint's bytes.
         wrap_stream: the seam through which the file is written (see ``StreamWrapper``).
 
     Raises ``OSError`` (a full disk, say) after removing its temporary file."""
-    import torch
 
     def save(raw: IO[bytes]) -> None:
-        torch.save(state, wrap_stream(raw, unit) if wrap_stream is not None else raw)
+        stream = wrap_stream(raw, unit) if wrap_stream is not None else raw
+        view = memoryview(data)
+        for start in range(0, len(view), _WRITE_CHUNK):
+            stream.write(view[start : start + _WRITE_CHUNK])
 
-    try:
-        return atomic_write(directory / checkpoint_name(unit), save)
-    except BaseException as exc:
-        # torch's archive writer answers a failed write (a full disk) with a RuntimeError when it
-        # closes the archive: surface the OSError underneath, which the caller handles.
-        cause = _os_error_in(exc)
-        if cause is not None and cause is not exc:
-            raise cause from None
-        raise
-
-
-def _os_error_in(exc: BaseException) -> OSError | None:
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, OSError):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
-class CheckpointWriter:
-    """The worker's side: knows when a checkpoint is due and writes it.
-
-    The driver sends :class:`~fabric_model.protocol.CheckpointSettings` with every generation:
-    ``written`` is the newest checkpoint it has recorded (rank 0 of a generation entered at a
-    due unit writes it when the previous rank 0 could not), ``restore`` a checkpoint every
-    member loads before training (a resumed run, or every holder of the state lost)."""
-
-    def __init__(
-        self, schedule: Schedule, freq: int, batch_size: int, wrap_stream: StreamWrapper | None = None
-    ) -> None:
-        self.schedule, self.freq, self.batch_size = schedule, freq, batch_size
-        self.wrap_stream = wrap_stream
-        self.directory: Path | None = None
-        self.framework = ""
-        self.written = -1
-
-    def update(self, settings: CheckpointSettings) -> Path | None:
-        """Take a generation's checkpoint settings; returns the checkpoint to restore, if any."""
-        self.directory, self.framework = Path(settings.directory), settings.framework
-        self.written = max(self.written, settings.written)
-        return Path(settings.restore) if settings.restore else None
-
-    def due(self, unit: int, rank: int) -> bool:
-        return (
-            self.directory is not None
-            and rank == 0
-            and unit > self.written
-            and checkpoint_due(self.schedule, self.freq, unit)
-        )
-
-    def write(self, unit: int, plan: Plan, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> dict:
-        """Write the checkpoint of ``unit``; returns the report for the driver (``error`` set on
-        an ``OSError``: the previous checkpoint stays the newest and training goes on)."""
-        assert self.directory is not None
-        epoch, _ = self.schedule.locate(unit)
-        steps = plan.steps_per_epoch
-        state = {
-            "format": FORMAT,
-            "framework": self.framework,
-            "unit": unit,
-            "epoch": epoch,
-            "step": steps - 1,
-            "steps_done": (epoch + 1) * steps,
-            "batch_size": self.batch_size,
-            "plan": dataclasses.asdict(plan),
-            "model": model_state,
-            "optimizer": optimizer_state,
-            "time": time.time(),
-        }
-        self.written = unit  # once per unit, failed or not: the next due unit tries again
-        started = time.monotonic()
-        try:
-            path = write_checkpoint(self.directory, unit, state, self.wrap_stream)
-        except OSError as exc:
-            log.warning("checkpoint of unit %d not written: %s", unit, exc)
-            return {"unit": unit, "epoch": epoch, "error": str(exc)}
-        seconds = time.monotonic() - started
-        log.info("checkpoint %s written in %.3f s", path.name, seconds)
-        return {"unit": unit, "epoch": epoch, "path": str(path), "seconds": seconds}
+    return atomic_write(directory / checkpoint_name(unit), save)
 
 
 # -- reading -------------------------------------------------------------------------------

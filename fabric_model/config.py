@@ -26,6 +26,27 @@ TIMEOUT_DEFAULTS: dict[str, float] = {
 }
 
 
+#: How often rank 0 sends the driver a snapshot of the state: every N committed steps, or once
+#: T seconds have passed since the last one, whichever comes first (0 turns either off).
+SNAPSHOT_DEFAULTS: dict[str, int] = {"FABRIC_MODEL_SNAPSHOT_STEPS": 100, "FABRIC_MODEL_SNAPSHOT_SECONDS": 30}
+
+
+def snapshot_setting(name: str) -> float:
+    """A snapshot interval from the environment (a whole number of steps, or seconds), else its default."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return float(SNAPSHOT_DEFAULTS[name])
+    steps = name.endswith("STEPS")
+    try:
+        value = int(raw) if steps else float(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        what = "a whole number of steps" if steps else "a number of seconds"
+        raise ValueError(f"Expected the environment variable {name} to be {what}, 0 or more. Received: {name}={raw!r}")
+    return float(value)
+
+
 def heartbeat_interval(heartbeat_timeout: float) -> float:
     """Seconds between a worker's heartbeats: a tenth of the heartbeat timeout, at most 1 s."""
     return min(1.0, heartbeat_timeout / 10)
@@ -51,6 +72,9 @@ class Timeouts:
     recovery: float
     pull_failed_limit: int
     replace_workers: bool
+    # The in-memory snapshot rank 0 uploads to the driver (docs/architecture.md, "Elasticity").
+    snapshot_steps: int = SNAPSHOT_DEFAULTS["FABRIC_MODEL_SNAPSHOT_STEPS"]
+    snapshot_seconds: float = SNAPSHOT_DEFAULTS["FABRIC_MODEL_SNAPSHOT_SECONDS"]
 
     @classmethod
     def from_environment(cls) -> Timeouts:
@@ -68,6 +92,8 @@ class Timeouts:
             recovery=seconds("EDT_RECOVERY_TIME_OUT"),
             pull_failed_limit=pull_failed_limit(),
             replace_workers=os.environ.get("EDT_REPLACE_WORKERS", "1") != "0",
+            snapshot_steps=int(snapshot_setting("FABRIC_MODEL_SNAPSHOT_STEPS")),
+            snapshot_seconds=snapshot_setting("FABRIC_MODEL_SNAPSHOT_SECONDS"),
         )
 
 

@@ -110,8 +110,12 @@ class MetricsLog:
         resume_unit: int,
         source_rank: int,
         checkpoint: str | None = None,
+        restored: str | None = None,
+        rolled_back_from: int | None = None,
     ) -> None:
-        """A generation formed (``checkpoint``: the file name every member restored from)."""
+        """A generation formed (``checkpoint``: the file name every member restored from;
+        ``restored``: "checkpoint" or "snapshot" when every member loaded one; ``rolled_back_from``:
+        the committed unit given up when no worker held it, the steps from ``resume_unit`` redone)."""
         record: dict[str, Any] = {
             "type": "generation",
             "time": time.time(),
@@ -124,6 +128,10 @@ class MetricsLog:
         }
         if checkpoint is not None:
             record["checkpoint"] = checkpoint
+        if restored is not None:
+            record["restored"] = restored
+        if rolled_back_from is not None:
+            record["rolled_back_from"] = rolled_back_from
         self._write(record)
 
     def checkpoint(

@@ -12,7 +12,7 @@ A worker's life in messages::
           <------------------------- JobSpec
     Ready ------------------------->                 (set up: job, datasets, device)
           <------------------------- EnterGeneration (rank, world size, where to resume)
-    StepDone / EvalDone / CheckpointWritten / Heartbeat ...
+    StepDone / EvalDone / Heartbeat / StateChunk ...
           <------------------------- JoinPending     (vote to switch after a step)
           <------------------------- Abort           (a member was lost: give up collectives)
     LeftGeneration ---------------->                 (how far it got), then EnterGeneration again
@@ -43,6 +43,10 @@ PULL_FAILED_LIMITS_ENV = "EDT_PULL_FAILED_LIMITS"
 CPU_WORKERS_ENV = "FABRIC_MODEL_CPU_WORKERS"
 #: The GPUs a process may use; the launcher drops it for workers when the script changed it.
 CUDA_VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
+#: Rank 0 uploads a snapshot of the state every this many committed steps (0: not by steps).
+SNAPSHOT_STEPS_ENV = "FABRIC_MODEL_SNAPSHOT_STEPS"
+#: ... or once this many seconds have passed since the last one (0: not by time).
+SNAPSHOT_SECONDS_ENV = "FABRIC_MODEL_SNAPSHOT_SECONDS"
 
 
 # -- worker -> driver -----------------------------------------------------------------------
@@ -103,18 +107,6 @@ class EvalDone:
 
 
 @dataclasses.dataclass(frozen=True)
-class CheckpointWritten:
-    """Rank 0 wrote (``path``) or failed to write (``error``) the checkpoint of ``unit``."""
-
-    generation: int
-    unit: int
-    epoch: int
-    path: str | None = None
-    seconds: float | None = None
-    error: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
 class Finished:
     """The schedule is done; ``digest`` fingerprints the replica's weights and optimizer state."""
 
@@ -163,7 +155,9 @@ class JobSpec:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointSettings:
-    """Where checkpoints go, the newest recorded, and one every member must load first."""
+    """The driver's checkpoint bookkeeping as a generation sees it: the driver's ``checkpoints/``
+    (informational: the driver writes the files), the framework, the newest checkpoint the
+    driver has, and the name of the state every member loads first (``EnterGeneration.state``)."""
 
     directory: str
     framework: str
@@ -174,7 +168,9 @@ class CheckpointSettings:
 @dataclasses.dataclass(frozen=True)
 class EnterGeneration:
     """Enter ``generation`` as ``rank`` of ``world_size`` and resume at ``resume_unit``; the
-    member at ``source_rank`` (-1: none) broadcasts the state. ``attempt`` answers a Ready."""
+    member at ``source_rank`` (-1: none) broadcasts the state. ``attempt`` answers a Ready.
+    ``state``: the bytes of a checkpoint or snapshot every member loads first (a resumed run, or
+    no holder of the state left; docs/architecture.md, "Elasticity"), None to keep its own."""
 
     generation: int
     rank: int
@@ -183,6 +179,7 @@ class EnterGeneration:
     source_rank: int
     checkpoint: CheckpointSettings
     attempt: int = 1
+    state: bytes | None = dataclasses.field(default=None, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +209,22 @@ class Stop:
     reason: str = ""
 
 
+# -- worker -> driver: the state, uploaded (docs/architecture.md, "Elasticity", "Run directory") --
+@dataclasses.dataclass(frozen=True)
+class StateChunk:
+    """Part ``index`` of the state of ``unit`` that rank 0 of ``generation`` uploads: ``kind``
+    "checkpoint" (the driver writes it to ``checkpoints/``) or "snapshot" (kept in memory).
+    The bytes are one ``torch.save`` of a checkpoint's dict, cut into chunks so that heartbeats
+    and step reports travel between them; ``last`` marks the final chunk."""
+
+    generation: int
+    unit: int
+    kind: str
+    index: int
+    data: bytes = dataclasses.field(repr=False)
+    last: bool
+
+
 # -- inside the driver ----------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class ConnectionLost:
@@ -230,6 +243,6 @@ class StoreOpen:
 
 
 WorkerMessage = (
-    Hello | Ready | LeftGeneration | Heartbeat | StepDone | EvalDone | CheckpointWritten | Finished | FinalState
-) | WorkerFailed
+    Hello | Ready | LeftGeneration | Heartbeat | StepDone | EvalDone | Finished | FinalState | WorkerFailed
+) | StateChunk
 DriverMessage = Assigned | JobSpec | EnterGeneration | JoinPending | Abort | SendFinalState | Stop

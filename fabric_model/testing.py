@@ -2,10 +2,11 @@
 (docs/architecture.md, "Testing seams").
 
 Worker-side faults ride in a worker logger, through the hooks' seams: the worker's collective
-and its checkpoint file are what :meth:`FaultInjector.wrap_collective` and
-:meth:`FaultInjector.wrap_checkpoint_stream` return (the manner of torchft's
-``FakeProcessGroupWrapper``). Adding a worker is a driver logger that starts one by hand,
-the way a user would on another host::
+is what :meth:`FaultInjector.wrap_collective` returns (the manner of torchft's
+``FakeProcessGroupWrapper``). Checkpoint files are written by the driver, so
+:class:`CheckpointFault` acts through the driver's hooks: a ``FaultInjector`` given as the
+driver logger (or a driver logger calling its ``wrap_checkpoint_stream``). Adding a worker is
+a driver logger that starts one by hand, the way a user would on another host::
 
     faults = FaultInjector([Kill(worker=1, step=5), Hang(worker=2, step=9)], marker_dir=tmp)
     starter = WorkerStarter(run_dir, at_iterations=[7])
@@ -82,7 +83,7 @@ class HoldForJoin:
 class CheckpointFault:
     """Fail the checkpoint write of ``unit`` or later, after its first ``after_bytes`` bytes
     (what was written is fsynced, so a partial temporary file stays): ``"kill"`` SIGKILLs the
-    writing worker, in the first such write of the run; ``"enospc"`` raises
+    writing process (the driver, which writes checkpoints), in the first such write of the run; ``"enospc"`` raises
     ``OSError(ENOSPC)`` in every such write, as a full disk would."""
 
     mode: Literal["kill", "enospc"]

@@ -24,18 +24,18 @@ import torch.nn.functional as F
 from fabric_model import FabricModel
 from fabric_model.checkpoint import (
     FORMAT,
-    CheckpointWriter,
     checkpoint_due,
     checkpoint_name,
+    encode_state,
     list_checkpoints,
     load_checkpoint,
     newest_checkpoint,
     prune,
     read_info,
+    state_record,
+    write_checkpoint,
 )
-from fabric_model.errors import JobError
 from fabric_model.plan import Plan, Schedule
-from fabric_model.protocol import CheckpointSettings
 from fabric_model.testing import CheckpointFault, FaultInjector, Kill
 
 from .helpers import fresh_model_and_optimizer, make_data, max_rel_diff, records, reference_train
@@ -61,9 +61,16 @@ def reference():
     return copy.deepcopy(model.state_dict())
 
 
-def train(run_dir, workers, worker_logger=None, **kwargs):
+def train(run_dir, workers, worker_logger=None, driver_logger=None, **kwargs):
     model, opt = fresh_model_and_optimizer()
-    fm = FabricModel(model, lambda: (DATA, TEST), F.cross_entropy, opt, worker_logger_callback=worker_logger)
+    fm = FabricModel(
+        model,
+        lambda: (DATA, TEST),
+        F.cross_entropy,
+        opt,
+        worker_logger_callback=worker_logger,
+        driver_logger_callback=driver_logger,
+    )
     result = fm.train(EPOCHS, BATCH, workers, effective_batch_size=GLOBAL, run_dir=run_dir, **kwargs)
     return model, result
 
@@ -73,12 +80,6 @@ def units_in(directory: Path) -> list[int]:
 
 
 # -- checkpoint.py on its own ----------------------------------------------------------------
-def _writer(directory: Path, wrap_stream=None) -> CheckpointWriter:
-    writer = CheckpointWriter(SCHEDULE, 1, BATCH, wrap_stream)
-    writer.update(CheckpointSettings(str(directory), "torch", written=-1))
-    return writer
-
-
 def _state():
     model, opt = fresh_model_and_optimizer()
     F.cross_entropy(model(DATA[0][0][None]), torch.tensor([DATA[0][1]])).backward()
@@ -86,22 +87,20 @@ def _state():
     return model.state_dict(), opt.state_dict()
 
 
-def _write(directory: Path, unit: int, wrap_stream=None) -> dict:
-    return _writer(directory, wrap_stream).write(unit, PLAN, *_state())
+def _write(directory: Path, unit: int, wrap_stream=None) -> Path:
+    """What the driver does with the bytes rank 0 uploads (driver/checkpoints.py)."""
+    data = encode_state(state_record(SCHEDULE, unit, "torch", BATCH, *_state()))
+    return write_checkpoint(directory, unit, data, wrap_stream)
 
 
 def test_checkpoint_due_after_every_freq_th_epoch():
     assert [u for u in range(SCHEDULE.total_units) if checkpoint_due(SCHEDULE, 1, u)] == [10, 21, 32]
     assert [u for u in range(SCHEDULE.total_units) if checkpoint_due(SCHEDULE, 2, u)] == [21]
     assert not any(checkpoint_due(SCHEDULE, 0, u) for u in range(SCHEDULE.total_units))
-    writer = _writer(Path("unused"))
-    writer.written = 10
-    assert not writer.due(10, 0) and not writer.due(21, 1) and writer.due(21, 0)
 
 
 def test_checkpoint_is_written_atomically_and_reads_back(tmp_path):
-    report = _write(tmp_path, 21)
-    assert report["path"] == str(tmp_path / checkpoint_name(21)) and "error" not in report
+    assert _write(tmp_path, 21) == tmp_path / checkpoint_name(21)
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt-unit-00000021.pt"]  # no temporary file left
     model_state, optimizer_state = _state()
     state = load_checkpoint(tmp_path / checkpoint_name(21), PLAN)
@@ -154,8 +153,8 @@ def test_newest_complete_checkpoint_skips_temporary_and_corrupt_files(tmp_path, 
 def test_full_disk_mid_write_keeps_the_previous_checkpoint(tmp_path):
     _write(tmp_path, 10)
     full_disk = FaultInjector([CheckpointFault("enospc", 21)], tmp_path / "markers").wrap_checkpoint_stream
-    report = _write(tmp_path, 21, full_disk)
-    assert "No space left on device" in report["error"]
+    with pytest.raises(OSError, match="No space left on device"):
+        _write(tmp_path, 21, full_disk)
     assert [p.name for p in tmp_path.iterdir()] == [checkpoint_name(10)]  # temp removed, previous intact
     load_checkpoint(tmp_path / checkpoint_name(10), PLAN)
 
@@ -195,12 +194,17 @@ SCRIPT = textwrap.dedent("""
     import torch.nn.functional as F
     from tests.helpers import fresh_model_and_optimizer, make_data
     from fabric_model import FabricModel
-    from fabric_model.testing import FaultInjector
+    from fabric_model.testing import CheckpointFault, FaultInjector
+
+    disk_faults = FaultInjector({driver_faults}, {markers!r})  # the driver writes the checkpoints
 
     class Progress:
         def log_train_metrics(self, metrics, iteration, epoch, workers):
             with open({progress!r}, "w") as f:
                 f.write(str(iteration))
+
+        def wrap_checkpoint_stream(self, stream, unit):
+            return disk_faults.wrap_checkpoint_stream(stream, unit)
 
     data = make_data(240)
     model, opt = fresh_model_and_optimizer()
@@ -213,9 +217,12 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def start_script(tmp_path: Path, run_dir: Path, name: str, *, workers: int, resume: bool, delay: float = 0.0):
+def start_script(
+    tmp_path: Path, run_dir: Path, name: str, *, workers: int, resume: bool, delay: float = 0.0, driver_faults="[]"
+):
     progress = tmp_path / f"{name}.progress"
     script = SCRIPT.format(
+        driver_faults=driver_faults,
         repo=str(REPO),
         progress=str(progress),
         markers=str(tmp_path),
@@ -311,9 +318,14 @@ def test_whole_job_killed_mid_epoch_resumes_to_the_undisturbed_weights(tmp_path,
 
 
 def test_writer_killed_mid_write_leaves_the_previous_checkpoint(run_dir, tmp_path, reference):
-    kill = FaultInjector([CheckpointFault("kill", 21)], tmp_path)  # the only worker dies writing epoch 1's
-    with pytest.raises(JobError, match="resume=True"):
-        train(run_dir, 1, kill, seed=SEED)
+    # The driver writes the checkpoints that rank 0 uploads: it dies writing epoch 1's.
+    fault = f'[CheckpointFault("kill", {ckpt_unit(1)})]'
+    proc, _ = start_script(tmp_path, run_dir, "killed", workers=1, resume=False, driver_faults=fault)
+    try:
+        proc.wait(timeout=120)
+    finally:
+        kill_session(proc)
+    assert proc.returncode == -signal.SIGKILL, output(tmp_path, "killed")
     ckpt_dir = run_dir / "checkpoints"
     assert units_in(ckpt_dir) == [ckpt_unit(0)]
     partial = [p for p in ckpt_dir.iterdir() if p.name.startswith(f".{checkpoint_name(ckpt_unit(1))}.")]
@@ -330,7 +342,8 @@ def test_writer_killed_mid_write_leaves_the_previous_checkpoint(run_dir, tmp_pat
 def test_full_disk_keeps_training_and_resume_uses_the_last_good_checkpoint(run_dir, tmp_path, caplog, reference):
     full_disk = FaultInjector([CheckpointFault("enospc", 21)], tmp_path)  # every checkpoint from epoch 1's on fails
     with caplog.at_level(logging.WARNING, logger="fabric_model"):
-        model, _ = train(run_dir, 2, full_disk, resume=True, seed=SEED)  # nothing to resume yet: starts afresh
+        # The driver writes the files: its disk is the one that is full.
+        model, _ = train(run_dir, 2, driver_logger=full_disk, resume=True, seed=SEED)  # nothing to resume: afresh
     assert "holds no complete checkpoint" in caplog.text
     assert max_rel_diff(model.state_dict(), reference) < 1e-5
     ckpt_dir = run_dir / "checkpoints"

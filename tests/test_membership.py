@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from fabric_model import protocol as p
-from fabric_model.driver.commands import Formed, Kill, Limits, Send, Settle, Start
+from fabric_model.driver.commands import Formed, Kill, Limits, RestorePoint, RollBack, Send, Settle, Start
 from fabric_model.driver.membership import USER_ERROR_LIMIT, Membership, WorkerState
 from fabric_model.errors import JobError
 
@@ -15,21 +13,20 @@ HEARTBEAT, RECOVERY, START = 10.0, 120.0, 120.0
 
 
 class FakeCheckpoints:
-    """The run's complete checkpoints, by unit, without files."""
+    """The run's saved states (checkpoints), by unit, without files."""
 
     def __init__(self, units: tuple[int, ...] = ()) -> None:
         self.units = set(units)
 
-    def restore_point(self, unit: int) -> Path | None:
-        return Path(f"ckpt-unit-{unit:08d}.pt") if unit in self.units else None
+    def restore_point(self, limit: int) -> RestorePoint | None:
+        unit = max((u for u in self.units if u <= limit), default=None)
+        return None if unit is None else RestorePoint(unit, "checkpoint", f"ckpt-unit-{unit:08d}.pt", b"%d" % unit)
 
     def has_any(self) -> bool:
         return bool(self.units)
 
-    def settings(self, restore: Path | None) -> p.CheckpointSettings:
-        return p.CheckpointSettings(
-            "checkpoints", "torch", max(self.units, default=-1), str(restore) if restore else None
-        )
+    def settings(self, restore: str | None = None) -> p.CheckpointSettings:
+        return p.CheckpointSettings("checkpoints", "torch", max(self.units, default=-1), restore)
 
 
 def machine(workers: int = 2, checkpoints: tuple[int, ...] = (), replace: bool = True) -> Membership:
@@ -150,33 +147,63 @@ def test_a_join_beyond_engines_number_is_refused():
     assert m.seen(9, 3.1) is False  # its later messages are ignored
 
 
-def test_every_holder_lost_without_a_checkpoint_fails_the_job():
+def replaced_generation(m: Membership, lost_at: float = 5.0) -> list:
+    """Every member of a 2-worker machine lost at once; the replacements become ready."""
+    m.lost(0, "process exited with code -9", lost_at)
+    m.lost(1, "process exited with code -9", lost_at)
+    assert m.tick(lost_at + 0.1) == []  # waiting for the replacements
+    replacements = [c for c in m.tick(lost_at + 1.1) if isinstance(c, Start)]
+    assert [c.slot for c in replacements] == [0, 1]
+    commands = []
+    for c in replacements:
+        m.seen(c.worker_id, lost_at + 3)
+        commands += m.ready(c.worker_id, 1, lost_at + 3)
+    return commands + m.tick(lost_at + 3.1)
+
+
+def test_every_holder_lost_without_a_saved_state_rolls_back_to_the_start():
     m = started(2)
     m.committed(12)
-    m.lost(0, "process exited with code -9", 5.0)
-    m.lost(1, "process exited with code -9", 5.0)
-    with pytest.raises(JobError, match="every worker holding the training state was lost"):
-        m.tick(5.1)
+    commands = replaced_generation(m)
+    entered = sent(commands, p.EnterGeneration)
+    assert len(entered) == 2 and all(g.resume_unit == 0 and g.state is None for g in entered.values())
+    assert commands[:2] == [Settle(0, 0), RollBack(0)]
+    assert formed(commands).rolled_back_from == 12 and m.committed_unit == 0
 
 
 def test_every_holder_lost_with_a_checkpoint_goes_on_from_it():
     m = started(2, checkpoints=(12,))
     m.committed(12)
-    m.lost(0, "process exited with code -9", 5.0)
-    m.lost(1, "process exited with code -9", 5.0)
-    assert m.tick(5.1) == []  # waiting for the replacements
-    replacements = [c for c in m.tick(6.1) if isinstance(c, Start)]
-    assert [c.slot for c in replacements] == [0, 1]
-    commands = []
-    for c in replacements:
-        m.seen(c.worker_id, 8.0)
-        commands += m.ready(c.worker_id, 1, 8.0)
-    commands += m.tick(8.1)
+    commands = replaced_generation(m)
     entered = sent(commands, p.EnterGeneration)
     assert len(entered) == 2
-    assert all(g.resume_unit == 12 and g.source_rank == -1 for g in entered.values())
+    assert all(g.resume_unit == 12 and g.source_rank == -1 and g.state == b"12" for g in entered.values())
     assert all(g.checkpoint.restore == "ckpt-unit-00000012.pt" for g in entered.values())
-    assert formed(commands).checkpoint == "ckpt-unit-00000012.pt"
+    record = formed(commands)
+    assert (record.checkpoint, record.restored, record.rolled_back_from) == (
+        "ckpt-unit-00000012.pt",
+        "checkpoint",
+        None,
+    )
+    assert not any(isinstance(c, RollBack) for c in commands)
+
+
+def test_every_holder_lost_past_a_checkpoint_rolls_back_to_it():
+    m = started(2, checkpoints=(5, 12))
+    m.committed(17)
+    commands = replaced_generation(m)
+    assert all(g.resume_unit == 12 and g.state == b"12" for g in sent(commands, p.EnterGeneration).values())
+    assert RollBack(12) in commands and formed(commands).rolled_back_from == 17
+    assert m.committed_unit == 12
+
+
+def test_no_worker_left_and_none_startable_fails_with_the_resume_hint():
+    m = started(2, checkpoints=(12,), replace=False)
+    m.committed(17)
+    m.lost(0, "process exited with code -9", 5.0)
+    m.lost(1, "process exited with code -9", 5.0)
+    with pytest.raises(JobError, match=r"no worker left .*resume=True"):
+        m.tick(5.1)
 
 
 def test_the_same_user_error_three_times_fails_the_job_with_it():

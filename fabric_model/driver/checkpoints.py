@@ -1,10 +1,14 @@
-"""The driver's checkpoint bookkeeping: which complete checkpoints this run has, pruning, and
-what a generation must load. Workers write the files (``fabric_model.checkpoint``); see
-docs/architecture.md, "Run directory"."""
+"""The driver's checkpoint files: writing the bytes rank 0 uploads, which complete checkpoints
+this run has, pruning. Writes run on one background thread, so a slow disk never stalls the
+event loop (heartbeats would look late); see docs/architecture.md, "Run directory"."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import queue
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +18,19 @@ from .. import protocol as p
 log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Written:
+    """A finished write: ``path`` or ``error``, and what the metrics record says of it."""
+
+    unit: int
+    epoch: int
+    worker: int
+    generation: int
+    path: Path | None
+    seconds: float
+    error: str | None = None
+
+
 class CheckpointBook:
     """The complete checkpoints of this run, by unit.
 
@@ -21,12 +38,23 @@ class CheckpointBook:
         directory: the run's ``checkpoints/``.
         framework: the framework's name, recorded in each checkpoint.
         keep: how many of the newest to keep.
+        units_per_epoch: the schedule's (a checkpoint's record names its epoch).
         metrics: the run's metrics log (a record per checkpoint and per resume).
+        wrap_stream: the driver hooks' ``wrap_checkpoint_stream`` seam (docs/architecture.md,
+            "Testing seams").
     """
 
-    def __init__(self, directory: Path, framework: str, keep: int, metrics: Any) -> None:
+    def __init__(
+        self, directory: Path, framework: str, keep: int, units_per_epoch: int, metrics: Any, wrap_stream: Any = None
+    ) -> None:
         self.directory, self.framework, self.keep, self.metrics = directory, framework, keep, metrics
+        self.units_per_epoch = units_per_epoch
+        self.wrap_stream = wrap_stream
         self.by_unit: dict[int, Path] = {}
+        self.accepted = -1  # the newest checkpoint handed to the writer (written or not yet)
+        self._todo: queue.Queue[tuple[int, int, int, int, bytes] | None] = queue.Queue()
+        self._done: queue.Queue[_Written] = queue.Queue()
+        self._writer: threading.Thread | None = None
 
     def prepare(self, resumed: checkpoint.CheckpointInfo | None, iteration: int) -> None:
         """A fresh run starts with no checkpoint; a resumed one keeps those up to its own."""
@@ -41,50 +69,80 @@ class CheckpointBook:
         checkpoint.set_aside_after(self.directory, resumed.unit)
         self.by_unit = dict(checkpoint.list_checkpoints(self.directory))
         self.by_unit[resumed.unit] = resumed.path
+        self.accepted = resumed.unit
         self.metrics.resume(
             checkpoint=resumed.path.name, resume_unit=resumed.unit, epoch=resumed.epoch, iteration=iteration
         )
         log.info("resuming from %s at unit %d (epoch %d done)", resumed.path.name, resumed.unit, resumed.epoch + 1)
 
-    def restore_point(self, unit: int) -> Path | None:
-        """This run's complete checkpoint of ``unit``; one on disk whose report has not arrived
-        (its writer died right after the rename) counts too: complete files only get that name."""
-        path = self.by_unit.get(unit, self.directory / checkpoint.checkpoint_name(unit))
-        if not path.exists():
-            return None
-        self.by_unit[unit] = path
-        return path
+    def newest_on_disk(self, limit: int) -> tuple[int, Path] | None:
+        """This run's newest complete checkpoint at or below unit ``limit``: complete files only
+        get a checkpoint's name, so a file on disk counts even before its write is recorded."""
+        for unit, path in sorted(self.by_unit.items(), reverse=True):
+            if unit <= limit and path.exists():
+                return unit, path
+        return None
 
     def has_any(self) -> bool:
-        return bool(self.by_unit)
+        return bool(self.by_unit) or self.accepted >= 0
 
-    def settings(self, restore: Path | None) -> p.CheckpointSettings:
-        return p.CheckpointSettings(
-            str(self.directory), self.framework, max(self.by_unit, default=-1), str(restore) if restore else None
-        )
+    def settings(self, restore: str | None = None) -> p.CheckpointSettings:
+        return p.CheckpointSettings(str(self.directory), self.framework, self.accepted, restore)
 
-    def written(self, worker_id: int, message: p.CheckpointWritten) -> None:
-        """A worker wrote (or failed to write) a checkpoint: record it, then prune old ones."""
-        where = {"unit": message.unit, "epoch": message.epoch, "worker": worker_id, "generation": message.generation}
-        if message.error or message.path is None:
-            self.metrics.checkpoint(**where, error=message.error)
+    # -- writing ------------------------------------------------------------------------------
+    def store(self, worker_id: int, generation: int, unit: int, data: bytes) -> None:
+        """Write the checkpoint of ``unit`` that ``worker_id`` (rank 0 of ``generation``) uploaded."""
+        self.accepted = max(self.accepted, unit)
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name="fabric-checkpoints", daemon=True)
+            self._writer.start()
+        self._todo.put((worker_id, generation, unit, unit // self.units_per_epoch, data))
+
+    def _write_loop(self) -> None:
+        while (item := self._todo.get()) is not None:
+            worker, generation, unit, epoch, data = item
+            started = time.monotonic()
+            try:
+                path: Path | None = checkpoint.write_checkpoint(self.directory, unit, data, self.wrap_stream)
+                error = None
+            except OSError as exc:
+                path, error = None, str(exc)
+            self._done.put(_Written(unit, epoch, worker, generation, path, time.monotonic() - started, error))
+
+    def poll(self) -> None:
+        """Record the writes that finished (on the event loop's thread): metrics, pruning."""
+        while True:
+            try:
+                self._record(self._done.get_nowait())
+            except queue.Empty:
+                return
+
+    def close(self, timeout: float) -> None:
+        """Let the queued writes finish (the last epoch's checkpoint is on disk when train() returns)."""
+        if self._writer is not None:
+            self._todo.put(None)
+            self._writer.join(timeout)
+            self._writer = None
+        self.poll()
+
+    def _record(self, done: _Written) -> None:
+        where = {"unit": done.unit, "epoch": done.epoch, "worker": done.worker, "generation": done.generation}
+        if done.path is None:
+            self.metrics.checkpoint(**where, error=done.error)
             log.warning(
-                "checkpoint after epoch %d failed on worker %d: %s; the previous one stays the newest and "
-                "training goes on",
-                message.epoch + 1,
-                worker_id,
-                message.error,
+                "checkpoint after epoch %d not written: %s; the previous one stays the newest and training goes on",
+                done.epoch + 1,
+                done.error,
             )
             return
-        path = Path(message.path)
-        self.by_unit[message.unit] = path
+        self.by_unit[done.unit] = done.path
         # Only now that the new one is durable may the oldest go.
         removed = checkpoint.prune(self.directory, self.keep)
         self.by_unit = {u: q for u, q in self.by_unit.items() if q not in removed}
         self.metrics.checkpoint(
             **where,
-            path=f"checkpoints/{path.name}",
-            seconds=message.seconds,
+            path=f"checkpoints/{done.path.name}",
+            seconds=done.seconds,
             removed=[q.name for q in removed],
         )
-        log.info("checkpoint %s after epoch %d", path.name, message.epoch + 1)
+        log.info("checkpoint %s after epoch %d (%.3f s)", done.path.name, done.epoch + 1, done.seconds)

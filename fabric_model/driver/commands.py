@@ -4,7 +4,6 @@ know of the run's checkpoints (docs/architecture.md, "Elasticity")."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Protocol
 
 from .. import protocol as p
@@ -55,22 +54,43 @@ class Formed:
     resume_unit: int
     source_rank: int
     checkpoint: str | None
+    restored: str | None = None  # "checkpoint" or "snapshot": what every member loaded
+    rolled_back_from: int | None = None  # the committed unit given up (no holder of it was left)
 
 
-Command = Send | Kill | Start | Settle | Formed
+@dataclasses.dataclass(frozen=True)
+class RollBack:
+    """No live worker held the committed state: progress goes back to ``unit``, where the next
+    generation resumes; the steps from there on are redone (docs/architecture.md, "Elasticity")."""
+
+    unit: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RestorePoint:
+    """A state a generation can load: the checkpoint or snapshot of ``unit``, as bytes."""
+
+    unit: int
+    kind: str  # "checkpoint" or "snapshot"
+    name: str  # the checkpoint's file name, or "snapshot of unit N"
+    data: bytes = dataclasses.field(repr=False)
+
+
+Command = Send | Kill | Start | Settle | Formed | RollBack
 
 
 class Checkpoints(Protocol):
-    """What membership asks of the run's checkpoints (``driver.checkpoints.CheckpointBook``)."""
+    """What membership asks of the run's saved states (``driver.snapshots.StateBook``)."""
 
-    def restore_point(self, unit: int) -> Path | None:
-        """This run's complete checkpoint of ``unit``, or None."""
+    def restore_point(self, limit: int) -> RestorePoint | None:
+        """The newest state the driver has (a checkpoint on disk or a snapshot in memory) at or
+        below unit ``limit``, or None."""
 
     def has_any(self) -> bool:
-        """Whether this run has a complete checkpoint at all."""
+        """Whether this run has a checkpoint at all."""
 
-    def settings(self, restore: Path | None) -> p.CheckpointSettings:
-        """The checkpoint settings sent with a generation."""
+    def settings(self, restore: str | None = None) -> p.CheckpointSettings:
+        """The checkpoint settings sent with a generation (``restore``: the name of what it loads)."""
 
 
 @dataclasses.dataclass(frozen=True)

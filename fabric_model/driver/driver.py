@@ -29,9 +29,10 @@ from ..network import DEFAULT_BIND_ADDRESS, advertised_address
 from ..plan import Plan, Schedule
 from ..store_service import StoreService
 from .checkpoints import CheckpointBook
-from .commands import Command, Formed, Kill, Limits, Send, Settle, Start
+from .commands import Command, Formed, Kill, Limits, RollBack, Send, Settle, Start
 from .membership import Membership
 from .progress import Progress
+from .snapshots import StateBook
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,16 @@ class Driver:
             history = MetricsLog.replay(run_dir.metrics, self.schedule, setup.resume.unit)
         self.metrics = MetricsLog(run_dir.metrics, append=setup.resume is not None)
         self.progress = Progress(setup.plan, self.schedule, setup.stat_names, self.metrics, hooks)
-        self.checkpoints = CheckpointBook(run_dir.checkpoints, setup.framework, setup.keep_checkpoints, self.metrics)
+        self.checkpoints = CheckpointBook(
+            run_dir.checkpoints,
+            setup.framework,
+            setup.keep_checkpoints,
+            self.schedule.units_per_epoch,
+            self.metrics,
+            wrap_stream=hooks.wrap_checkpoint_stream,  # the driver writes the files (testing seam)
+        )
+        # Checkpoints and snapshots that rank 0 uploads (docs/architecture.md, "Elasticity").
+        self.states = StateBook(self.checkpoints)
         limits = Limits(
             max_workers=max(len(setup.devices), setup.max_workers or 0),
             total_units=self.schedule.total_units,
@@ -112,10 +122,11 @@ class Driver:
             replace_workers=timeouts.replace_workers,
             local_slots=len(setup.devices),
         )
-        self.membership = Membership(limits, self.checkpoints, self._log_tails)
+        self.membership = Membership(limits, self.states, self._log_tails)
         if setup.resume is not None and history is not None:
             self.progress.start_at(setup.resume.unit, *history)
             self.membership.committed(setup.resume.unit)
+            self.states.committed(setup.resume.unit)
         self._launcher_factory = launcher_factory or self._local_launcher
         self._final: FinalState | None = None
         self._handlers: dict[type, Callable[[int, Any], None]] = {
@@ -124,7 +135,7 @@ class Driver:
             p.Heartbeat: lambda w, m: None,
             p.StepDone: self._on_step,
             p.EvalDone: lambda w, m: self.progress.eval_done(m, len(self.membership.members)),
-            p.CheckpointWritten: self.checkpoints.written,
+            p.StateChunk: self._on_state_chunk,
             p.LeftGeneration: lambda w, m: self._execute(self.membership.left(w, m, time.monotonic())),
             p.Finished: self._on_finished,
             p.FinalState: self._on_final,
@@ -163,12 +174,14 @@ class Driver:
             self.hooks.on_train_begin()
             while self._final is None:
                 self._next_event()
+            self.checkpoints.close(timeouts.stop)  # the last checkpoint is on disk when train() returns
             self.progress.check_replicas()
             for worker_id in self.membership.alive():
                 self._server.send(worker_id, p.Stop())
             self._launcher.wait_all(timeouts.stop)
             self.hooks.on_train_end()
         finally:
+            self.checkpoints.close(timeouts.stop)  # a failed job's last write may serve its resume
             self._launcher.stop_all(timeouts.stop)
             self._server.close()
             self.metrics.close()
@@ -201,6 +214,7 @@ class Driver:
         for worker_id, code in self._launcher.exited().items():
             self._execute(self.membership.process_exited(worker_id, code, now))
         self._execute(self.membership.tick(now))
+        self.checkpoints.poll()
 
     # -- handlers ---------------------------------------------------------------------------
     def _on_hello(self, worker_id: int, message: p.Hello) -> None:
@@ -217,6 +231,11 @@ class Driver:
         unit = self.progress.step_done(message)
         if unit is not None:
             self.membership.committed(unit)
+            self.states.committed(unit)
+
+    def _on_state_chunk(self, worker_id: int, message: p.StateChunk) -> None:
+        # Fenced: only rank 0 of the current generation may upload (driver/snapshots.py).
+        self.states.chunk(worker_id, message, self.membership.generation, self.membership.members)
 
     def _on_finished(self, worker_id: int, message: p.Finished) -> None:
         self.membership.finished(worker_id, message.next_unit)
@@ -251,8 +270,12 @@ class Driver:
                 self._launcher.start(command.worker_id, self.setup.devices[command.slot])
             elif isinstance(command, Settle):
                 unit = self.progress.settle(command.resume_unit, command.upto_generation)
-                if unit is not None:
-                    self.membership.committed(unit)
+                if unit is not None:  # settling commits steps below resume_unit only (see RollBack)
+                    self.membership.committed(min(unit, command.resume_unit))
+                    self.states.committed(min(unit, command.resume_unit))
+            elif isinstance(command, RollBack):  # no holder was left: redo the steps from command.unit
+                self.progress.roll_back(command.unit)
+                self.states.rolled_back(command.unit)
             elif isinstance(command, Formed):  # before the members are told: the store must admit them
                 self._store.admit(command.generation, command.members)
                 self._record_generation(command)
@@ -265,6 +288,8 @@ class Driver:
             resume_unit=formed.resume_unit,
             source_rank=formed.source_rank,
             checkpoint=formed.checkpoint,
+            restored=formed.restored,
+            rolled_back_from=formed.rolled_back_from,
         )
         log.log(
             logging.INFO if formed.reason == "start" else logging.WARNING,

@@ -10,8 +10,9 @@ in-process (``tests/test_membership.py``). See docs/architecture.md, "Elasticity
 A generation ends when a member is lost (its peers' collective fails; a silent worker is
 killed first) or when a ready worker waits to join (the members are asked to vote, and all
 stop after the same step). Each member then reports how far it got (``next_unit``); the
-next generation resumes at the furthest, taking the state from a member that holds it, or
-from the checkpoint of that position when no member does.
+next generation resumes at the furthest, taking the state from a member that holds it. When
+no member does, it rolls back to the newest saved state (checkpoint or snapshot) at or below
+the committed unit, or to unit 0, and redoes the steps from there.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Callable
 
 from .. import protocol as p
 from ..errors import JobError
-from .commands import Checkpoints, Command, Formed, Kill, Limits, Send, Settle, Start
+from .commands import Checkpoints, Command, Formed, Kill, Limits, RestorePoint, RollBack, Send, Settle, Start
 
 log = logging.getLogger(__name__)
 
@@ -301,20 +302,15 @@ class Membership:
         return self._form_generation(change.reason, reports)
 
     def _without_holders(self, change: _Change, now: float) -> list[Command]:
-        """No member holds the state: go on from a checkpoint of it, with whoever becomes ready."""
-        if self.committed_unit > 0 and self.checkpoints.restore_point(self.committed_unit) is None:
-            hint = (
-                "resume from the newest checkpoint with train(..., resume=True)" if self.checkpoints.has_any() else ""
-            )
-            raise self._last_user_error or JobError(
-                f"every worker holding the training state was lost ({change.reason}) and no checkpoint "
-                f"holds the last committed step; {hint or 'the run has no checkpoint to go on from'}"
-            )
+        """No member holds the state: go on with whoever becomes ready, from the newest saved
+        state at or below the committed unit (``_form_generation``), else from unit 0."""
         if not self._in(WorkerState.READY):
             waited = now - change.started
             if (not self._replacements and not self._in(WorkerState.STARTING)) or waited > self.limits.recovery:
+                hint = "; resume from the newest checkpoint with train(..., resume=True)"
                 raise self._last_user_error or JobError(
                     f"no worker left and none became ready in {waited:.0f} s ({change.reason})"
+                    + (hint if self.checkpoints.has_any() else "")
                 )
             return []  # wait for a replacement (started or due) to become ready
         return self._form_generation(change.reason, {})
@@ -329,25 +325,42 @@ class Membership:
         members = survivors + newcomers
         needs_state = bool(survivors) and (bool(newcomers) or len(holders) < len(survivors))
         source = members.index(holders[0]) if needs_state else -1
-        # Nobody holds the state past the start: every member loads the checkpoint of `resume`.
-        restore = self.checkpoints.restore_point(resume) if not survivors and resume > 0 else None
-        if not survivors and resume > 0 and restore is None:
-            raise JobError(f"no worker holds the state of unit {resume} and no checkpoint does")
-        settings = self.checkpoints.settings(restore)
+        restore, rolled_back_from = self._restore_point(resume) if not survivors and resume > 0 else (None, None)
+        if rolled_back_from is not None:
+            resume = self.committed_unit = restore.unit if restore is not None else 0
+        commands: list[Command] = [Settle(resume, self.generation)]
+        if rolled_back_from is not None:
+            commands.append(RollBack(resume))
+        settings = self.checkpoints.settings(restore.name if restore is not None else None)
+        data = restore.data if restore is not None else None
         self.generation += 1
         self.members, self._change = members, None
-        checkpoint = restore.name if restore is not None else None
+        checkpoint = restore.name if restore is not None and restore.kind == "checkpoint" else None
+        kind = restore.kind if restore is not None else None
         # Formed before the Sends: the driver's store admits the members before they are told.
-        commands: list[Command] = [
-            Settle(resume, self.generation - 1),
-            Formed(self.generation, tuple(members), reason, resume, source, checkpoint),
-        ]
+        commands.append(
+            Formed(self.generation, tuple(members), reason, resume, source, checkpoint, kind, rolled_back_from)
+        )
         for rank, worker_id in enumerate(members):
             record = self.workers[worker_id]
             record.state = WorkerState.MEMBER
-            message = p.EnterGeneration(self.generation, rank, len(members), resume, source, settings, record.attempt)
+            message = p.EnterGeneration(
+                self.generation, rank, len(members), resume, source, settings, record.attempt, data
+            )
             commands.append(Send(worker_id, message))
         return commands
+
+    def _restore_point(self, resume: int) -> tuple[RestorePoint | None, int | None]:
+        """Nobody holds the state of ``resume`` (a resumed run, or every holder lost): every
+        member loads the newest saved state at or below it, or keeps the job's initial weights
+        (unit 0, which every worker has). Returns it, and ``resume`` when that means rolling back.
+        See docs/architecture.md, "Elasticity", "No holder left"."""
+        restore = self.checkpoints.restore_point(resume)
+        unit = restore.unit if restore is not None else 0
+        if unit >= resume:
+            return restore, None
+        log.warning("no worker holds the state of unit %d: rolling back to unit %d and redoing the steps", resume, unit)
+        return restore, resume
 
     def _request_final(self) -> list[Command]:
         """Ask one finished, live member for the final state."""

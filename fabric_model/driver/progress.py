@@ -52,6 +52,7 @@ class Progress:
         self.done_units: dict[int, int] = {}  # worker id -> next_unit when it finished
         self._steps: dict[tuple[int, int, int], _StepReports] = {}
         self._average = EpochAverage(stat_names)
+        self._stats: dict[tuple[int, int], tuple[float, ...]] = {}  # (epoch, step) -> committed sums
 
     def start_at(self, unit: int, train_history: list[dict[str, float]], test_history: list[dict[str, float]]) -> None:
         """A resumed run: the position and the history below ``unit`` (replayed from the log)."""
@@ -61,6 +62,25 @@ class Progress:
             epoch * self.plan.steps_per_epoch + min(k, self.plan.steps_per_epoch),
         )
         self.train_history, self.test_history = train_history, test_history
+
+    def roll_back(self, unit: int) -> None:
+        """No holder of the committed state was left and the run went back to ``unit``: the steps
+        and validations from there on are un-committed; their replays' records supersede the
+        first ones (in the log, the later record of a step wins, as on resume)."""
+        steps = self.plan.steps_per_epoch
+        self.start_at(
+            unit,
+            [h for h in self.train_history if self.schedule.unit(int(h["epoch"]), steps - 1) < unit],
+            [h for h in self.test_history if self.schedule.unit(int(h["epoch"]), steps) < unit],
+        )
+        self._steps.clear()
+        self._stats = {k: v for k, v in self._stats.items() if self.schedule.unit(*k) < unit}
+        # The epoch average goes on from the sums of the epoch's steps that stay committed.
+        epoch = unit // self.schedule.units_per_epoch
+        self._average = EpochAverage(self.stat_names)
+        for (e, _), sums in sorted(self._stats.items()):
+            if e == epoch:
+                self._average.add(e, sums)
 
     def step_done(self, message: p.StepDone) -> int | None:
         """One member's report of a step; returns the new committed unit when the step commits."""
@@ -104,6 +124,7 @@ class Progress:
         assert reports.stats is not None
         self.iteration += 1
         self.committed_unit = max(self.committed_unit, self.schedule.unit(epoch, step) + 1)
+        self._stats[(epoch, step)] = reports.stats
         averages = self._average.add(epoch, reports.stats)
         if step == self.plan.steps_per_epoch - 1:
             self.train_history.append({"epoch": epoch, **averages})

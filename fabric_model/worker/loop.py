@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from .. import protocol as p
-from ..checkpoint import CheckpointWriter, load_checkpoint
+from ..checkpoint import decode_state
 from ..collective import Collective, CollectiveError
 from ..config import TrainConfig
 from ..context import WorkerContext
@@ -33,6 +33,7 @@ from ..job import Job
 from ..metrics import stat_means
 from ..plan import Plan, Schedule, assigned_micro_batches, epoch_permutation, eval_batches, micro_batch_seed
 from .inbox import Inbox
+from .snapshots import StateUploader
 from .state_transfer import broadcast_state
 
 log = logging.getLogger(__name__)
@@ -69,9 +70,8 @@ class TrainingLoop:
         # Asked once: the metrics a logger would get are not computed each step for nobody.
         self._logs_train = self.hooks.defines("log_train_metrics")
         self._logs_test = self.hooks.defines("log_test_metrics")
-        self.checkpoints = CheckpointWriter(
-            self.schedule, config.checkpoint_freq, config.batch_size, wrap_stream=self.hooks.wrap_checkpoint_stream
-        )
+        # Rank 0 uploads checkpoints and snapshots to the driver (worker/snapshots.py).
+        self.uploads = StateUploader(channel, self.schedule, config)
 
     # -- generations ----------------------------------------------------------------------
     def run_joined(self) -> None:
@@ -116,10 +116,13 @@ class TrainingLoop:
         self.context.generation = generation.generation
         self.context.rank, self.context.world_size = generation.rank, generation.world_size
         source = generation.source_rank
-        restore = self.checkpoints.update(generation.checkpoint)
-        if restore is not None:  # a resumed run (or no holder of the state left): every member loads it
-            state = load_checkpoint(restore, self.plan)
+        restore = generation.checkpoint.restore
+        if generation.state is not None:  # a resumed run, or no holder of the state left: all load it
+            state = decode_state(generation.state, self.plan, str(restore))
+            if state["unit"] != generation.resume_unit:
+                raise RuntimeError(f"{restore} holds unit {state['unit']}, not {generation.resume_unit}")
             self.adapter.load_state(state["model"], state["optimizer"])
+        self.uploads.entered(generation.checkpoint, generation.resume_unit)
         if source >= 0:  # the members that lack the agreed state take it from the one that holds it
             mine = self._state() if self.collective.rank == source else None
             state = broadcast_state(self.collective, mine, source)
@@ -133,19 +136,19 @@ class TrainingLoop:
             self.collective.world_size,
             self.next_unit,
             formed - started,
-            "pulled" if source >= 0 else ("loaded" if restore is not None else "kept"),
+            "pulled" if source >= 0 else ("loaded" if generation.state is not None else "kept"),
             time.monotonic() - formed,
         )
 
     def _state(self) -> dict[str, Any]:
         return {"model": self.adapter.model_state(), "optimizer": self.adapter.optimizer_state()}
 
-    def _checkpoint_if_due(self) -> None:
-        """Rank 0 writes the checkpoint due before ``next_unit`` (all replicas are identical)."""
-        if self.checkpoints.due(self.next_unit, self.collective.rank):
+    def _upload_if_due(self) -> None:
+        """Rank 0 uploads the checkpoint or snapshot due before ``next_unit`` (all replicas are identical)."""
+        kind = self.uploads.kind_due(self.next_unit, self.collective.rank)
+        if kind is not None:
             state = (self.adapter.model_state(), self.adapter.optimizer_state())
-            report = self.checkpoints.write(self.next_unit, self.plan, *state)
-            self.channel.send(p.CheckpointWritten(generation=self.collective.generation, **report))
+            self.uploads.upload(kind, self.next_unit, self.collective.generation, *state)
 
     # -- one generation -------------------------------------------------------------------
     def _run_generation(self) -> None:
@@ -154,7 +157,7 @@ class TrainingLoop:
         try:
             batches = loader.iterate(self._micro_batches(self.next_unit))
             while self.next_unit < self.schedule.total_units:
-                self._checkpoint_if_due()
+                self._upload_if_due()
                 epoch, step = self.schedule.locate(self.next_unit)
                 if step is None:
                     if self.schedule.validation_due(epoch):

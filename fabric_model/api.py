@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from . import checkpoint, compat
 from . import validation as v
 from .callbacks import Callback
+from .cluster import check_cluster, open_cluster
 from .config import EngineSizing, Timeouts, TrainConfig, _usable_cores, threads_per_worker
 from .devices import cap_workers, cpu_workers_from_environment, report, worker_gpu_count
 from .hooks import Hooks
@@ -145,6 +146,7 @@ class FabricModel:
         keep_checkpoints: int = checkpoint.DEFAULT_KEEP,
         worker_memory: Any = None,
         driver_memory: Any = None,
+        cluster: str | None = None,
     ) -> TrainResult:
         """Train for ``epoch_number`` epochs; the user's ``model`` then holds the trained weights.
 
@@ -168,26 +170,33 @@ class FabricModel:
                 must match); without a checkpoint, training starts from the beginning.
             keep_checkpoints: how many of the newest checkpoints to keep (older ones are deleted).
             worker_memory, driver_memory: IBM's; accepted and ignored (memory is not capped).
+            cluster: where workers run: ``"local"`` processes (default), or ``"ray"``: actors on the
+                Ray cluster of ``RAY_ADDRESS`` (README, "On a Ray cluster"). Default ``$FABRIC_MODEL_CLUSTER``.
         """
-        loop = LoopOptions(num_dataloader_threads, validation_freq, checkpoint_freq, keep_checkpoints)
-        ignored = {"worker_memory": worker_memory, "driver_memory": driver_memory}
-        setup, adapter, train_set = self._prepare(
-            epoch_number, batch_size, engines_number, effective_batch_size, loop, seed, run_dir, resume, ignored
-        )
-        run = _open_run(run_dir, setup)
-        plan = setup.plan
-        hooks = Hooks.for_driver(
-            self.driver_logger_callback, ProgressBar(epoch_number, plan.steps_per_epoch, plan.global_batch)
-        )
-        from .driver.driver import Driver  # torch.distributed is imported only once training starts
+        ray_cluster = open_cluster(check_cluster(cluster))  # a bad value fails here, before anything starts
+        try:
+            loop = LoopOptions(num_dataloader_threads, validation_freq, checkpoint_freq, keep_checkpoints)
+            ignored = {"worker_memory": worker_memory, "driver_memory": driver_memory}
+            sizes = (epoch_number, batch_size, engines_number, effective_batch_size)
+            setup, adapter, train_set = self._prepare(*sizes, loop, seed, run_dir, resume, ignored, ray_cluster)
+            run = _open_run(run_dir, setup)
+            plan = setup.plan
+            hooks = Hooks.for_driver(
+                self.driver_logger_callback, ProgressBar(epoch_number, plan.steps_per_epoch, plan.global_batch)
+            )
+            from .driver.driver import Driver  # torch.distributed is imported only once training starts
 
-        driver = Driver(setup, run, hooks)
-        final = driver.run()
-        onnx_diff = self._finish(final, adapter, train_set, run, hooks)
-        self.run_dir = run.path
-        return TrainResult(
-            run.path, driver.train_history, driver.test_history, plan.seed, driver.replica_digests, onnx_diff
-        )
+            launcher = ray_cluster.launcher_factory(run.worker_log) if ray_cluster else None
+            driver = Driver(setup, run, hooks, launcher, host=ray_cluster.host if ray_cluster else "127.0.0.1")
+            final = driver.run()
+            onnx_diff = self._finish(final, adapter, train_set, run, hooks)
+            self.run_dir = run.path
+            return TrainResult(
+                run.path, driver.train_history, driver.test_history, plan.seed, driver.replica_digests, onnx_diff
+            )
+        finally:
+            if ray_cluster is not None:
+                ray_cluster.close()
 
     def _finish(
         self, final: Any, adapter: FrameworkAdapter, train_set: Any, run: RunDirectory, hooks: Hooks
@@ -226,6 +235,7 @@ class FabricModel:
         run_dir: str | os.PathLike[str] | None,
         resume: bool,
         ignored: dict[str, Any],
+        ray_cluster: Any = None,
     ) -> tuple[DriverSetup, FrameworkAdapter, Any]:
         """Check ``train``'s arguments and the data, size the run, draw its seed, serialize the job;
         returns what the driver needs, the adapter and the training set."""
@@ -241,8 +251,11 @@ class FabricModel:
             check_onnx_available(framework, self.model)  # a missing package fails now, not after training
         train_set, test_set = v.check_datasets(self.datasets_function)
         items_per_micro_batch, sizing = size_run(train_set, batch_size, engines_number, effective_batch_size)
-        gpus = worker_gpu_count()
-        sizing = _cap_workers(sizing, gpus)  # the micro-batches stay: fewer workers accumulate more of them
+        if ray_cluster is None:
+            gpus = worker_gpu_count()
+            sizing = _cap_workers(sizing, gpus)  # the micro-batches stay: fewer workers accumulate more of them
+        else:  # engines_number actors are asked for; those without room wait for it (pending)
+            gpus = ray_cluster.gpus_per_worker
         resumed = None
         if resume:  # the run's own seed and newest checkpoint; its plan is checked below
             resumed, seed = checkpoint.find_resume_point(run_dir, seed)
@@ -268,7 +281,7 @@ class FabricModel:
             has_test=test_set is not None,
             stat_names=adapter.stat_names,
             devices=_devices(sizing.max_workers, gpus),
-            threads=threads_per_worker(1 if config.backend == "nccl" else sizing.max_workers),
+            threads=ray_cluster.threads if ray_cluster else threads_per_worker(1 if gpus else sizing.max_workers),
             framework=self.framework,
             keep_checkpoints=loop.keep_checkpoints,
             resume=resumed,

@@ -110,8 +110,10 @@ class MetricsLog:
         resume_unit: int,
         source_rank: int,
         checkpoint: str | None = None,
+        hosts: Sequence[str] | None = None,
     ) -> None:
-        """A generation formed (``checkpoint``: the file name every member restored from)."""
+        """A generation formed (``checkpoint``: the file name every member restored from;
+        ``hosts``: where each member runs, in the order of ``members``)."""
         record: dict[str, Any] = {
             "type": "generation",
             "time": time.time(),
@@ -119,6 +121,7 @@ class MetricsLog:
             "workers": len(members),
             "members": list(members),
             "reason": reason,
+            **({"hosts": list(hosts)} if hosts is not None else {}),
             "resume_unit": resume_unit,
             "source_rank": source_rank,
         }

@@ -9,6 +9,7 @@ docs/architecture.md, "Processes" and "Elasticity".
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import queue
@@ -82,10 +83,16 @@ class Driver:
         run_dir: the run directory (a :class:`~fabric_model.rundir.RunDirectory`).
         hooks: the driver's hooks (the user's logger, or the progress display).
         launcher_factory: where worker processes run; local processes by default.
+        host: the address the control plane and the store listen on (a Ray job: the node's IP).
     """
 
     def __init__(
-        self, setup: DriverSetup, run_dir: Any, hooks: Any, launcher_factory: LauncherFactory | None = None
+        self,
+        setup: DriverSetup,
+        run_dir: Any,
+        hooks: Any,
+        launcher_factory: LauncherFactory | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         self.setup, self.run_dir, self.hooks = setup, run_dir, hooks
         config, timeouts = setup.config, setup.config.timeouts
@@ -109,6 +116,8 @@ class Driver:
             self.progress.start_at(setup.resume.unit, *history)
             self.membership.committed(setup.resume.unit)
         self._launcher_factory = launcher_factory or self._local_launcher
+        self._host = host
+        self._hosts: dict[int, str] = {}  # worker id -> where it runs (its Hello, or the launcher's word)
         self._final: FinalState | None = None
         self._handlers: dict[type, Callable[[int, Any], None]] = {
             p.Hello: self._on_hello,
@@ -141,12 +150,12 @@ class Driver:
         import torch.distributed as dist  # here: `import fabric_model` stays light
 
         secret = secrets.token_bytes(32)
-        self._server = ControlServer(secret, allocate_id=self.membership.allocate_id)
+        self._server = ControlServer(secret, host=self._host, allocate_id=self.membership.allocate_id)
         timeouts = self.setup.config.timeouts
         store = dist.TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeouts.collective)
+            self._host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeouts.collective)
         )
-        self._store_address = ("127.0.0.1", store.port)
+        self._store_address = (self._host, store.port)
         self._launcher = self._launcher_factory(self._server.address, secret)
         self.run_dir.write_join_info(self._server.address, secret)
         try:
@@ -191,12 +200,14 @@ class Driver:
     def tick(self) -> None:
         """Periodic checks: ended processes, then membership's own (heartbeats, deadlines...)."""
         now = time.monotonic()
+        self.membership.placement(self._launcher.pending(), now)
         for worker_id, code in self._launcher.exited().items():
             self._execute(self.membership.process_exited(worker_id, code, now))
         self._execute(self.membership.tick(now))
 
     # -- handlers ---------------------------------------------------------------------------
     def _on_hello(self, worker_id: int, message: p.Hello) -> None:
+        self._hosts[worker_id] = self._launcher.host(worker_id) or message.host
         slot = self.membership.slot_of(worker_id)
         device = self.setup.devices[slot] if slot is not None else None
         setup = self.setup
@@ -247,6 +258,7 @@ class Driver:
                 self._record_generation(command)
 
     def _record_generation(self, formed: Formed) -> None:
+        hosts = [self._hosts.get(w, "?") for w in formed.members]
         self.metrics.generation(
             generation=formed.generation,
             members=list(formed.members),
@@ -254,13 +266,15 @@ class Driver:
             resume_unit=formed.resume_unit,
             source_rank=formed.source_rank,
             checkpoint=formed.checkpoint,
+            hosts=hosts,
         )
         log.log(
             logging.INFO if formed.reason == "start" else logging.WARNING,
-            "generation %d: %d worker(s) %s, resuming at unit %d (%s)",
+            "generation %d: %d worker(s) %s on %s, resuming at unit %d (%s)",
             formed.generation,
             len(formed.members),
             list(formed.members),
+            ", ".join(f"{h} ({n})" for h, n in collections.Counter(hosts).items()),
             formed.resume_unit,
             formed.reason,
         )

@@ -256,10 +256,10 @@ class Membership:
         if self.finishing and now - self._finish_started > self.limits.recovery:
             raise JobError(f"no final state from worker {self.final_from} within {self.limits.recovery:.0f} s")
         if self.generation < 0:
-            placed = [self.workers[w].placed or now for w in self._placed_starting()]
+            placed = [t for w in self._in(WorkerState.STARTING) if (t := self.workers[w].placed) is not None]
             if self._in(WorkerState.READY) and not placed:
                 commands += self._form_generation("start")  # the others failed or wait for room: go without them
-            elif placed and now - max(self._started, min(placed)) > self.limits.start:
+            elif placed and now - min(placed) > self.limits.start:
                 commands += self._start_deadline()
             elif not placed and not self._in(WorkerState.READY) and now - self._started > self.limits.start:
                 self._started = now  # say it once per start bound: nothing failed, the cluster is full

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import signal
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +42,7 @@ class _Actor:
     started: Any  # ObjectRef of WorkerHost.start: ready once Ray placed the actor
     waited: Any  # ObjectRef of WorkerHost.wait: ready when the worker process ends
     host: str | None = None
+    local_pid: int | None = None  # the actor's pid, when it runs on this host
     code: int | None = None
     log_offset: int = 0
     log_call: Any = None
@@ -97,6 +99,8 @@ class RayLauncher(Launcher):
             try:
                 where = ray.get(ref)
                 actor.host = where["ip"]
+                if where["hostname"] == socket.gethostname():
+                    actor.local_pid = int(where["pid"])
             except ray.exceptions.RayError:
                 actor.host = "?"  # never ran: exited() reports it
         return frozenset(waiting.values())
@@ -168,6 +172,8 @@ class RayLauncher(Launcher):
                     pass
             ray.kill(actor.handle, no_restart=True)
             actor.code = ACTOR_DIED if actor.code is None else actor.code
+        # ray.kill returns at once; on this host, see the actors' processes gone too.
+        _wait_gone([a.local_pid for a in self._actors.values() if a.local_pid], timeout)
 
     def log_tail(self, worker_id: int, lines: int = 30) -> str:
         """The end of the copy of the worker's output in the run directory."""
@@ -195,7 +201,8 @@ class RayLauncher(Launcher):
         """Collect the outstanding ``read_log`` call if it is done (waiting up to ``wait`` s),
         write its bytes, and issue the next; a dead actor's output ends where it is."""
         for _ in range(64):  # at most 64 MiB in one go
-            if actor.log_call is None:
+            fresh = actor.log_call is None  # an older call may have found nothing new yet
+            if fresh:
                 try:
                     actor.log_call = actor.handle.read_log.remote(actor.log_offset)
                 except ray.exceptions.RayError:
@@ -209,9 +216,25 @@ class RayLauncher(Launcher):
                 chunk = b""
             actor.log_call = None
             if not chunk:
-                return
+                if fresh:
+                    return
+                continue
             path = self.log_path(worker_id)
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "ab") as f:
                 f.write(chunk)
             actor.log_offset += len(chunk)
+
+
+def _wait_gone(pids: list[int], timeout: float) -> None:
+    """Wait up to ``timeout`` s for processes of this host to end (a zombie has ended)."""
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    if f.read().rsplit(b")", 1)[-1].split()[0] == b"Z":
+                        break
+            except OSError:
+                break  # gone (or no /proc: nothing to wait with)
+            time.sleep(0.05)

@@ -38,7 +38,8 @@ class WorkerHost:
         os.close(fd)
 
     def start(self, args: list[str], secret_hex: str, env: dict[str, str]) -> dict[str, str]:
-        """Start ``python -m fabric_model worker <args>``; returns where it runs (node IP, host name)."""
+        """Start ``python -m fabric_model worker <args>``; returns where it runs (node IP, host
+        name, this actor's pid)."""
         import ray
 
         child_env = dict(os.environ)
@@ -50,7 +51,7 @@ class WorkerHost:
         cmd = [sys.executable, "-m", "fabric_model", "worker", *args]
         threading.Thread(target=self._run, args=(cmd, child_env), name="fabric-worker", daemon=True).start()
         self._started.wait()
-        return {"ip": ray.util.get_node_ip_address(), "hostname": socket.gethostname()}
+        return {"ip": ray.util.get_node_ip_address(), "hostname": socket.gethostname(), "pid": str(os.getpid())}
 
     def _run(self, cmd: list[str], env: dict[str, str]) -> None:
         try:

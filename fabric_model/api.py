@@ -179,24 +179,29 @@ class FabricModel:
             ignored = {"worker_memory": worker_memory, "driver_memory": driver_memory}
             sizes = (epoch_number, batch_size, engines_number, effective_batch_size)
             setup, adapter, train_set = self._prepare(*sizes, loop, seed, run_dir, resume, ignored, ray_cluster)
-            run = _open_run(run_dir, setup)
-            plan = setup.plan
-            hooks = Hooks.for_driver(
-                self.driver_logger_callback, ProgressBar(epoch_number, plan.steps_per_epoch, plan.global_batch)
-            )
-            from .driver.driver import Driver  # torch.distributed is imported only once training starts
-
-            launcher = ray_cluster.launcher_factory(run.worker_log) if ray_cluster else None
-            driver = Driver(setup, run, hooks, launcher, host=ray_cluster.host if ray_cluster else "127.0.0.1")
-            final = driver.run()
-            onnx_diff = self._finish(final, adapter, train_set, run, hooks)
-            self.run_dir = run.path
-            return TrainResult(
-                run.path, driver.train_history, driver.test_history, plan.seed, driver.replica_digests, onnx_diff
-            )
+            return self._run(setup, adapter, train_set, _open_run(run_dir, setup), ray_cluster)
         finally:
             if ray_cluster is not None:
                 ray_cluster.close()
+
+    def _run(
+        self, setup: DriverSetup, adapter: FrameworkAdapter, train_set: Any, run: RunDirectory, ray_cluster: Any
+    ) -> TrainResult:
+        """Train with the driver (workers local or on ``ray_cluster``), then hand the result over."""
+        plan = setup.plan
+        hooks = Hooks.for_driver(
+            self.driver_logger_callback, ProgressBar(setup.config.epochs, plan.steps_per_epoch, plan.global_batch)
+        )
+        from .driver.driver import Driver  # torch.distributed is imported only once training starts
+
+        launcher = ray_cluster.launcher_factory(run.worker_log) if ray_cluster else None
+        driver = Driver(setup, run, hooks, launcher, host=ray_cluster.host if ray_cluster else "127.0.0.1")
+        final = driver.run()
+        onnx_diff = self._finish(final, adapter, train_set, run, hooks)
+        self.run_dir = run.path
+        return TrainResult(
+            run.path, driver.train_history, driver.test_history, plan.seed, driver.replica_digests, onnx_diff
+        )
 
     def _finish(
         self, final: Any, adapter: FrameworkAdapter, train_set: Any, run: RunDirectory, hooks: Hooks
@@ -251,11 +256,7 @@ class FabricModel:
             check_onnx_available(framework, self.model)  # a missing package fails now, not after training
         train_set, test_set = v.check_datasets(self.datasets_function)
         items_per_micro_batch, sizing = size_run(train_set, batch_size, engines_number, effective_batch_size)
-        if ray_cluster is None:
-            gpus = worker_gpu_count()
-            sizing = _cap_workers(sizing, gpus)  # the micro-batches stay: fewer workers accumulate more of them
-        else:  # engines_number actors are asked for; those without room wait for it (pending)
-            gpus = ray_cluster.gpus_per_worker
+        sizing, gpus = _place_workers(sizing, ray_cluster)
         resumed = None
         if resume:  # the run's own seed and newest checkpoint; its plan is checked below
             resumed, seed = checkpoint.find_resume_point(run_dir, seed)
@@ -378,6 +379,16 @@ def _require(**arguments: Any) -> None:
     missing = [name for name, value in arguments.items() if value is None]
     if missing:
         raise TypeError(f"FabricModel() is missing required argument(s): {', '.join(missing)}. Received: None")
+
+
+def _place_workers(sizing: EngineSizing, ray_cluster: Any) -> tuple[EngineSizing, int]:
+    """The sizing and the GPUs per worker: local workers are capped by this host's devices (the
+    micro-batches stay: fewer workers accumulate more of them); on Ray, ``engines_number`` actors
+    are asked for, and those without room wait for it (pending)."""
+    if ray_cluster is not None:
+        return sizing, ray_cluster.gpus_per_worker
+    gpus = worker_gpu_count()
+    return _cap_workers(sizing, gpus), gpus
 
 
 def _cap_workers(sizing: EngineSizing, gpus: int) -> EngineSizing:

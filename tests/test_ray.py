@@ -219,3 +219,51 @@ def test_import_and_local_runs_never_import_ray():
         [sys.executable, "-c", "import json;" + code], capture_output=True, text=True, timeout=120, check=True
     )
     assert json.loads(out.stdout) is False
+
+
+SCRIPT = """
+import json, sys, time
+import psutil, ray, torch
+import torch.nn.functional as F
+from fabric_model import FabricModel
+from mydata import datasets  # beside this script: the workers import it too
+
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+result = FabricModel(model, datasets, F.cross_entropy, opt).train(1, 8, 1, seed=0, run_dir=sys.argv[1])
+deadline = time.monotonic() + 15
+while psutil.Process().children(recursive=True) and time.monotonic() < deadline:
+    time.sleep(0.1)
+left = [" ".join(c.cmdline()[:2]) for c in psutil.Process().children(recursive=True)]
+print(json.dumps({"initialized": ray.is_initialized(), "left": left, "epochs": len(result.history)}))
+"""
+
+MODULE = """
+import torch
+
+def datasets():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 4, generator=g)
+    return [(x[i], int(x[i].sum() > 0)) for i in range(32)], None
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_script_starts_its_own_ray_and_stops_it_and_its_modules_reach_the_workers(tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text(SCRIPT)
+    (project / "mydata.py").write_text(MODULE)
+    env = {**os.environ, **RAY_ENV, "FABRIC_MODEL_CLUSTER": "ray", "RAY_ADDRESS": "local"}  # a new local Ray
+    out = subprocess.run(
+        [sys.executable, str(project / "train.py"), str(tmp_path / "run")],
+        cwd=tmp_path,  # not the script's folder: the workers get that one from the runtime_env
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=140,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report == {"initialized": False, "left": [], "epochs": 1}  # the Ray it started is gone
+    assert "[worker]" in (tmp_path / "run" / "logs" / "worker-0.log").read_text()

@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Any
 from . import checkpoint, compat
 from . import validation as v
 from .callbacks import Callback
+from .cluster import check_cluster, open_cluster
 from .config import EngineSizing, Timeouts, TrainConfig, _usable_cores, threads_per_worker
 from .devices import cap_workers, cpu_workers_from_environment, report, worker_gpu_count
 from .hooks import Hooks
 from .job import Job
-from .network import resolve_bind_address
+from .network import BIND_ADDRESS_ENV, DEFAULT_BIND_ADDRESS, resolve_bind_address
 from .plan import Plan
 from .progress import ProgressBar
 from .run_setup import LoopOptions, check_train_arguments, serialize_job, size_run
@@ -147,6 +148,7 @@ class FabricModel:
         worker_memory: Any = None,
         driver_memory: Any = None,
         bind_address: str | None = None,
+        cluster: str | None = None,
     ) -> TrainResult:
         """Train for ``epoch_number`` epochs; the user's ``model`` then holds the trained weights.
 
@@ -173,22 +175,37 @@ class FabricModel:
             bind_address: the address of this host the driver listens on, for workers started by
                 hand on other hosts (``fabric-model worker``); default ``$FABRIC_MODEL_BIND_ADDRESS``,
                 else ``127.0.0.1``. ``"0.0.0.0"`` (every interface) only when asked for, with a warning.
+            cluster: where workers run: ``"local"`` processes (default), or ``"ray"``: actors on the
+                Ray cluster of ``RAY_ADDRESS`` (README, "On a Ray cluster"). Default ``$FABRIC_MODEL_CLUSTER``.
         """
-        loop = LoopOptions(num_dataloader_threads, validation_freq, checkpoint_freq, keep_checkpoints)
-        ignored = {"worker_memory": worker_memory, "driver_memory": driver_memory}
-        host = resolve_bind_address(bind_address)  # checked before anything starts
-        setup, adapter, train_set = self._prepare(
-            epoch_number, batch_size, engines_number, effective_batch_size, loop, seed, run_dir, resume, ignored
-        )
-        setup = dataclasses.replace(setup, bind_address=host)
-        run = _open_run(run_dir, setup)
+        explicit = bind_address is not None or os.environ.get(BIND_ADDRESS_ENV)
+        host = resolve_bind_address(bind_address) if explicit else None  # checked before anything starts
+        ray_cluster = open_cluster(check_cluster(cluster))  # a bad value fails here, before anything starts
+        try:
+            loop = LoopOptions(num_dataloader_threads, validation_freq, checkpoint_freq, keep_checkpoints)
+            ignored = {"worker_memory": worker_memory, "driver_memory": driver_memory}
+            sizes = (epoch_number, batch_size, engines_number, effective_batch_size)
+            setup, adapter, train_set = self._prepare(*sizes, loop, seed, run_dir, resume, ignored, ray_cluster)
+            # A Ray job listens on the node's IP, a local one on loopback, unless told otherwise.
+            default_host = ray_cluster.host if ray_cluster else DEFAULT_BIND_ADDRESS
+            setup = dataclasses.replace(setup, bind_address=host or default_host)
+            return self._run(setup, adapter, train_set, _open_run(run_dir, setup), ray_cluster)
+        finally:
+            if ray_cluster is not None:
+                ray_cluster.close()
+
+    def _run(
+        self, setup: DriverSetup, adapter: FrameworkAdapter, train_set: Any, run: RunDirectory, ray_cluster: Any
+    ) -> TrainResult:
+        """Train with the driver (workers local or on ``ray_cluster``), then hand the result over."""
         plan = setup.plan
         hooks = Hooks.for_driver(
-            self.driver_logger_callback, ProgressBar(epoch_number, plan.steps_per_epoch, plan.global_batch)
+            self.driver_logger_callback, ProgressBar(setup.config.epochs, plan.steps_per_epoch, plan.global_batch)
         )
         from .driver.driver import Driver  # torch.distributed is imported only once training starts
 
-        driver = Driver(setup, run, hooks)
+        launcher = ray_cluster.launcher_factory(run.worker_log) if ray_cluster else None
+        driver = Driver(setup, run, hooks, launcher)
         final = driver.run()
         onnx_diff = self._finish(final, adapter, train_set, run, hooks)
         self.run_dir = run.path
@@ -233,6 +250,7 @@ class FabricModel:
         run_dir: str | os.PathLike[str] | None,
         resume: bool,
         ignored: dict[str, Any],
+        ray_cluster: Any = None,
     ) -> tuple[DriverSetup, FrameworkAdapter, Any]:
         """Check ``train``'s arguments and the data, size the run, draw its seed, serialize the job;
         returns what the driver needs, the adapter and the training set."""
@@ -248,9 +266,8 @@ class FabricModel:
             check_onnx_available(framework, self.model)  # a missing package fails now, not after training
         train_set, test_set = v.check_datasets(self.datasets_function)
         items_per_micro_batch, sizing = size_run(train_set, batch_size, engines_number, effective_batch_size)
-        gpus = worker_gpu_count()
         engines = sizing.max_workers  # hand-started workers may fill the slots this host's devices cannot
-        sizing = _cap_workers(sizing, gpus)  # the micro-batches stay: fewer workers accumulate more of them
+        sizing, gpus = _place_workers(sizing, ray_cluster)
         resumed = None
         if resume:  # the run's own seed and newest checkpoint; its plan is checked below
             resumed, seed = checkpoint.find_resume_point(run_dir, seed)
@@ -276,7 +293,7 @@ class FabricModel:
             has_test=test_set is not None,
             stat_names=adapter.stat_names,
             devices=_devices(sizing.max_workers, gpus),
-            threads=threads_per_worker(1 if config.backend == "nccl" else sizing.max_workers),
+            threads=ray_cluster.threads if ray_cluster else threads_per_worker(1 if gpus else sizing.max_workers),
             framework=self.framework,
             keep_checkpoints=loop.keep_checkpoints,
             resume=resumed,
@@ -374,6 +391,16 @@ def _require(**arguments: Any) -> None:
     missing = [name for name, value in arguments.items() if value is None]
     if missing:
         raise TypeError(f"FabricModel() is missing required argument(s): {', '.join(missing)}. Received: None")
+
+
+def _place_workers(sizing: EngineSizing, ray_cluster: Any) -> tuple[EngineSizing, int]:
+    """The sizing and the GPUs per worker: local workers are capped by this host's devices (the
+    micro-batches stay: fewer workers accumulate more of them); on Ray, ``engines_number`` actors
+    are asked for, and those without room wait for it (pending)."""
+    if ray_cluster is not None:
+        return sizing, ray_cluster.gpus_per_worker
+    gpus = worker_gpu_count()
+    return _cap_workers(sizing, gpus), gpus
 
 
 def _cap_workers(sizing: EngineSizing, gpus: int) -> EngineSizing:

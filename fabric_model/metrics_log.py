@@ -112,10 +112,12 @@ class MetricsLog:
         checkpoint: str | None = None,
         restored: str | None = None,
         rolled_back_from: int | None = None,
+        hosts: Sequence[str] | None = None,
     ) -> None:
         """A generation formed (``checkpoint``: the file name every member restored from;
         ``restored``: "checkpoint" or "snapshot" when every member loaded one; ``rolled_back_from``:
-        the committed unit given up when no worker held it, the steps from ``resume_unit`` redone)."""
+        the committed unit given up when no worker held it, the steps from ``resume_unit`` redone;
+        ``hosts``: where each member runs, in the order of ``members``)."""
         record: dict[str, Any] = {
             "type": "generation",
             "time": time.time(),
@@ -123,6 +125,7 @@ class MetricsLog:
             "workers": len(members),
             "members": list(members),
             "reason": reason,
+            **({"hosts": list(hosts)} if hosts is not None else {}),
             "resume_unit": resume_unit,
             "source_rank": source_rank,
         }

@@ -438,9 +438,7 @@ def test_lr_schedule_onnx_download_and_the_metrics_logger_form(tmp_path: Path) -
     test = [s for s in res["seen"] if s[0] == "test"]
     assert train and test and "loss" in train[-1][1] and "accuracy" in train[-1][1]
     assert [s[3] for s in test] == [0, 1, 2]  # one validation per epoch, with its epoch
-    per_worker = [
-        [json.loads(line) for line in f.read_text().splitlines()] for f in run_dir.glob("worker-*.jsonl")
-    ]
+    per_worker = [[json.loads(line) for line in f.read_text().splitlines()] for f in run_dir.glob("worker-*.jsonl")]
     assert len(per_worker) == 2 and all(r["workers"] == 2 and "accuracy" in r["metrics"] for w in per_worker for r in w)
 
 

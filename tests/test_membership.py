@@ -84,6 +84,50 @@ def test_start_deadline_goes_with_the_ready_workers_or_fails_with_their_logs():
     assert formed(commands).members == (0,) and m.members == [0]
 
 
+def test_a_pending_worker_does_not_hold_back_the_first_generation():
+    m = machine(3)
+    m.start(0.0)
+    m.placement({2}, 0.2)  # the cluster has room for two workers only
+    m.ready(0, 1, 1.0)
+    commands = m.ready(1, 1, 1.1)
+    assert formed(commands).members == (0, 1) and m.state(2) is WorkerState.STARTING
+    # Placed later, it joins through the vote, as any newcomer does.
+    m.placement(set(), 30.0)
+    commands = m.ready(2, 1, 35.0)
+    assert sent(commands, p.JoinPending) == {0: p.JoinPending(1), 1: p.JoinPending(1)}
+
+
+def test_a_pending_worker_counts_against_no_start_bound_until_it_is_placed():
+    m = machine(2)
+    m.start(0.0)
+    m.placement({0, 1}, 0.1)
+    assert m.tick(START * 3) == []  # nothing failed: the cluster has no room yet
+    m.placement({1}, START * 3 + 1)  # worker 0 got a place: its bound starts now
+    assert m.tick(START * 4) == []
+    with pytest.raises(JobError, match=r"(?s)no worker became ready within 120 s.*logs of \[0\]"):
+        m.tick(START * 4 + 2)
+
+
+def test_a_request_that_was_never_placed_is_no_crash_and_its_backoff_does_not_grow():
+    def starts(now):
+        m.seen(0, now)  # the member keeps talking
+        return [c for c in m.tick(now) if isinstance(c, Start)]
+
+    m = started(2)
+    m.lost(1, "process exited with code -9", 10.0)  # a crash: slot 1 backs off 1 s
+    now = 10.0
+    for _ in range(4):
+        now += 1.01
+        (start,) = starts(now)
+        m.placement({start.worker_id}, now)  # no room for it
+        m.process_exited(start.worker_id, -9, now)  # the node it was bound for went away
+        assert not starts(now + 0.9)  # asked for again after 1 s, not 2, 4, 8 s
+    now += 1.01
+    (start,) = starts(now)
+    m.process_exited(start.worker_id, 1, now)  # placed, then crashed: that one counts
+    assert not starts(now + 1.5) and starts(now + 2.01)
+
+
 def test_a_member_lost_mid_step_aborts_the_others_and_the_survivors_resume_where_they_got():
     m = started(3)
     m.committed(7)

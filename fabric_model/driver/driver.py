@@ -9,6 +9,7 @@ docs/architecture.md, "Processes" and "Elasticity".
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import queue
@@ -93,7 +94,11 @@ class Driver:
     """
 
     def __init__(
-        self, setup: DriverSetup, run_dir: Any, hooks: Any, launcher_factory: LauncherFactory | None = None
+        self,
+        setup: DriverSetup,
+        run_dir: Any,
+        hooks: Any,
+        launcher_factory: LauncherFactory | None = None,
     ) -> None:
         self.setup, self.run_dir, self.hooks = setup, run_dir, hooks
         config, timeouts = setup.config, setup.config.timeouts
@@ -128,6 +133,7 @@ class Driver:
             self.membership.committed(setup.resume.unit)
             self.states.committed(setup.resume.unit)
         self._launcher_factory = launcher_factory or self._local_launcher
+        self._hosts: dict[int, str] = {}  # worker id -> where it runs (its Hello, or the launcher's word)
         self._final: FinalState | None = None
         self._handlers: dict[type, Callable[[int, Any], None]] = {
             p.Hello: self._on_hello,
@@ -211,6 +217,7 @@ class Driver:
     def tick(self) -> None:
         """Periodic checks: ended processes, then membership's own (heartbeats, deadlines...)."""
         now = time.monotonic()
+        self.membership.placement(self._launcher.pending(), now)
         for worker_id, code in self._launcher.exited().items():
             self._execute(self.membership.process_exited(worker_id, code, now))
         self._execute(self.membership.tick(now))
@@ -218,6 +225,7 @@ class Driver:
 
     # -- handlers ---------------------------------------------------------------------------
     def _on_hello(self, worker_id: int, message: p.Hello) -> None:
+        self._hosts[worker_id] = self._launcher.host(worker_id) or message.host
         slot = self.membership.slot_of(worker_id)
         device = self.setup.devices[slot] if slot is not None else None
         setup = self.setup
@@ -281,6 +289,7 @@ class Driver:
                 self._record_generation(command)
 
     def _record_generation(self, formed: Formed) -> None:
+        hosts = [self._hosts.get(w, "?") for w in formed.members]
         self.metrics.generation(
             generation=formed.generation,
             members=list(formed.members),
@@ -290,13 +299,15 @@ class Driver:
             checkpoint=formed.checkpoint,
             restored=formed.restored,
             rolled_back_from=formed.rolled_back_from,
+            hosts=hosts,
         )
         log.log(
             logging.INFO if formed.reason == "start" else logging.WARNING,
-            "generation %d: %d worker(s) %s, resuming at unit %d (%s)",
+            "generation %d: %d worker(s) %s on %s, resuming at unit %d (%s)",
             formed.generation,
             len(formed.members),
             list(formed.members),
+            ", ".join(f"{h} ({n})" for h, n in collections.Counter(hosts).items()),
             formed.resume_unit,
             formed.reason,
         )

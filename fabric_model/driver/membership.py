@@ -56,6 +56,7 @@ class WorkerRecord:
     steps: int = 0  # steps reported while a member
     attempt: int = 1  # its latest Ready's attempt number
     done_unit: int = -1  # next_unit when it finished
+    placed: float | None = None  # when its process got a place to run; None while pending
 
 
 @dataclasses.dataclass
@@ -97,6 +98,10 @@ class Membership:
     def alive(self) -> list[int]:
         return [w for w, r in self.workers.items() if r.state is not WorkerState.GONE]
 
+    def _placed_starting(self) -> list[int]:
+        """Starting workers that have a place to run (a pending one holds nothing back)."""
+        return [w for w in self._in(WorkerState.STARTING) if self.workers[w].placed is not None]
+
     def allocate_id(self) -> int:
         """A fresh worker id (thread-safe: hand-started workers get theirs on connecting)."""
         with self._id_lock:
@@ -112,7 +117,7 @@ class Membership:
         self._started = now
         slots = self.limits.max_workers if self.limits.local_slots is None else self.limits.local_slots
         for slot in range(slots):
-            self.workers[slot] = WorkerRecord(slot=slot, last_seen=now)
+            self.workers[slot] = WorkerRecord(slot=slot, last_seen=now, placed=now)
         return [Start(slot, slot) for slot in range(slots)]
 
     def seen(self, worker_id: int, now: float) -> bool:
@@ -120,7 +125,7 @@ class Membership:
         A worker started by hand is first known here."""
         record = self.workers.get(worker_id)
         if record is None:
-            record = self.workers[worker_id] = WorkerRecord(slot=None, last_seen=now)
+            record = self.workers[worker_id] = WorkerRecord(slot=None, last_seen=now, placed=now)
         record.last_seen = now
         return record.state is not WorkerState.GONE
 
@@ -145,12 +150,23 @@ class Membership:
             return [*commands, Send(worker_id, p.Stop(reason))]
         record.state = WorkerState.READY
         if self.generation < 0:
-            if not self._in(WorkerState.STARTING):
+            if not self._placed_starting():
                 commands += self._form_generation("start")
         elif self._change is None:
             self._begin_change(f"worker {worker_id} joins", now)
             commands += [Send(m, p.JoinPending(self.generation + 1)) for m in self.members]
         return commands
+
+    def placement(self, pending: frozenset[int] | set[int], now: float) -> None:
+        """The launcher's starting workers that have no place to run yet (a cluster without
+        room): they are no failure, count against no start bound and hold back no generation;
+        one that gets a place starts its start bound then."""
+        for worker_id in self._in(WorkerState.STARTING):
+            record = self.workers[worker_id]
+            if worker_id in pending:
+                record.placed = None
+            elif record.placed is None:
+                record.placed = now
 
     def step_reported(self, worker_id: int) -> None:
         self.workers[worker_id].steps += 1
@@ -218,8 +234,9 @@ class Membership:
         if self.finishing and worker_id == self.final_from:
             commands += self._request_final()
         if record.slot is not None and self.limits.replace_workers and not self.finishing:
-            self._slot_failures[record.slot] += 1
-            delay = min(30.0, 2.0 ** (self._slot_failures[record.slot] - 1))
+            if record.placed is not None:  # a request the cluster could not place is no crash
+                self._slot_failures[record.slot] += 1
+            delay = min(30.0, 2.0 ** (max(1, self._slot_failures[record.slot]) - 1))
             self._replacements.append((now + delay, record.slot))
         if was_member and not self.finishing:
             self._begin_change(f"worker {worker_id} lost: {reason}", now)
@@ -243,10 +260,14 @@ class Membership:
         if self.finishing and now - self._finish_started > self.limits.recovery:
             raise JobError(f"no final state from worker {self.final_from} within {self.limits.recovery:.0f} s")
         if self.generation < 0:
-            if self._in(WorkerState.READY) and not self._in(WorkerState.STARTING):
-                commands += self._form_generation("start")  # the others failed to start: go without them
-            elif now - self._started > self.limits.start:
+            placed = [t for w in self._in(WorkerState.STARTING) if (t := self.workers[w].placed) is not None]
+            if self._in(WorkerState.READY) and not placed:
+                commands += self._form_generation("start")  # the others failed or wait for room: go without them
+            elif placed and now - min(placed) > self.limits.start:
                 commands += self._start_deadline()
+            elif not placed and not self._in(WorkerState.READY) and now - self._started > self.limits.start:
+                self._started = now  # say it once per start bound: nothing failed, the cluster is full
+                log.warning("no worker has a place to run yet: waiting for the cluster to make room")
         return commands
 
     # -- internals --------------------------------------------------------------------------
@@ -256,14 +277,14 @@ class Membership:
             if now >= when and len(self.alive()) < self.limits.max_workers and not self.finishing:
                 self._replacements.remove((when, slot))
                 worker_id = self.allocate_id()
-                self.workers[worker_id] = WorkerRecord(slot=slot, last_seen=now)
+                self.workers[worker_id] = WorkerRecord(slot=slot, last_seen=now, placed=now)
                 commands.append(Start(slot, worker_id))
         return commands
 
     def _start_deadline(self) -> list[Command]:
         """The start bound passed: go with the ready workers, or fail naming the missing ones."""
         if not self._in(WorkerState.READY):
-            missing = self._in(WorkerState.STARTING)
+            missing = self._placed_starting()
             raise JobError(
                 f"no worker became ready within {self.limits.start:.0f} s (EDT_START_TIME_OUT). "
                 f"Their logs:\n" + self._log_tail(missing)

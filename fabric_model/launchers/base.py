@@ -37,3 +37,14 @@ class Launcher(abc.ABC):
     @abc.abstractmethod
     def log_tail(self, worker_id: int, lines: int = 30) -> str:
         """The last ``lines`` lines of the worker's output, for error messages."""
+
+    def pending(self) -> frozenset[int]:
+        """Started workers not yet placed anywhere (a cluster without room for them yet).
+
+        A pending worker is no failure and counts against no start bound (docs/architecture.md,
+        "Elasticity"); local processes are placed at once."""
+        return frozenset()
+
+    def host(self, worker_id: int) -> str | None:
+        """Where the worker runs, when the launcher knows better than the worker's own Hello."""
+        return None

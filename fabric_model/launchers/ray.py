@@ -1,0 +1,240 @@
+"""Workers as Ray actors: the launcher of ``cluster="ray"`` (docs/architecture.md, "Ray").
+
+One actor per worker (:class:`~fabric_model.launchers.ray_host.WorkerHost`), no placement
+groups: an actor Ray cannot place yet is *pending* (:meth:`RayLauncher.pending`), and Ray
+places it when a node with room joins, so keeping ``engines_number - alive`` requests
+outstanding is the scale-up. Ray reports a lost actor (a node gone, the actor killed) as an
+``ActorDiedError`` on its outstanding ``wait`` call: that is an exit with a nonzero code, as a
+local process's death is. A frozen worker is not reported by Ray for 15 s or more; the
+driver's heartbeat finds it. Worker output is copied, chunk by chunk, from the actor's node
+into the driver's run directory (``logs/worker-<id>.log``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from .base import Launcher
+from .ray_host import WorkerHost
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two copies of the workers' output to the run directory.
+LOG_INTERVAL = 1.0
+#: Exit code reported for a worker whose actor died (node lost, actor killed).
+ACTOR_DIED = -int(signal.SIGKILL)
+
+
+@dataclasses.dataclass
+class _Actor:
+    """One worker's actor and its outstanding calls."""
+
+    handle: Any
+    started: Any  # ObjectRef of WorkerHost.start: ready once Ray placed the actor
+    waited: Any  # ObjectRef of WorkerHost.wait: ready when the worker process ends
+    host: str | None = None
+    local_pid: int | None = None  # the actor's pid, when it runs on this host
+    code: int | None = None
+    log_offset: int = 0
+    log_call: Any = None
+
+
+class RayLauncher(Launcher):
+    """Worker processes inside Ray actors, wherever Ray places them.
+
+    Args:
+        address: the driver's control-plane address (reachable from the cluster's nodes).
+        secret: the job's secret; it reaches each actor as a task argument.
+        log_path: where the copy of worker ``worker_id``'s output goes.
+        actor_options: Ray actor options for every worker (resources, runtime_env).
+        threads: intra-op threads per worker (``OMP_NUM_THREADS``).
+    """
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        secret: bytes,
+        log_path: Callable[[int], Path],
+        actor_options: dict[str, Any],
+        threads: int,
+    ) -> None:
+        self.address, self.secret, self.log_path = address, secret, log_path
+        self.threads = threads
+        self._remote = ray.remote(WorkerHost).options(max_concurrency=4, max_restarts=0, **actor_options)
+        self._actors: dict[int, _Actor] = {}
+        self._last_logs = 0.0
+
+    def _child_env(self) -> dict[str, str]:
+        env = {"FABRIC_MODEL_LAUNCHED": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.threads)}
+        if self.address[0].startswith("127.") or self.address[0] == "localhost":
+            env["GLOO_SOCKET_IFNAME"] = "lo"  # one host: keep gloo on loopback with the driver
+        return env
+
+    def start(self, worker_id: int, device: str | None) -> None:
+        args = ["--driver", f"{self.address[0]}:{self.address[1]}", "--worker-id", str(worker_id)]
+        if device:
+            args += ["--device", device]
+        handle: Any = self._remote.remote()
+        started = handle.start.remote(args, self.secret.hex(), self._child_env())
+        self._actors[worker_id] = _Actor(handle, started, handle.wait.remote())
+        log.debug("requested an actor for worker %d", worker_id)
+
+    def pending(self) -> frozenset[int]:
+        """Workers whose actor Ray has not placed yet (no node with room so far)."""
+        waiting = {a.started: w for w, a in self._actors.items() if a.host is None and a.code is None}
+        if not waiting:
+            return frozenset()
+        ready, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=0)
+        for ref in ready:
+            actor = self._actors[waiting.pop(ref)]
+            try:
+                where = ray.get(ref)
+                actor.host = where["ip"]
+                if where["hostname"] == socket.gethostname():
+                    actor.local_pid = int(where["pid"])
+            except ray.exceptions.RayError:
+                actor.host = "?"  # never ran: exited() reports it
+        return frozenset(waiting.values())
+
+    def host(self, worker_id: int) -> str | None:
+        """The node IP of the worker's actor (None while pending)."""
+        actor = self._actors.get(worker_id)
+        if actor is not None and actor.host is None:
+            self.pending()
+        return actor.host if actor is not None and actor.host != "?" else None
+
+    def exited(self) -> dict[int, int]:
+        """Worker ids whose process ended (or whose actor died), with their exit codes."""
+        self._copy_logs(wait=0.0)
+        running = {a.waited: w for w, a in self._actors.items() if a.code is None}
+        if running:
+            ready, _ = ray.wait(list(running), num_returns=len(running), timeout=0)
+            for ref in ready:
+                self._actors[running[ref]].code = self._exit_code(ref)
+        return {w: a.code for w, a in self._actors.items() if a.code is not None}
+
+    @staticmethod
+    def _exit_code(ref: Any) -> int:
+        try:
+            return int(ray.get(ref))
+        except ray.exceptions.RayError as exc:  # ActorDiedError: node lost, actor killed, never placed
+            log.debug("worker actor died: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            return ACTOR_DIED
+
+    def kill(self, worker_id: int) -> None:
+        """SIGKILL the worker process, then the actor (a pending request is withdrawn)."""
+        actor = self._actors.get(worker_id)
+        if actor is None:
+            return
+        if actor.code is None and actor.host is not None:
+            try:
+                ray.get(actor.handle.kill_child.remote(), timeout=5.0)
+            except (ray.exceptions.RayError, TimeoutError):
+                pass
+            self._copy_one(worker_id, actor, wait=2.0)
+        ray.kill(actor.handle, no_restart=True)
+        if actor.code is None:
+            actor.code = ACTOR_DIED
+
+    def wait_all(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for every worker process to exit by itself."""
+        running = [a.waited for a in self._actors.values() if a.code is None]
+        if running:
+            ready, _ = ray.wait(running, num_returns=len(running), timeout=timeout)
+            if len(ready) < len(running):
+                return False
+        self.exited()
+        return True
+
+    def stop_all(self, timeout: float = 5.0) -> None:
+        """SIGTERM every worker, SIGKILL after ``timeout``, copy the last output, kill every actor."""
+        live = {w: a for w, a in self._actors.items() if a.code is None and a.host not in (None, "?")}
+        for actor in live.values():
+            actor.handle.kill_child.remote(int(signal.SIGTERM))
+        if live:
+            ray.wait([a.waited for a in live.values()], num_returns=len(live), timeout=timeout)
+        for worker_id, actor in self._actors.items():
+            if actor.host not in (None, "?"):
+                self._copy_one(worker_id, actor, wait=2.0)
+                close = actor.handle.close.remote()
+                try:
+                    ray.get(close, timeout=5.0)
+                except (ray.exceptions.RayError, TimeoutError):
+                    pass
+            ray.kill(actor.handle, no_restart=True)
+            actor.code = ACTOR_DIED if actor.code is None else actor.code
+        # ray.kill returns at once; on this host, see the actors' processes gone too.
+        _wait_gone([a.local_pid for a in self._actors.values() if a.local_pid], timeout)
+
+    def log_tail(self, worker_id: int, lines: int = 30) -> str:
+        """The end of the copy of the worker's output in the run directory."""
+        actor = self._actors.get(worker_id)
+        if actor is not None and actor.host not in (None, "?"):
+            self._copy_one(worker_id, actor, wait=2.0)
+        try:
+            text = self.log_path(worker_id).read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    # -- worker output ----------------------------------------------------------------------
+    def _copy_logs(self, wait: float) -> None:
+        """Every LOG_INTERVAL: append what each placed worker wrote since the last copy."""
+        now = time.monotonic()
+        if now - self._last_logs < LOG_INTERVAL:
+            return
+        self._last_logs = now
+        for worker_id, actor in self._actors.items():
+            if actor.host not in (None, "?") and actor.code is None:
+                self._copy_one(worker_id, actor, wait)
+
+    def _copy_one(self, worker_id: int, actor: _Actor, wait: float) -> None:
+        """Collect the outstanding ``read_log`` call if it is done (waiting up to ``wait`` s),
+        write its bytes, and issue the next; a dead actor's output ends where it is."""
+        for _ in range(64):  # at most 64 MiB in one go
+            fresh = actor.log_call is None  # an older call may have found nothing new yet
+            if fresh:
+                try:
+                    actor.log_call = actor.handle.read_log.remote(actor.log_offset)
+                except ray.exceptions.RayError:
+                    return
+            ready, _ = ray.wait([actor.log_call], timeout=wait)
+            if not ready:
+                return
+            try:
+                chunk = ray.get(actor.log_call)
+            except ray.exceptions.RayError:
+                chunk = b""
+            actor.log_call = None
+            if not chunk:
+                if fresh:
+                    return
+                continue
+            path = self.log_path(worker_id)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "ab") as f:
+                f.write(chunk)
+            actor.log_offset += len(chunk)
+
+
+def _wait_gone(pids: list[int], timeout: float) -> None:
+    """Wait up to ``timeout`` s for processes of this host to end (a zombie has ended)."""
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    if f.read().rsplit(b")", 1)[-1].split()[0] == b"Z":
+                        break
+            except OSError:
+                break  # gone (or no /proc: nothing to wait with)
+            time.sleep(0.05)

@@ -1,0 +1,135 @@
+"""The Ray cluster a ``cluster="ray"`` job runs on (docs/architecture.md, "Processes", "Ray").
+
+Connected in the caller before any worker starts: ``ray.init()`` resolves the cluster as Ray
+always does (``RAY_ADDRESS``, else a cluster ``ray start``-ed on this host, else a new local
+one). A caller that already called ``ray.init`` keeps its connection; a connection made here
+is closed (and a local cluster started here stopped) when the job ends.
+
+Each worker is one actor asking for one GPU where the cluster has GPUs, else one CPU. Other
+shapes come from ``FABRIC_MODEL_RAY_ACTOR_OPTIONS``, a JSON object of Ray actor options
+merged over the default, e.g. ``{"num_cpus": 8, "num_gpus": 1, "resources": {"a100": 1}}``;
+its ``runtime_env`` entries are merged over ours.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import site
+import sys
+import sysconfig
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .base import Launcher
+
+#: A JSON object of Ray actor options for every worker actor (see the module docstring).
+ACTOR_OPTIONS_ENV = "FABRIC_MODEL_RAY_ACTOR_OPTIONS"
+#: Never uploaded with the script's folder: version control, caches, earlier runs.
+EXCLUDES = [".git", "**/__pycache__", "fabric_runs", ".tox", ".venv", "venv"]
+
+
+def _actor_options_from_environment() -> dict[str, Any]:
+    raw = os.environ.get(ACTOR_OPTIONS_ENV)
+    if not raw:
+        return {}
+    try:
+        options = json.loads(raw)
+    except ValueError:
+        options = None
+    if not isinstance(options, dict):
+        raise ValueError(
+            f"Expected {ACTOR_OPTIONS_ENV} to be a JSON object of Ray actor options, e.g. "
+            f'{{"num_cpus": 4, "num_gpus": 1}}. Received: {ACTOR_OPTIONS_ENV}={raw!r}'
+        )
+    return options
+
+
+def script_folder() -> Path:
+    """The folder of the user's script (``__main__``), else the current directory (a notebook,
+    ``python -m pytest``, an interactive session)."""
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main_file:
+        folder = Path(main_file).resolve().parent
+        installed = {Path(p).resolve() for p in [*site.getsitepackages(), sysconfig.get_paths()["stdlib"]]}
+        if not any(folder == p or p in folder.parents for p in installed):
+            return folder
+    return Path.cwd()
+
+
+def runtime_env(user: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The actors' runtime_env: the script's folder as ``working_dir`` (Ray uploads it, at most
+    a few hundred MiB: keep data out of it or name another folder in ``runtime_env``) and this
+    ``fabric_model`` package as a ``py_module``, so every node runs the caller's code."""
+    package = str(Path(__file__).resolve().parents[1])
+    env: dict[str, Any] = {"working_dir": str(script_folder()), "py_modules": [package], "excludes": list(EXCLUDES)}
+    env.update(user or {})
+    return env
+
+
+def _upload(env: dict[str, Any]) -> dict[str, Any]:
+    """``env`` with its local folders uploaded to the cluster and named by URI.
+
+    Ray uploads local folders only for a job-level runtime_env (``ray.init``), and the caller
+    may have connected already; actor options need URIs. These are the helpers ``ray.init``
+    itself calls (private; present from Ray 2.9 to 2.60, at least)."""
+    import ray
+    from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
+    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+
+    node: Any = ray._private.worker.global_worker.node
+    scratch = node.get_runtime_env_dir_path()
+    gitignore = os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0") != "1"
+    env = upload_py_modules_if_needed(env, include_gitignore=gitignore, scratch_dir=scratch)
+    env = upload_working_dir_if_needed(env, include_gitignore=gitignore, scratch_dir=scratch)
+    env.pop("excludes", None)
+    return env
+
+
+class RayCluster:
+    """The connection to the Ray cluster, and what every worker actor asks of it."""
+
+    def __init__(self) -> None:
+        options = _actor_options_from_environment()  # a bad value fails before connecting
+        try:
+            import ray
+        except ImportError as exc:  # cluster.check_cluster found it; a broken install still says how
+            raise ImportError("cluster='ray' needs Ray. HINT: pip install fabric-model[ray]") from exc
+        self._ray = ray
+        self.started = not ray.is_initialized()
+        if self.started:
+            ray.init()
+        has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+        default: dict[str, Any] = {"num_gpus": 1} if has_gpus else {"num_cpus": 1}
+        user_env = options.pop("runtime_env", None)
+        self.actor_options: dict[str, Any] = {**default, **options, "runtime_env": _upload(runtime_env(user_env))}
+
+    @property
+    def gpus_per_worker(self) -> int:
+        """1 when each worker gets a GPU (it uses ``cuda:0`` of what Ray made visible), else 0."""
+        return 1 if float(self.actor_options.get("num_gpus") or 0) > 0 else 0
+
+    @property
+    def threads(self) -> int:
+        """Intra-op threads per worker: the CPUs its actor asks for (at least 1)."""
+        return max(1, int(float(self.actor_options.get("num_cpus") or 1)))
+
+    @property
+    def host(self) -> str:
+        """The address the driver listens on: this node's IP as Ray sees it (loopback offline)."""
+        return str(self._ray.util.get_node_ip_address())
+
+    def launcher_factory(self, log_path: Callable[[int], Path]) -> Callable[[tuple[str, int], bytes], Launcher]:
+        """Makes the job's :class:`~fabric_model.launchers.ray.RayLauncher` (the driver's factory)."""
+        from .ray import RayLauncher
+
+        def make(address: tuple[str, int], secret: bytes) -> Launcher:
+            return RayLauncher(address, secret, log_path, self.actor_options, self.threads)
+
+        return make
+
+    def close(self) -> None:
+        """Disconnect, stopping the local cluster if this job started it."""
+        if self.started and self._ray.is_initialized():
+            self._ray.shutdown()

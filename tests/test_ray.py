@@ -1,0 +1,269 @@
+"""Workers as Ray actors (docs/architecture.md, "Ray"): real Ray, a local multi-node cluster.
+
+One ``ray.cluster_utils.Cluster`` per module (a head without CPUs, and 1-CPU nodes, all on
+127.0.0.1): each test starts with two worker nodes; nodes are removed (every process of the
+node killed) and added mid-run. The leak check (tests/conftest.py) allows the cluster's own
+processes and its idle pool workers, never an actor or a worker left by a test.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch.nn.functional as F
+
+from fabric_model import FabricModel
+from fabric_model.plan import Plan
+
+from . import conftest
+from .helpers import fresh_model_and_optimizer, max_rel_diff, records, reference_train, sample_indices_of_steps
+from .ray_job import DATA, Pace, ResizeAt, datasets
+
+# Skipped without Ray, except where the test environment promises every extra (tox): there it fails.
+ray = __import__("ray") if os.environ.get("FABRIC_MODEL_TEST_ALL_EXTRAS") else pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+SEED, EPOCHS, BATCH, GLOBAL = 7, 2, 8, 24
+PLAN = Plan(len(DATA), BATCH, GLOBAL // BATCH, SEED)
+NODE = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False}
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def _cluster_pids(cluster: Cluster) -> set[int]:
+    pids = set()
+    for node in cluster.list_all_nodes():
+        for infos in node.all_processes.values():
+            pids.update(info.process.pid for info in infos)
+    return pids
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    patch = pytest.MonkeyPatch()
+    for name, value in RAY_ENV.items():
+        patch.setenv(name, value)
+    patch.delenv("RAY_ADDRESS", raising=False)
+    # Read when ray is imported, which this process did already: its own addresses stay on loopback too.
+    patch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
+    head = {**NODE, "num_cpus": 0}
+    c = Cluster(initialize_head=True, head_node_args=head, shutdown_at_exit=False)
+    seen: set[int] = set()
+
+    def owned() -> set[int]:
+        seen.update(_cluster_pids(c))
+        return _cluster_pids(c)
+
+    conftest.FIXTURE_PROCESSES.append(owned)
+    try:
+        ray.init(address=c.address, logging_level="WARNING", log_to_driver=False)
+        yield c
+    finally:
+        ray.shutdown()
+        owned()
+        c.shutdown()
+        conftest.FIXTURE_PROCESSES.remove(owned)
+        patch.undo()
+        left = conftest.wait_gone(seen, 15.0)
+        assert not left, f"the Ray cluster left processes running: {left}"
+
+
+@pytest.fixture
+def two_nodes(cluster):
+    """Exactly two 1-CPU worker nodes at the start of the test (and no more after it)."""
+    while len(cluster.worker_nodes) < 2:
+        cluster.add_node(**NODE)
+    cluster.wait_for_nodes()
+    yield cluster
+    for node in list(cluster.worker_nodes)[2:]:
+        cluster.remove_node(node)
+
+
+@pytest.fixture(scope="module")
+def undisturbed():
+    model, opt = fresh_model_and_optimizer()
+    reference_train(model, opt, DATA, seed=SEED, epochs=EPOCHS, batch_size=BATCH, micro_batches=GLOBAL // BATCH)
+    return copy.deepcopy(model.state_dict())
+
+
+def train(run_dir, engines, worker_logger=None, driver_logger=None):
+    model, opt = fresh_model_and_optimizer()
+    fm = FabricModel(model, datasets, F.cross_entropy, opt, worker_logger=worker_logger, driver_logger=driver_logger)
+    result = fm.train(EPOCHS, BATCH, engines, effective_batch_size=GLOBAL, seed=SEED, run_dir=run_dir, cluster="ray")
+    return model, result
+
+
+def check_exactly_once(run_dir) -> list[dict]:
+    train_records = records(run_dir, "train")
+    assert len(train_records) == EPOCHS * PLAN.steps_per_epoch
+    used = sample_indices_of_steps(PLAN, train_records)
+    for epoch in range(EPOCHS):
+        assert sorted(used[epoch]) == list(range(len(DATA)))
+    return train_records
+
+
+def our_processes() -> list[str]:
+    """Worker processes and worker actors under this process (the cluster's nodes are its children)."""
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(proc.cmdline())
+        except psutil.Error:
+            continue
+        if "fabric_model worker" in cmd or cmd.startswith("ray::WorkerHost"):
+            found.append(f"pid {proc.pid}: {cmd[:80]}")
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_a_ray_job_trains_to_the_reference_weights(two_nodes, undisturbed, run_dir, tmp_path):
+    model, result = train(run_dir, 2, worker_logger=Pace(str(tmp_path)))
+
+    assert max_rel_diff(model.state_dict(), undisturbed) <= 1e-5
+    assert len(result.replica_digests) == 2 and len(set(result.replica_digests.values())) == 1
+    assert {r["workers"] for r in check_exactly_once(run_dir)} == {2}
+    (generation,) = records(run_dir, "generation")
+    assert generation["hosts"] == ["127.0.0.1", "127.0.0.1"]  # the actors' node IPs
+    # The workers imported this test's own module from the folder Ray carried to them.
+    imported = [p.read_text() for p in tmp_path.glob("module-*")]
+    assert len(imported) == 2
+    assert all(Path(f).name == "ray_job.py" and Path(__file__).parent not in Path(f).parents for f in imported)
+    # Their output reached the run directory through the actors.
+    for worker in (0, 1):
+        assert "[worker]" in (run_dir / "logs" / f"worker-{worker}.log").read_text()
+    assert not our_processes()
+
+
+@pytest.mark.timeout(150)
+def test_a_lost_node_leaves_and_a_new_node_joins(two_nodes, undisturbed, run_dir, tmp_path):
+    cluster = two_nodes
+    doomed = sorted(cluster.worker_nodes, key=lambda n: n.unique_id)[0]
+
+    def replace_node():
+        cluster.remove_node(doomed, allow_graceful=False)  # the node and everything on it, at once
+        cluster.add_node(**NODE)
+
+    resize = ResizeAt(3, replace_node, str(tmp_path))
+    worker = Pace(str(tmp_path), pace_while=2, pace_from=3, hold_at=1)
+    model, result = train(run_dir, 2, worker_logger=worker, driver_logger=resize)
+    resize.join()
+
+    assert max_rel_diff(model.state_dict(), undisturbed) <= 1e-5
+    train_records = check_exactly_once(run_dir)  # the driver checked it too (ExactlyOnceError)
+    counts = [g["workers"] for g in records(run_dir, "generation")]
+    assert counts[0] == 2 and 1 in counts and counts[-1] == 2
+    assert counts.index(1) < len(counts) - 1
+    assert {r["workers"] for r in train_records} == {1, 2}
+    assert len(set(result.replica_digests.values())) == 1
+    assert not our_processes()
+
+
+@pytest.mark.timeout(120)
+def test_a_pending_actor_is_placed_when_a_node_joins(two_nodes, undisturbed, run_dir, tmp_path):
+    cluster = two_nodes
+    added: list[float] = []
+
+    def add_node():
+        added.append(time.time())
+        cluster.add_node(**NODE)
+
+    resize = ResizeAt(1, add_node, str(tmp_path))
+    model, result = train(run_dir, 3, worker_logger=Pace(str(tmp_path), hold_at=2), driver_logger=resize)
+    resize.join()
+
+    generations = records(run_dir, "generation")
+    # The third actor had no room: the job started without waiting for it...
+    assert generations[0]["workers"] == 2 and generations[0]["time"] < added[0]
+    # ...and it joined once a node with room came.
+    assert generations[-1]["workers"] == 3 and generations[-1]["reason"].endswith("joins")
+    assert max_rel_diff(model.state_dict(), undisturbed) <= 1e-5
+    check_exactly_once(run_dir)
+    assert len(result.replica_digests) == 3
+    assert not our_processes()
+
+
+def test_bad_cluster_values_fail_in_the_caller(monkeypatch, run_dir):
+    model, opt = fresh_model_and_optimizer()
+    fm = FabricModel(model, datasets, F.cross_entropy, opt)
+    with pytest.raises(ValueError, match=r"`cluster`.*'local', 'ray'.*cluster='k8s'"):
+        fm.train(1, BATCH, cluster="k8s", run_dir=run_dir)
+    monkeypatch.setenv("FABRIC_MODEL_CLUSTER", "slurm")
+    with pytest.raises(ValueError, match=r"FABRIC_MODEL_CLUSTER.*'slurm'"):
+        fm.train(1, BATCH, run_dir=run_dir)
+    monkeypatch.setenv("FABRIC_MODEL_CLUSTER", "ray")
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
+    with pytest.raises(ImportError, match=r"pip install fabric-model\[ray\]"):
+        fm.train(1, BATCH, run_dir=run_dir)
+    monkeypatch.setenv("FABRIC_MODEL_RAY_ACTOR_OPTIONS", "[1]")
+    from fabric_model.launchers.ray_cluster import RayCluster
+
+    with pytest.raises(ValueError, match="FABRIC_MODEL_RAY_ACTOR_OPTIONS"):
+        RayCluster()
+    assert not run_dir.exists()
+
+
+def test_import_and_local_runs_never_import_ray():
+    code = (
+        "import sys, fabric_model, fabric_model.cluster as c; assert c.check_cluster(None) == 'local';"
+        "from fabric_model.launchers import local; import fabric_model.driver.driver;"
+        "print(json.dumps('ray' in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", "import json;" + code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert json.loads(out.stdout) is False
+
+
+SCRIPT = """
+import json, sys, time
+import psutil, ray, torch
+import torch.nn.functional as F
+from fabric_model import FabricModel
+from mydata import datasets  # beside this script: the workers import it too
+
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+result = FabricModel(model, datasets, F.cross_entropy, opt).train(1, 8, 1, seed=0, run_dir=sys.argv[1])
+deadline = time.monotonic() + 15
+while psutil.Process().children(recursive=True) and time.monotonic() < deadline:
+    time.sleep(0.1)
+left = [" ".join(c.cmdline()[:2]) for c in psutil.Process().children(recursive=True)]
+print(json.dumps({"initialized": ray.is_initialized(), "left": left, "epochs": len(result.history)}))
+"""
+
+MODULE = """
+import torch
+
+def datasets():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 4, generator=g)
+    return [(x[i], int(x[i].sum() > 0)) for i in range(32)], None
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_script_starts_its_own_ray_and_stops_it_and_its_modules_reach_the_workers(tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text(SCRIPT)
+    (project / "mydata.py").write_text(MODULE)
+    env = {**os.environ, **RAY_ENV, "FABRIC_MODEL_CLUSTER": "ray", "RAY_ADDRESS": "local"}  # a new local Ray
+    out = subprocess.run(
+        [sys.executable, str(project / "train.py"), str(tmp_path / "run")],
+        cwd=tmp_path,  # not the script's folder: the workers get that one from the runtime_env
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=140,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report == {"initialized": False, "left": [], "epochs": 1}  # the Ray it started is gone
+    assert "[worker]" in (tmp_path / "run" / "logs" / "worker-0.log").read_text()

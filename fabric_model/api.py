@@ -17,11 +17,12 @@ from . import checkpoint, compat
 from . import validation as v
 from .callbacks import Callback
 from .cluster import check_cluster, open_cluster
-from .config import EngineSizing, Timeouts, TrainConfig, _usable_cores, threads_per_worker
-from .devices import cap_workers, cpu_workers_from_environment, report, worker_gpu_count
+from .config import EngineSizing, Timeouts, TrainConfig, threads_per_worker
+from .devices import place_workers
 from .hooks import Hooks
 from .job import Job
-from .network import BIND_ADDRESS_ENV, DEFAULT_BIND_ADDRESS, resolve_bind_address
+from .network import DEFAULT_BIND_ADDRESS as LOOPBACK
+from .network import chosen_bind_address
 from .plan import Plan
 from .progress import ProgressBar
 from .run_setup import LoopOptions, check_train_arguments, serialize_job, size_run
@@ -178,17 +179,15 @@ class FabricModel:
             cluster: where workers run: ``"local"`` processes (default), or ``"ray"``: actors on the
                 Ray cluster of ``RAY_ADDRESS`` (README, "On a Ray cluster"). Default ``$FABRIC_MODEL_CLUSTER``.
         """
-        explicit = bind_address is not None or os.environ.get(BIND_ADDRESS_ENV)
-        host = resolve_bind_address(bind_address) if explicit else None  # checked before anything starts
+        host = chosen_bind_address(bind_address)  # checked before anything starts
         ray_cluster = open_cluster(check_cluster(cluster))  # a bad value fails here, before anything starts
         try:
             loop = LoopOptions(num_dataloader_threads, validation_freq, checkpoint_freq, keep_checkpoints)
             ignored = {"worker_memory": worker_memory, "driver_memory": driver_memory}
             sizes = (epoch_number, batch_size, engines_number, effective_batch_size)
             setup, adapter, train_set = self._prepare(*sizes, loop, seed, run_dir, resume, ignored, ray_cluster)
-            # A Ray job listens on the node's IP, a local one on loopback, unless told otherwise.
-            default_host = ray_cluster.host if ray_cluster else DEFAULT_BIND_ADDRESS
-            setup = dataclasses.replace(setup, bind_address=host or default_host)
+            # Unless told otherwise, a Ray job listens on the node's IP, a local one on loopback.
+            setup = dataclasses.replace(setup, bind_address=host or (ray_cluster.host if ray_cluster else LOOPBACK))
             return self._run(setup, adapter, train_set, _open_run(run_dir, setup), ray_cluster)
         finally:
             if ray_cluster is not None:
@@ -266,8 +265,7 @@ class FabricModel:
             check_onnx_available(framework, self.model)  # a missing package fails now, not after training
         train_set, test_set = v.check_datasets(self.datasets_function)
         items_per_micro_batch, sizing = size_run(train_set, batch_size, engines_number, effective_batch_size)
-        engines = sizing.max_workers  # hand-started workers may fill the slots this host's devices cannot
-        sizing, gpus = _place_workers(sizing, ray_cluster)
+        engines, (sizing, gpus) = sizing.max_workers, place_workers(sizing, ray_cluster)  # engines: all slots
         resumed = None
         if resume:  # the run's own seed and newest checkpoint; its plan is checked below
             resumed, seed = checkpoint.find_resume_point(run_dir, seed)
@@ -391,21 +389,3 @@ def _require(**arguments: Any) -> None:
     missing = [name for name, value in arguments.items() if value is None]
     if missing:
         raise TypeError(f"FabricModel() is missing required argument(s): {', '.join(missing)}. Received: None")
-
-
-def _place_workers(sizing: EngineSizing, ray_cluster: Any) -> tuple[EngineSizing, int]:
-    """The sizing and the GPUs per worker: local workers are capped by this host's devices (the
-    micro-batches stay: fewer workers accumulate more of them); on Ray, ``engines_number`` actors
-    are asked for, and those without room wait for it (pending)."""
-    if ray_cluster is not None:
-        return sizing, ray_cluster.gpus_per_worker
-    gpus = worker_gpu_count()
-    return _cap_workers(sizing, gpus), gpus
-
-
-def _cap_workers(sizing: EngineSizing, gpus: int) -> EngineSizing:
-    """``engines_number`` as a cap on the devices; says in one line how many workers start, and why."""
-    cpu_workers = cpu_workers_from_environment()  # read once, here, in the caller
-    cap = cap_workers(sizing.max_workers, gpus=gpus, cores=_usable_cores(), cpu_workers=cpu_workers)
-    report(cap)
-    return dataclasses.replace(sizing, max_workers=cap.workers)

@@ -19,7 +19,9 @@ import logging
 import os
 import subprocess
 import sys
+from typing import Any
 
+from .config import EngineSizing, _usable_cores
 from .protocol import CPU_WORKERS_ENV, CUDA_VISIBLE_ENV
 
 log = logging.getLogger("fabric_model")
@@ -120,3 +122,21 @@ def report(cap: WorkerCap) -> None:
     log.info(cap.line)
     if cap.capped:
         print(cap.line, file=sys.stderr, flush=True)
+
+
+def place_workers(sizing: EngineSizing, ray_cluster: Any = None) -> tuple[EngineSizing, int]:
+    """The sizing and the GPUs per worker: local workers are capped by this host's devices (the
+    micro-batches stay: fewer workers accumulate more of them); on Ray, ``engines_number`` actors
+    are asked for, and those without room wait for it (pending)."""
+    if ray_cluster is not None:
+        return sizing, ray_cluster.gpus_per_worker
+    gpus = worker_gpu_count()
+    return _cap_by_devices(sizing, gpus), gpus
+
+
+def _cap_by_devices(sizing: EngineSizing, gpus: int) -> EngineSizing:
+    """``engines_number`` as a cap on the devices; says in one line how many workers start, and why."""
+    cpu_workers = cpu_workers_from_environment()  # read once, here, in the caller
+    cap = cap_workers(sizing.max_workers, gpus=gpus, cores=_usable_cores(), cpu_workers=cpu_workers)
+    report(cap)
+    return dataclasses.replace(sizing, max_workers=cap.workers)

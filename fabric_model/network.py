@@ -65,6 +65,15 @@ def resolve_bind_address(bind_address: object) -> str:
     return host
 
 
+def chosen_bind_address(bind_address: object) -> str | None:
+    """The address the user chose (``bind_address``, else ``$FABRIC_MODEL_BIND_ADDRESS``),
+    checked as :func:`resolve_bind_address` does; None when they chose none (the launcher's
+    default then applies: loopback, or the node's IP on Ray)."""
+    if bind_address is None and not os.environ.get(BIND_ADDRESS_ENV):
+        return None
+    return resolve_bind_address(bind_address)
+
+
 def _check_bindable(name: str, text: str, host: str) -> None:
     """Raise unless this host can listen on ``host`` (it is one of its addresses)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:

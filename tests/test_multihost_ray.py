@@ -65,16 +65,20 @@ def network():
     if reason is not None:
         print(f"SKIPPED: {reason}")
         pytest.skip(reason)
-    before = netns.namespaces()
     # Ray's session folders (its Unix sockets among them): short paths, one per node.
     scratch = tempfile.mkdtemp(prefix="fmray")
     try:
         with netns.Network(4) as net:
             net.scratch = Path(scratch)
             yield net
+            started = {pid for host in net.hosts for pid in host.pids()}  # Ray's, the workers'
+        # Leaving the block SIGKILLed every process in the namespaces (never `ray stop`).
+        assert all(wait_gone(pid, 10.0) for pid in started), "a process outlived its namespace"
     finally:
         subprocess.run(["rm", "-rf", scratch], check=False, timeout=60)
-    assert netns.namespaces() == before, "a namespace was left behind"
+    # Ours only: other runs on this machine make and delete their own namespaces meanwhile.
+    left = {n for n in netns.namespaces() if n.startswith(net.tag)}
+    assert not left, f"namespaces left behind: {left}"
 
 
 def ray_env() -> dict[str, str]:

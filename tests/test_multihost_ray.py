@@ -81,10 +81,13 @@ def network():
     assert not left, f"namespaces left behind: {left}"
 
 
-def ray_env() -> dict[str, str]:
+def ray_env(net: netns.Network) -> dict[str, str]:
     """The environment of every Ray process (and of the driver): the package importable on each
-    host, as if installed there; no secret (actors get it as a task argument)."""
-    return {**worker_env(), **RAY_ENV}
+    host, as if installed there; no secret (actors get it as a task argument); a home of their
+    own, so no Ray setting of this machine's user (``~/.ray/auth_token``) reaches the cluster."""
+    home = net.scratch / "home"
+    home.mkdir(exist_ok=True)
+    return {**worker_env(), **RAY_ENV, "HOME": str(home)}
 
 
 def start_ray_node(net: netns.Network, host: netns.Host, head: netns.Host) -> subprocess.Popen:
@@ -98,7 +101,7 @@ def start_ray_node(net: netns.Network, host: netns.Host, head: netns.Host) -> su
     else:
         argv += [f"--address={head.address}:{GCS_PORT}", "--num-cpus=1"]
     with open(net.scratch / f"{host.name}.log", "wb") as log:
-        return host.popen(argv, env=ray_env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        return host.popen(argv, env=ray_env(net), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
 
 def worker_process(host: netns.Host) -> tuple[int, Path]:
@@ -151,7 +154,7 @@ def test_a_ray_job_across_hosts_survives_a_node_crash_a_new_node_and_a_healed_pa
     start_ray_node(network, a, a)
     for host in (b, c):
         start_ray_node(network, host, a)
-    env = dict(ray_env(), RAY_ADDRESS=f"{a.address}:{GCS_PORT}", EDT_HEARTBEAT_TIME_OUT=str(HEARTBEAT))
+    env = dict(ray_env(network), RAY_ADDRESS=f"{a.address}:{GCS_PORT}", EDT_HEARTBEAT_TIME_OUT=str(HEARTBEAT))
     with open(driver_log, "wb") as log:
         cmd = [PY, "-m", "tests.multihost_job", str(run_dir), "-", str(flag), str(out), "ray"]
         driver = a.popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)

@@ -4,6 +4,10 @@
 engines with one local worker (``FABRIC_MODEL_CPU_WORKERS=1`` in its environment); workers
 started by hand fill the other slots. Steps are paced while ``PACE_FLAG`` exists, so the
 test's faults land mid-run however slow the host is; the final state goes to ``OUT``.
+
+``python -m tests.multihost_job RUN_DIR - PACE_FLAG OUT ray`` trains on 2 engines with
+``cluster="ray"`` on the cluster of ``RAY_ADDRESS`` (tests/test_multihost_ray.py): it waits
+for two nodes with CPUs first, and the driver listens on the node IP Ray reports.
 """
 
 from __future__ import annotations
@@ -49,7 +53,14 @@ class Pace:
         pass
 
 
-def train(run_dir: str, bind_address: str | None, pace_flag: str, driver_logger=None, engines: int = ENGINES):
+def train(
+    run_dir: str,
+    bind_address: str | None,
+    pace_flag: str,
+    driver_logger=None,
+    engines: int = ENGINES,
+    cluster: str | None = None,
+):
     model, opt = fresh_model_and_optimizer()
     result = FabricModel(
         model,
@@ -58,11 +69,41 @@ def train(run_dir: str, bind_address: str | None, pace_flag: str, driver_logger=
         opt,
         worker_logger_callback=Pace(pace_flag),
         driver_logger_callback=driver_logger,
-    ).train(EPOCHS, BATCH, engines, effective_batch_size=GLOBAL, seed=SEED, run_dir=run_dir, bind_address=bind_address)
+    ).train(
+        EPOCHS,
+        BATCH,
+        engines,
+        effective_batch_size=GLOBAL,
+        seed=SEED,
+        run_dir=run_dir,
+        bind_address=bind_address,
+        cluster=cluster,
+    )
     return model, result
+
+
+def wait_for_ray_nodes(count: int, timeout: float = 90.0) -> None:
+    """Connect to ``RAY_ADDRESS`` and wait until ``count`` alive nodes offer CPUs."""
+    import ray
+
+    ray.init(logging_level="WARNING", log_to_driver=False)
+    deadline = time.monotonic() + timeout
+    while sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU")) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"fewer than {count} Ray nodes with CPUs after {timeout:.0f} s: {ray.nodes()}")
+        time.sleep(0.2)
 
 
 if __name__ == "__main__":
     run_dir, bind, flag, out = sys.argv[1:5]
-    model, result = train(run_dir, bind, flag)
+    if sys.argv[5:] == ["ray"]:
+        wait_for_ray_nodes(2)
+        try:
+            model, result = train(run_dir, None, flag, engines=2, cluster="ray")
+        finally:
+            import ray
+
+            ray.shutdown()
+    else:
+        model, result = train(run_dir, bind, flag)
     torch.save({"state": model.state_dict(), "digests": result.replica_digests}, out)

@@ -1,7 +1,8 @@
 """A real training job under a hostile network (docs/architecture.md, "Processes").
 
-While a job trains (and a worker is killed, so a new generation forms over the store), a
-driver logger aims at the job's one listening port: an idle socket held open, raw garbage,
+While a job trains (and a worker is killed, so a new generation forms over the store), or a
+``cluster="ray"`` job trains on a local Ray cluster, a driver logger aims at the job's one
+listening port: an idle socket held open, raw garbage,
 an HTTP request, a pickle that would run code, and a torch ``TCPStore`` client without the
 secret. The job finishes with the undisturbed result, nothing is unpickled, the TCPStore
 client reads and writes nothing, and an honest worker registers within a second of the idle
@@ -28,6 +29,9 @@ from fabric_model import control
 from fabric_model import protocol as p
 from fabric_model.testing import Kill
 
+from . import ray_job
+from .helpers import fresh_model_and_optimizer, max_rel_diff, reference_train
+from .ray_cluster import cluster_fixture, two_nodes_fixture  # noqa: F401 (fixtures)
 from .test_elastic import assert_invariants, generations, train, undisturbed  # noqa: F401 (a fixture)
 
 
@@ -65,6 +69,7 @@ class Attacker:
         info = json.loads((self.run_dir / "join.json").read_text())
         host, port = info["driver"].rsplit(":", 1)
         address, secret = (host, int(port)), bytes.fromhex(info["secret"])
+        self.found["address"] = address
         self.found["listening"] = _listening_ports(psutil.Process())
         self.idle = socket.create_connection(address, timeout=5)  # connects, then says nothing
         started = time.monotonic()
@@ -112,3 +117,36 @@ def test_a_job_finishes_correctly_under_a_hostile_network(undisturbed, run_dir, 
     assert found["tcpstore"][0] == "refused" and found["tcpstore_seconds"] < 10.0, found
     sizes = [g["workers"] for g in generations(run_dir)]
     assert sizes == [3, 2], f"no generation formed under attack: {sizes}"
+
+
+def test_a_ray_job_finishes_correctly_under_a_hostile_network(two_nodes, run_dir, tmp_path):
+    """The same attacks on the control port of a ``cluster="ray"`` job (workers as actors)."""
+    import torch.nn.functional as F
+
+    from fabric_model import FabricModel
+
+    model, opt = fresh_model_and_optimizer()
+    reference_train(model, opt, ray_job.DATA, seed=7, epochs=1, batch_size=8, micro_batches=3)
+    undisturbed_state = model.state_dict()
+    proof = tmp_path / "unpickled"
+    attacker = Attacker(run_dir, proof)
+    # The workers pace from step 3 until the attacks are over (ray_job.Pace waits for `resized`).
+    attacks = ray_job.ResizeAt(2, attacker._attack, str(tmp_path))
+    pace = ray_job.Pace(str(tmp_path), pace_while=2, pace_from=3)
+    model, opt = fresh_model_and_optimizer()
+    fm = FabricModel(model, ray_job.datasets, F.cross_entropy, opt, worker_logger=pace, driver_logger=attacks)
+    try:
+        result = fm.train(1, 8, 2, effective_batch_size=24, seed=7, run_dir=run_dir, cluster="ray")
+    finally:
+        attacks.join()
+        if attacker.idle is not None:
+            attacker.idle.close()
+    found = attacker.found
+    assert max_rel_diff(model.state_dict(), undisturbed_state) <= 1e-5
+    assert len(result.replica_digests) == 2 and len(set(result.replica_digests.values())) == 1
+    host, port = found["address"]
+    assert host == "127.0.0.1" and [a for a in found["listening"] if a[1] == port] == [(host, port)], found
+    assert found["registered_in"] < 1.0, found
+    assert not proof.exists(), "something was unpickled from an unauthenticated peer"
+    assert found["tcpstore"][0] == "refused" and found["tcpstore_seconds"] < 10.0, found
+    assert [g["workers"] for g in generations(run_dir)] == [2]  # the attacks cost no worker

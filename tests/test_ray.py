@@ -1,9 +1,8 @@
 """Workers as Ray actors (docs/architecture.md, "Ray"): real Ray, a local multi-node cluster.
 
-One ``ray.cluster_utils.Cluster`` per module (a head without CPUs, and 1-CPU nodes, all on
-127.0.0.1): each test starts with two worker nodes; nodes are removed (every process of the
-node killed) and added mid-run. The leak check (tests/conftest.py) allows the cluster's own
-processes and its idle pool workers, never an actor or a worker left by a test.
+One ``ray.cluster_utils.Cluster`` per module (tests/ray_cluster.py: a head without CPUs, and
+1-CPU nodes, all on 127.0.0.1): each test starts with two worker nodes; nodes are removed
+(every process of the node killed) and added mid-run.
 """
 
 from __future__ import annotations
@@ -23,67 +22,14 @@ import torch.nn.functional as F
 from fabric_model import FabricModel
 from fabric_model.plan import Plan
 
-from . import conftest
 from .helpers import fresh_model_and_optimizer, max_rel_diff, records, reference_train, sample_indices_of_steps
+from .ray_cluster import NODE, RAY_ENV, cluster_fixture, require_ray, two_nodes_fixture  # noqa: F401 (fixtures)
 from .ray_job import DATA, Pace, ResizeAt, datasets
 
-# Skipped without Ray, except where the test environment promises every extra (tox): there it fails.
-ray = __import__("ray") if os.environ.get("FABRIC_MODEL_TEST_ALL_EXTRAS") else pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
+ray = require_ray()
 
 SEED, EPOCHS, BATCH, GLOBAL = 7, 2, 8, 24
 PLAN = Plan(len(DATA), BATCH, GLOBAL // BATCH, SEED)
-NODE = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False}
-RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-
-
-def _cluster_pids(cluster: Cluster) -> set[int]:
-    pids = set()
-    for node in cluster.list_all_nodes():
-        for infos in node.all_processes.values():
-            pids.update(info.process.pid for info in infos)
-    return pids
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    patch = pytest.MonkeyPatch()
-    for name, value in RAY_ENV.items():
-        patch.setenv(name, value)
-    patch.delenv("RAY_ADDRESS", raising=False)
-    # Read when ray is imported, which this process did already: its own addresses stay on loopback too.
-    patch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
-    head = {**NODE, "num_cpus": 0}
-    c = Cluster(initialize_head=True, head_node_args=head, shutdown_at_exit=False)
-    seen: set[int] = set()
-
-    def owned() -> set[int]:
-        seen.update(_cluster_pids(c))
-        return _cluster_pids(c)
-
-    conftest.FIXTURE_PROCESSES.append(owned)
-    try:
-        ray.init(address=c.address, logging_level="WARNING", log_to_driver=False)
-        yield c
-    finally:
-        ray.shutdown()
-        owned()
-        c.shutdown()
-        conftest.FIXTURE_PROCESSES.remove(owned)
-        patch.undo()
-        left = conftest.wait_gone(seen, 15.0)
-        assert not left, f"the Ray cluster left processes running: {left}"
-
-
-@pytest.fixture
-def two_nodes(cluster):
-    """Exactly two 1-CPU worker nodes at the start of the test (and no more after it)."""
-    while len(cluster.worker_nodes) < 2:
-        cluster.add_node(**NODE)
-    cluster.wait_for_nodes()
-    yield cluster
-    for node in list(cluster.worker_nodes)[2:]:
-        cluster.remove_node(node)
 
 
 @pytest.fixture(scope="module")

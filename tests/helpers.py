@@ -114,6 +114,14 @@ def sample_indices_of_steps(plan: Plan, train_records: list[dict]) -> dict[int, 
     return used
 
 
+def final_train_records(run_dir) -> list[dict]:
+    """The committed record of every step: a step redone after a rollback supersedes the first one."""
+    final: dict[tuple[int, int], dict] = {}
+    for r in records(run_dir, "train"):
+        final[(r["epoch"], r["step"])] = r
+    return [final[k] for k in sorted(final)]
+
+
 def fresh_model_and_optimizer(seed: int = 0, lr: float = 0.1, momentum: float = 0.9, adam: bool = False):
     torch.manual_seed(seed)
     model = MLP()

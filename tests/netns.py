@@ -46,6 +46,16 @@ def available() -> str | None:
     return None
 
 
+def skip_unless_available() -> None:
+    """Skip the calling test, with the reason printed, where namespaces cannot be made."""
+    import pytest
+
+    reason = available()
+    if reason is not None:
+        print(f"SKIPPED: {reason}")
+        pytest.skip(reason)
+
+
 def namespaces() -> set[str]:
     """The names of the network namespaces that exist now."""
     return {line.split()[0] for line in _ip("netns", "list").stdout.splitlines() if line.strip()}

@@ -61,10 +61,7 @@ def undisturbed():
 
 @pytest.fixture
 def network():
-    reason = netns.available()
-    if reason is not None:
-        print(f"SKIPPED: {reason}")
-        pytest.skip(reason)
+    netns.skip_unless_available()
     # Ray's session folders (its Unix sockets among them): short paths, one per node.
     scratch = tempfile.mkdtemp(prefix="fmray")
     try:

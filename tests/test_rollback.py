@@ -20,6 +20,7 @@ from fabric_model.testing import FaultInjector, Hang, Kill
 from fabric_model.worker.snapshots import StateUploader
 
 from .helpers import (
+    final_train_records,
     fresh_model_and_optimizer,
     make_data,
     max_rel_diff,
@@ -48,14 +49,6 @@ def train(run_dir, marker_dir, faults, workers=3, checkpoint_freq=1):
         EPOCHS, BATCH, workers, effective_batch_size=GLOBAL, seed=SEED, run_dir=run_dir, checkpoint_freq=checkpoint_freq
     )
     return model, result
-
-
-def final_train_records(run_dir) -> list[dict]:
-    """The committed record of every step: a step redone after a rollback supersedes the first one."""
-    final: dict[tuple[int, int], dict] = {}
-    for r in records(run_dir, "train"):
-        final[(r["epoch"], r["step"])] = r
-    return [final[k] for k in sorted(final)]
 
 
 def assert_invariants(run_dir, result, model, reference):

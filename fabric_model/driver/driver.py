@@ -37,6 +37,8 @@ from .snapshots import StateBook
 
 log = logging.getLogger(__name__)
 
+#: Most messages handled before the periodic checks run again.
+MAX_DRAIN = 10_000
 #: Makes the launcher of a job from the control plane's address and the job's secret.
 LauncherFactory = Callable[[tuple[str, int], bytes], Launcher]
 
@@ -199,12 +201,23 @@ class Driver:
         return LocalLauncher(address, secret, self.run_dir.worker_log, self.setup.threads)
 
     def _next_event(self) -> None:
+        """Handle every message that has arrived, then tick. Draining first matters: after the
+        loop was held up (a slow launcher call), silence is judged only once every heartbeat
+        that came meanwhile has been read."""
         try:
             worker_id, message = self._server.events.get(timeout=0.2)
         except queue.Empty:
             pass
         else:
             self.handle(worker_id, message)
+            for _ in range(MAX_DRAIN):
+                if self._final is not None:
+                    break  # the run is over: what follows is the workers' goodbye
+                try:
+                    worker_id, message = self._server.events.get_nowait()
+                except queue.Empty:
+                    break
+                self.handle(worker_id, message)
         self.tick()
 
     def handle(self, worker_id: int, message: Any) -> None:

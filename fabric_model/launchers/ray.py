@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds between two copies of the workers' output to the run directory.
 LOG_INTERVAL = 1.0
+#: Seconds ``kill`` waits for the actor to kill its worker, and again for its last output.
+KILL_WAIT = 0.3
 #: Exit code reported for a worker whose actor died (node lost, actor killed).
 ACTOR_DIED = -int(signal.SIGKILL)
 
@@ -131,16 +133,20 @@ class RayLauncher(Launcher):
             return ACTOR_DIED
 
     def kill(self, worker_id: int) -> None:
-        """SIGKILL the worker process, then the actor (a pending request is withdrawn)."""
+        """SIGKILL the worker process, then the actor (a pending request is withdrawn).
+
+        Bounded to well under a second: this runs on the driver's event loop, and an actor on a
+        lost or partitioned node answers nothing until Ray declares the node dead (seconds), while
+        the other workers' heartbeats wait to be read."""
         actor = self._actors.get(worker_id)
         if actor is None:
             return
         if actor.code is None and actor.host is not None:
             try:
-                ray.get(actor.handle.kill_child.remote(), timeout=5.0)
-            except (ray.exceptions.RayError, TimeoutError):
+                ray.wait([actor.handle.kill_child.remote()], timeout=KILL_WAIT)
+            except ray.exceptions.RayError:
                 pass
-            self._copy_one(worker_id, actor, wait=2.0)
+            self._copy_one(worker_id, actor, wait=KILL_WAIT)  # its last output, if its node answers
         ray.kill(actor.handle, no_restart=True)
         if actor.code is None:
             actor.code = ACTOR_DIED

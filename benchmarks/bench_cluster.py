@@ -61,30 +61,32 @@ def datasets() -> tuple[Synthetic, None]:
 
 
 class AtStep:
-    """A driver logger that runs ``action`` once, when ``iteration`` reaches ``step``, and
-    paces the steps (so that a node started in the background lands while training runs)."""
+    """A driver logger that runs ``action`` once, when ``iteration`` reaches ``step``."""
 
-    def __init__(self, step: int, action: Callable[[], None] | None, pace: float) -> None:
-        self.step, self.action, self.pace = step, action, pace
+    def __init__(self, step: int, action: Callable[[], None]) -> None:
+        self.step, self.action = step, action
         self.fired_at: float | None = None
 
     def log_train_metrics(self, metrics: Any, iteration: int, epoch: int, workers: int) -> None:
-        if self.action is not None and self.fired_at is None and iteration >= self.step:
+        if self.fired_at is None and iteration >= self.step:
             self.fired_at = time.time()
             self.action()
-        time.sleep(self.pace)
 
 
-def summarize(run_dir: Path, t_start: float, lost_at: float | None) -> dict[str, float]:
+def summarize(run_dir: Path, t_start: float, lost_at: float | None) -> dict[str, Any]:
     lines = [json.loads(x) for x in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in lines if r["type"] == "train"]
     gens = [r for r in lines if r["type"] == "generation"]
     times = [r["time"] for r in steps]
     gaps = [b - a for a, b in zip(times, times[1:])]
     median = statistics.median(gaps)
-    out = {"first_step": times[0] - t_start, "median_step": median}
-    if lost_at is not None:
-        out["recovery"] = min(t for t in times if t > lost_at) - lost_at
+    out: dict[str, Any] = {"first_step": times[0] - t_start, "median_step": median}
+    out["sizes"] = [g["workers"] for g in gens]
+    if lost_at is not None:  # the first step committed by a generation formed after the loss
+        before = [r["generation"] for r in steps if r["time"] <= lost_at]
+        after = [r["time"] for r in steps if r["generation"] > (before[-1] if before else -1) and r["time"] > lost_at]
+        if after:
+            out["recovery"] = after[0] - lost_at
     joins = [g for g in gens if "join" in g.get("reason", "")]
     if joins:
         join = joins[-1]
@@ -95,21 +97,21 @@ def summarize(run_dir: Path, t_start: float, lost_at: float | None) -> dict[str,
     return out
 
 
-def run_local(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
+def run_local(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     marker = tmp / "marks"
     marker.mkdir()
-    injector = FaultInjector([Kill(1, args.loss_step, when="after_step")], marker)
-    fm = FabricModel(model, datasets, F.cross_entropy, opt, worker_logger_callback=injector,
-                     driver_logger_callback=AtStep(10**9, None, args.pace))
+    # The workers pace their steps, so that a replacement (seconds to start) lands while they train.
+    injector = FaultInjector([Kill(1, args.loss_step, when="after_step")], marker, step_delay=args.pace)
+    fm = FabricModel(model, datasets, F.cross_entropy, opt, worker_logger_callback=injector)
     run_dir = tmp / "local"
     t_start = time.time()
     fm.train(args.epochs, 32, 2, seed=0, run_dir=run_dir, checkpoint_freq=0, num_dataloader_threads=0)
     return summarize(run_dir, t_start, fired_at(marker, 0))
 
 
-def run_ray(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
+def run_ray(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
@@ -125,8 +127,10 @@ def run_ray(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
 
         model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        trigger = AtStep(args.loss_step, lose_a_node, args.pace)
-        fm = FabricModel(model, datasets, F.cross_entropy, opt, driver_logger_callback=trigger)
+        trigger = AtStep(args.loss_step, lose_a_node)
+        pace = FaultInjector([], tmp, step_delay=args.pace)  # no fault: only the workers' pace
+        fm = FabricModel(model, datasets, F.cross_entropy, opt, worker_logger_callback=pace,
+                         driver_logger_callback=trigger)
         run_dir = tmp / "ray"
         t_start = time.time()
         fm.train(args.epochs, 32, 2, seed=0, run_dir=run_dir, checkpoint_freq=0, num_dataloader_threads=0,
@@ -152,11 +156,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--loss-step", type=int, default=10)
-    parser.add_argument("--pace", type=float, default=0.05, help="seconds the driver sleeps per step")
+    parser.add_argument("--pace", type=float, default=0.05, help="seconds each worker waits after a step")
     args = parser.parse_args()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray on 127.0.0.1
-    results: dict[str, list[dict[str, float]]] = {"local": [], "ray": []}
+    results: dict[str, list[dict[str, Any]]] = {"local": [], "ray": []}
     for _ in range(args.rounds):
         for name, fn in (("local", run_local), ("ray", run_ray)):
             with tempfile.TemporaryDirectory() as tmp:
@@ -169,6 +173,8 @@ def main() -> int:
         ("join pause (gap - median step)", "join_pause"),
         ("median step", "median_step"),
     ]
+    for name in ("local", "ray"):
+        print(f"{name}: generation sizes per round {[r['sizes'] for r in results[name]]}")
     for label, key in rows:
         cells = [fmt([r[key] for r in results[n] if key in r]) for n in ("local", "ray")]
         print(f"{label:44s} {cells[0]:>24s} {cells[1]:>24s}")

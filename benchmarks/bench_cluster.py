@@ -129,12 +129,14 @@ def run_ray(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         trigger = AtStep(args.loss_step, lose_a_node)
         pace = FaultInjector([], tmp, step_delay=args.pace)  # no fault: only the workers' pace
-        fm = FabricModel(model, datasets, F.cross_entropy, opt, worker_logger_callback=pace,
-                         driver_logger_callback=trigger)
+        fm = FabricModel(
+            model, datasets, F.cross_entropy, opt, worker_logger_callback=pace, driver_logger_callback=trigger
+        )
         run_dir = tmp / "ray"
         t_start = time.time()
-        fm.train(args.epochs, 32, 2, seed=0, run_dir=run_dir, checkpoint_freq=0, num_dataloader_threads=0,
-                 cluster="ray")
+        fm.train(
+            args.epochs, 32, 2, seed=0, run_dir=run_dir, checkpoint_freq=0, num_dataloader_threads=0, cluster="ray"
+        )
         return summarize(run_dir, t_start, trigger.fired_at)
     finally:
         os.environ.pop("RAY_ADDRESS", None)

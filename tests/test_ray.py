@@ -155,6 +155,26 @@ def test_bad_cluster_values_fail_in_the_caller(monkeypatch, run_dir):
     assert not run_dir.exists()
 
 
+def test_the_uploaded_folder_is_the_scripts_never_a_command_folder(monkeypatch, tmp_path):
+    """Run through an installed command (``pytest``, ``fabric-model run``), ``__main__`` lives
+    in the environment's bin/: uploading that would carry the environment's binaries instead
+    of the user's code (a CI run under tox did exactly that). The current directory is used."""
+    import sysconfig
+    import types
+
+    from fabric_model.launchers.ray_cluster import script_folder
+
+    main = types.ModuleType("__main__")
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.chdir(tmp_path)
+    main.__file__ = str(Path(sysconfig.get_paths()["scripts"]) / "pytest")
+    assert script_folder() == tmp_path.resolve()
+    script = tmp_path / "project" / "train.py"
+    script.parent.mkdir()
+    main.__file__ = str(script)
+    assert script_folder() == script.parent.resolve()
+
+
 def test_import_and_local_runs_never_import_ray():
     code = (
         "import sys, fabric_model, fabric_model.cluster as c; assert c.check_cluster(None) == 'local';"

@@ -48,12 +48,16 @@ def _actor_options_from_environment() -> dict[str, Any]:
 
 def script_folder() -> Path:
     """The folder of the user's script (``__main__``), else the current directory (a notebook,
-    ``python -m pytest``, an interactive session)."""
+    ``python -m pytest``, an installed command such as ``pytest`` or ``fabric-model run``, an
+    interactive session)."""
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
     if main_file:
         folder = Path(main_file).resolve().parent
-        installed = {Path(p).resolve() for p in [*site.getsitepackages(), sysconfig.get_paths()["stdlib"]]}
-        if not any(folder == p or p in folder.parents for p in installed):
+        paths = sysconfig.get_paths()
+        installed = {Path(p).resolve() for p in [*site.getsitepackages(), paths["stdlib"]]}
+        # A console script's folder (a virtualenv's bin/) is no script folder: never upload it.
+        commands = {Path(paths["scripts"]).resolve(), Path(sys.prefix, "bin").resolve()}
+        if folder not in commands and not any(folder == p or p in folder.parents for p in installed):
             return folder
     return Path.cwd()
 

@@ -83,12 +83,6 @@ class CheckpointInfo:
 
 
 # -- the state's bytes (built by rank 0 of a generation, written or kept by the driver) ------
-def steps_below(schedule: Schedule, unit: int) -> int:
-    """How many steps come before ``unit`` (validation slots are not steps)."""
-    epoch, k = divmod(unit, schedule.units_per_epoch)
-    return epoch * schedule.plan.steps_per_epoch + min(k, schedule.plan.steps_per_epoch)
-
-
 def state_record(
     schedule: Schedule,
     unit: int,
@@ -100,7 +94,7 @@ def state_record(
     """The checkpoint dict (module docstring) of the state before ``unit``; a snapshot taken
     inside an epoch has the same shape, ``epoch`` and ``step`` naming its last step."""
     plan = schedule.plan
-    done = steps_below(schedule, unit)
+    done = schedule.steps_before(unit)
     epoch, step = divmod(max(done - 1, 0), plan.steps_per_epoch)
     return {
         "format": FORMAT,

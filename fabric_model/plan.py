@@ -114,5 +114,11 @@ class Schedule:
     def unit(self, epoch: int, step: int) -> int:
         return epoch * self.units_per_epoch + step
 
+    def steps_before(self, unit: int) -> int:
+        """How many training steps come before ``unit`` (validation slots are not steps): the
+        run's iteration count at that position."""
+        epoch, k = divmod(unit, self.units_per_epoch)
+        return epoch * self.plan.steps_per_epoch + min(k, self.plan.steps_per_epoch)
+
     def validation_due(self, epoch: int) -> bool:
         return self.has_test and (epoch + 1) % self.validation_freq == 0

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from fabric_model import FabricModel
 from fabric_model import protocol as p
-from fabric_model.checkpoint import checkpoint_name, decode_state, encode_state, state_record, steps_below
+from fabric_model.checkpoint import checkpoint_name, decode_state, encode_state, state_record
 from fabric_model.driver.checkpoints import CheckpointBook
 from fabric_model.driver.snapshots import StateBook
 from fabric_model.plan import Plan, Schedule
@@ -105,7 +105,7 @@ def test_every_worker_killed_at_once_mid_epoch(
         assert back["resume_unit"] == 0
     # The steps committed from the resume unit to the kill were redone: each has two records,
     # the later one (the replay) final.
-    redone = steps_below(SCHEDULE, killed_at) - steps_below(SCHEDULE, back["resume_unit"])
+    redone = SCHEDULE.steps_before(killed_at) - SCHEDULE.steps_before(back["resume_unit"])
     assert redone > 0 and len(records(run_dir, "train")) == EPOCHS * 10 + redone
 
 

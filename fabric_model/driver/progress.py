@@ -56,11 +56,7 @@ class Progress:
 
     def start_at(self, unit: int, train_history: list[dict[str, float]], test_history: list[dict[str, float]]) -> None:
         """A resumed run: the position and the history below ``unit`` (replayed from the log)."""
-        epoch, k = divmod(unit, self.schedule.units_per_epoch)
-        self.committed_unit, self.iteration = (
-            unit,
-            epoch * self.plan.steps_per_epoch + min(k, self.plan.steps_per_epoch),
-        )
+        self.committed_unit, self.iteration = unit, self.schedule.steps_before(unit)
         self.train_history, self.test_history = train_history, test_history
 
     def roll_back(self, unit: int) -> None:

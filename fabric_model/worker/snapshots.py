@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from .. import protocol as p
-from ..checkpoint import checkpoint_due, encode_state, state_record, steps_below
+from ..checkpoint import checkpoint_due, encode_state, state_record
 from ..config import TrainConfig
 from ..control import Channel
 from ..plan import Schedule
@@ -56,7 +56,7 @@ class StateUploader:
         """A generation was entered at ``resume_unit``: the driver holds a state of it or before."""
         self.framework = settings.framework
         self.written = max(self.written, settings.written)
-        self._last_steps = steps_below(self.schedule, resume_unit)
+        self._last_steps = self.schedule.steps_before(resume_unit)
         self._last_time = time.monotonic()
 
     def kind_due(self, unit: int, rank: int) -> str | None:
@@ -67,7 +67,7 @@ class StateUploader:
             return "checkpoint"
         if self._thread is not None and self._thread.is_alive():
             return None  # the last one is still on its way: try at the next boundary
-        steps = steps_below(self.schedule, unit) - self._last_steps
+        steps = self.schedule.steps_before(unit) - self._last_steps
         if steps <= 0:
             return None
         by_steps = self.every_steps > 0 and steps >= self.every_steps
@@ -94,7 +94,7 @@ class StateUploader:
         """An upload of ``unit`` started: the next snapshot counts from it."""
         if kind == "checkpoint":
             self.written = unit
-        self._last_steps, self._last_time = steps_below(self.schedule, unit), time.monotonic()
+        self._last_steps, self._last_time = self.schedule.steps_before(unit), time.monotonic()
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the upload in flight, if any, is sent."""

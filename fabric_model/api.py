@@ -6,7 +6,6 @@ import dataclasses
 import logging
 import os
 import shutil
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,7 +16,7 @@ from . import checkpoint, compat
 from . import validation as v
 from .callbacks import Callback
 from .cluster import check_cluster, open_cluster
-from .config import EngineSizing, Timeouts, TrainConfig, threads_per_worker
+from .config import threads_per_worker
 from .devices import place_workers
 from .hooks import Hooks
 from .job import Job
@@ -25,7 +24,7 @@ from .network import DEFAULT_BIND_ADDRESS as LOOPBACK
 from .network import chosen_bind_address
 from .plan import Plan
 from .progress import ProgressBar
-from .run_setup import LoopOptions, check_train_arguments, serialize_job, size_run
+from .run_setup import LoopOptions, check_train_arguments, open_run, serialize_job, size_run, slot_devices, train_config
 from .rundir import RunDirectory
 
 if TYPE_CHECKING:
@@ -188,7 +187,7 @@ class FabricModel:
             setup, adapter, train_set = self._prepare(*sizes, loop, seed, run_dir, resume, ignored, ray_cluster)
             # Unless told otherwise, a Ray job listens on the node's IP, a local one on loopback.
             setup = dataclasses.replace(setup, bind_address=host or (ray_cluster.host if ray_cluster else LOOPBACK))
-            return self._run(setup, adapter, train_set, _open_run(run_dir, setup), ray_cluster)
+            return self._run(setup, adapter, train_set, open_run(run_dir, setup), ray_cluster)
         finally:
             if ray_cluster is not None:
                 ray_cluster.close()
@@ -283,14 +282,14 @@ class FabricModel:
             )
         adapter = self._make_adapter()
         payload = self._job_payload(framework.prepare_for_shipping(adapter, framework.first_batch(adapter, train_set)))
-        config = _train_config(epoch_number, batch_size, sizing, seed, loop, gpus)
+        config = train_config(epoch_number, batch_size, sizing, seed, loop, gpus)
         setup = DriverSetup(
             payload=payload,
             config=config,
             plan=plan,
             has_test=test_set is not None,
             stat_names=adapter.stat_names,
-            devices=_devices(sizing.max_workers, gpus),
+            devices=slot_devices(sizing.max_workers, gpus),
             threads=ray_cluster.threads if ray_cluster else threads_per_worker(1 if gpus else sizing.max_workers),
             framework=self.framework,
             keep_checkpoints=loop.keep_checkpoints,
@@ -352,36 +351,6 @@ class FabricModel:
         """The job every worker receives, cloudpickled once."""
         hooks = Hooks.for_worker(self.worker_logger_callback, self.user_callbacks)
         return serialize_job(Job(adapter, self.datasets_function, hooks))
-
-
-def _train_config(
-    epoch_number: int, batch_size: int, sizing: EngineSizing, seed: int, loop: LoopOptions, gpus: int
-) -> TrainConfig:
-    """What every worker is told of the run, its bounds included."""
-    return TrainConfig(
-        epochs=epoch_number,
-        batch_size=batch_size,
-        sizing=sizing,
-        seed=seed,
-        num_dataloader_threads=loop.num_dataloader_threads,
-        validation_freq=loop.validation_freq,
-        checkpoint_freq=loop.checkpoint_freq,
-        timeouts=Timeouts.from_environment(),  # read once, here; every worker gets the same bounds
-        backend="nccl" if gpus else "gloo",  # as the workers will see the GPUs
-    )
-
-
-def _devices(count: int, gpus: int) -> list[str | None]:
-    """One device per worker slot: the local GPUs (``count`` is capped at ``gpus``), else the CPU."""
-    return [f"cuda:{i % gpus}" if gpus else "cpu" for i in range(count)]
-
-
-def _open_run(run_dir: str | os.PathLike[str] | None, setup: DriverSetup) -> RunDirectory:
-    """The run directory, created, with ``run.json`` recording the call that started (or resumed) it."""
-    run = RunDirectory.resolve(run_dir).create()
-    config, plan = dataclasses.asdict(setup.config), dataclasses.asdict(setup.plan)
-    run.write_run_record({"framework": setup.framework, "config": config, "plan": plan, "started": time.time()})
-    return run
 
 
 def _require(**arguments: Any) -> None:

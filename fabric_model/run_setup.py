@@ -4,17 +4,24 @@ what is accepted."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
+import time
 import warnings
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import cloudpickle
 
 from . import compat
 from . import validation as v
-from .config import EngineSizing, size_engines
+from .config import EngineSizing, Timeouts, TrainConfig, size_engines
 from .data import is_batch_level
 from .job import Job
+from .rundir import RunDirectory
+
+if TYPE_CHECKING:
+    from .driver.driver import DriverSetup
 
 log = logging.getLogger(__name__)
 
@@ -104,3 +111,33 @@ def serialize_job(job: Job) -> bytes:
             stacklevel=5,
         )
     return payload
+
+
+def train_config(
+    epoch_number: int, batch_size: int, sizing: EngineSizing, seed: int, loop: LoopOptions, gpus: int
+) -> TrainConfig:
+    """What every worker is told of the run, its bounds included."""
+    return TrainConfig(
+        epochs=epoch_number,
+        batch_size=batch_size,
+        sizing=sizing,
+        seed=seed,
+        num_dataloader_threads=loop.num_dataloader_threads,
+        validation_freq=loop.validation_freq,
+        checkpoint_freq=loop.checkpoint_freq,
+        timeouts=Timeouts.from_environment(),  # read once, here; every worker gets the same bounds
+        backend="nccl" if gpus else "gloo",  # as the workers will see the GPUs
+    )
+
+
+def slot_devices(count: int, gpus: int) -> list[str | None]:
+    """One device per worker slot: the local GPUs (``count`` is capped at ``gpus``), else the CPU."""
+    return [f"cuda:{i % gpus}" if gpus else "cpu" for i in range(count)]
+
+
+def open_run(run_dir: str | os.PathLike[str] | None, setup: DriverSetup) -> RunDirectory:
+    """The run directory, created, with ``run.json`` recording the call that started (or resumed) it."""
+    run = RunDirectory.resolve(run_dir).create()
+    config, plan = dataclasses.asdict(setup.config), dataclasses.asdict(setup.plan)
+    run.write_run_record({"framework": setup.framework, "config": config, "plan": plan, "started": time.time()})
+    return run

@@ -209,7 +209,11 @@ def test_keras_flow_with_shuffle_uses_every_item_once_per_epoch_on_two_workers(r
     model = keras.Sequential([keras.Input((4, 4, 1)), keras.layers.Flatten(), keras.layers.Dense(2)])
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     epochs = 2
-    result = FabricModel(model, _recording_flow(str(reads)), loss, "sgd").train(epochs, 8, 2, seed=5, run_dir=run_dir)
+    # One loader thread: batches are built, and their lines written, in the plan's order (with
+    # more, the next epoch's first batch may be written before this epoch's last one).
+    result = FabricModel(model, _recording_flow(str(reads)), loss, "sgd").train(
+        epochs, 8, 2, seed=5, run_dir=run_dir, num_dataloader_threads=1
+    )
     assert len(result.replica_digests) == 2 and len(set(result.replica_digests.values())) == 1
     per_worker = {
         int(f.stem.split("-")[1]): [[int(i) for i in line.split()] for line in f.read_text().splitlines()]

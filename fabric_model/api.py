@@ -23,7 +23,6 @@ from .job import Job
 from .network import DEFAULT_BIND_ADDRESS as LOOPBACK
 from .network import chosen_bind_address
 from .plan import Plan
-from .progress import ProgressBar
 from .run_setup import LoopOptions, check_train_arguments, open_run, serialize_job, size_run, slot_devices, train_config
 from .rundir import RunDirectory
 
@@ -73,7 +72,9 @@ class FabricModel:
         metrics: torch: callables ``metric(output, target)`` returning a batch mean. Keras:
             names ("accuracy"), ``keras.metrics.Metric`` instances or ``metric(y_true, y_pred)``.
         worker_logger_callback: a logger run in every worker (see :mod:`fabric_model.callbacks`).
-        driver_logger_callback: a logger run in the caller; replaces the default progress bar.
+        driver_logger_callback: a logger run in the caller, or a list of them; they are added to
+            the default progress display and run recorder (``train(verbose=0, tensorboard=False)``
+            turns those off).
         save_to_onnx: after training, also write ``model/model.onnx`` (dynamic batch dimension),
             checked with onnxruntime against the framework on a real batch. A failed export is
             a warning (the trained model is kept); missing packages fail before training.
@@ -149,6 +150,8 @@ class FabricModel:
         driver_memory: Any = None,
         bind_address: str | None = None,
         cluster: str | None = None,
+        verbose: int = 1,
+        tensorboard: bool = True,
     ) -> TrainResult:
         """Train for ``epoch_number`` epochs; the user's ``model`` then holds the trained weights.
 
@@ -177,7 +180,15 @@ class FabricModel:
                 else ``127.0.0.1``. ``"0.0.0.0"`` (every interface) only when asked for, with a warning.
             cluster: where workers run: ``"local"`` processes (default), or ``"ray"``: actors on the
                 Ray cluster of ``RAY_ADDRESS`` (README, "On a Ray cluster"). Default ``$FABRIC_MODEL_CLUSTER``.
+            verbose: 0 quiet, 1 a progress bar (plain lines when stderr is not a terminal) and the
+                library's messages, 2 one line per epoch. ``logs/driver.log`` has every message.
+            tensorboard: write TensorBoard scalars to ``<run_dir>/tensorboard`` and one CSV row per
+                epoch to ``logs/metrics.csv``.
         """
+        from .display import check_verbose
+
+        verbose = check_verbose(verbose)
+        v.check_bool("tensorboard", tensorboard)
         host = chosen_bind_address(bind_address)  # checked before anything starts
         ray_cluster = open_cluster(check_cluster(cluster))  # a bad value fails here, before anything starts
         try:
@@ -187,24 +198,33 @@ class FabricModel:
             setup, adapter, train_set = self._prepare(*sizes, loop, seed, run_dir, resume, ignored, ray_cluster)
             # Unless told otherwise, a Ray job listens on the node's IP, a local one on loopback.
             setup = dataclasses.replace(setup, bind_address=host or (ray_cluster.host if ray_cluster else LOOPBACK))
-            return self._run(setup, adapter, train_set, open_run(run_dir, setup), ray_cluster)
+            return self._run(setup, adapter, train_set, open_run(run_dir, setup), ray_cluster, (verbose, tensorboard))
         finally:
             if ray_cluster is not None:
                 ray_cluster.close()
 
     def _run(
-        self, setup: DriverSetup, adapter: FrameworkAdapter, train_set: Any, run: RunDirectory, ray_cluster: Any
+        self,
+        setup: DriverSetup,
+        adapter: FrameworkAdapter,
+        train_set: Any,
+        run: RunDirectory,
+        ray_cluster: Any,
+        display: tuple[int, bool],
     ) -> TrainResult:
         """Train with the driver (workers local or on ``ray_cluster``), then hand the result over."""
-        plan = setup.plan
-        hooks = Hooks.for_driver(
-            self.driver_logger_callback, ProgressBar(setup.config.epochs, plan.steps_per_epoch, plan.global_batch)
-        )
+        from .display import run_with_display
         from .driver.driver import Driver  # torch.distributed is imported only once training starts
 
         launcher = ray_cluster.launcher_factory(run.worker_log) if ray_cluster else None
-        driver = Driver(setup, run, hooks, launcher)
-        final = driver.run()
+        drivers: list[Driver] = []
+
+        def start(hooks: Hooks) -> Any:
+            drivers.append(Driver(setup, run, hooks, launcher))
+            return drivers[0].run()
+
+        final, hooks = run_with_display(self.driver_logger_callback, setup, run, display, start)
+        driver, plan = drivers[0], setup.plan
         onnx_diff = self._finish(final, adapter, train_set, run, hooks)
         self.run_dir = run.path
         return TrainResult(

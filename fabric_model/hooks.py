@@ -41,11 +41,13 @@ class Hooks:
         self.callbacks = list(callbacks)
 
     @classmethod
-    def for_driver(cls, user_logger: Any, progress: Any = None) -> Hooks:
-        """The driver's hooks: the user's driver logger, which replaces the progress display, or
-        ``progress`` (a :class:`~fabric_model.progress.ProgressBar`, or None for none)."""
-        logger = adapt_logger(user_logger, in_worker=False)
-        return cls([logger if logger is not None else progress])
+    def for_driver(cls, user_loggers: Any, *defaults: Any) -> Hooks:
+        """The driver's hooks: the user's driver logger(s) (one object or a list), then ``defaults``
+        (the progress display and the run recorder; None entries are dropped). A user's logger is
+        added to the defaults, not put in their place (``train(verbose=0)`` turns the display off)."""
+        if not isinstance(user_loggers, (list, tuple)):
+            user_loggers = [user_loggers]
+        return cls([*(adapt_logger(lg, in_worker=False) for lg in user_loggers), *defaults])
 
     @classmethod
     def for_worker(cls, worker_logger: Any, callbacks: Sequence[Any] = ()) -> Hooks:
@@ -96,6 +98,14 @@ class Hooks:
 
     def log_test_metrics(self, metrics: dict[str, float], iteration: int, epoch: int) -> None:
         self._call(self._opening(), "log_test_metrics", metrics, iteration, epoch)
+
+    def record_step(self, metrics: dict[str, float], iteration: int, epoch: int, workers: int) -> None:
+        """A committed step's own means (``log_train_metrics`` gets the epoch's running averages)."""
+        self._call(self._opening(), "record_step", metrics, iteration, epoch, workers)
+
+    def on_generation(self, record: dict[str, Any]) -> None:
+        """A generation formed: ``generation``, ``members``, ``reason``, ``iteration``, ``resume_unit``."""
+        self._call(self._opening(), "on_generation", record)
 
     def note(self, line: str) -> None:
         """A line for the progress display (what happened after training, say)."""

@@ -1,52 +1,107 @@
-"""The default driver display: one refreshing progress line (a leaf module: no torch)."""
+"""The default driver display (a leaf module: no torch; tqdm only).
+
+tqdm rather than rich: it is one small dependency-free package that torch users already have,
+it reads the terminal's width on every redraw, and its ``write`` prints a line above the bar
+without breaking it (the console log handler uses it). rich comes with Keras but not torch.
+
+``verbose=1``: on a terminal, one bar for the whole run (elapsed, ETA, samples/s, workers)
+and a line per epoch; elsewhere (a pipe, a log file) no ``\\r`` at all, a plain line every
+``PLAIN_INTERVAL`` seconds instead. ``verbose=2``: the epoch lines only. ``verbose=0``: nothing.
+"""
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import TextIO
+from typing import Any, TextIO
+
+from tqdm import tqdm
+
+#: Seconds between the plain progress lines written when the stream is not a terminal.
+PLAIN_INTERVAL = 10.0
+_BAR_FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]"
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
 
 
 class ProgressBar:
-    """The default driver logger: one refreshing line with epoch, step, loss, samples/s, workers."""
+    """The default driver logger: progress, epoch lines and notes on ``stream`` (stderr).
 
-    def __init__(self, epochs: int, steps_per_epoch: int, global_batch: int, stream: TextIO | None = None) -> None:
+    The rate counts from the first step this process saw, so neither start-up nor a resume's
+    set-up (steps done earlier) inflate or deflate it.
+    """
+
+    def __init__(
+        self, epochs: int, steps_per_epoch: int, global_batch: int, stream: TextIO | None = None, verbose: int = 1
+    ) -> None:
         self.epochs, self.steps_per_epoch, self.global_batch = epochs, steps_per_epoch, global_batch
         self.stream = stream if stream is not None else sys.stderr
-        self._last_draw = 0.0
-        self._t0 = time.monotonic()
-        self._steps_at_t0 = 0
+        self.verbose = verbose
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._bar: Any = None
+        self._start: tuple[float, int] | None = None
+        self._last_plain = 0.0
+        self.workers = 0
 
-    def on_train_begin(self) -> None:
-        self._t0 = time.monotonic()
+    @property
+    def total(self) -> int:
+        return self.epochs * self.steps_per_epoch
+
+    def write(self, line: str) -> None:
+        """A line of its own, above the bar when there is one."""
+        tqdm.write(line, file=self.stream)
+        self.stream.flush()
+
+    def _rate(self, now: float, iteration: int) -> float | None:
+        assert self._start is not None
+        t0, i0 = self._start
+        return (iteration - i0) * self.global_batch / (now - t0) if iteration > i0 and now > t0 else None
 
     def log_train_metrics(self, metrics: dict[str, float], iteration: int, epoch: int, workers: int) -> None:
-        now = time.monotonic()
-        if self._steps_at_t0 == 0:  # rate from the first step on: start-up is not throughput
-            self._t0, self._steps_at_t0 = now, iteration
-            return
-        step_in_epoch = iteration - epoch * self.steps_per_epoch
-        last = step_in_epoch == self.steps_per_epoch
-        if now - self._last_draw < 0.2 and not last:
-            return  # redrawing more often costs time and shows nothing
-        self._last_draw = now
-        rate = (iteration - self._steps_at_t0) * self.global_batch / max(now - self._t0, 1e-9)
-        width = 20
-        done = int(width * step_in_epoch / max(1, self.steps_per_epoch))
+        now, self.workers = time.monotonic(), workers
+        if self._start is None:
+            self._start = (now, iteration)
+            if self.tty and self.verbose == 1:
+                self._bar = tqdm(
+                    total=self.total, initial=iteration, file=self.stream, dynamic_ncols=True, bar_format=_BAR_FORMAT
+                )
+        rate = self._rate(now, iteration)
         values = " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
-        line = (
-            f"\repoch {epoch + 1}/{self.epochs} [{'#' * done}{'.' * (width - done)}] "
-            f"step {step_in_epoch}/{self.steps_per_epoch} {values} {rate:,.0f} samples/s workers={workers}"
-        )
-        self.stream.write(line + ("\n" if last else ""))
-        self.stream.flush()
+        speed = f"{rate:,.0f} samples/s" if rate is not None else "- samples/s"
+        if self._bar is not None:
+            self._bar.set_description_str(f"epoch {epoch + 1}/{self.epochs}", refresh=False)
+            self._bar.set_postfix_str(f"{values} {speed} workers={workers}", refresh=False)
+            self._bar.update(iteration - self._bar.n)
+        elif self.verbose == 1 and (now - self._last_plain >= PLAIN_INTERVAL or iteration == self.total):
+            self._last_plain = now
+            left = (self.total - iteration) * self.global_batch / rate if rate else None
+            eta = _clock(left) if left is not None else "?"
+            self.write(
+                f"epoch {epoch + 1}/{self.epochs} step {iteration - epoch * self.steps_per_epoch}/"
+                f"{self.steps_per_epoch} ({100 * iteration // self.total}%) {values} {speed} workers={workers} "
+                f"elapsed {_clock(now - self._start[0])} eta {eta}"
+            )
+        if iteration == (epoch + 1) * self.steps_per_epoch and self.verbose >= 1:
+            self.write(f"epoch {epoch + 1}/{self.epochs}: {values} ({speed}, workers={workers})")
 
     def log_test_metrics(self, metrics: dict[str, float], iteration: int, epoch: int) -> None:
-        values = " ".join(f"val_{k}={v:.4f}" for k, v in metrics.items())
-        self.stream.write(f"epoch {epoch + 1}/{self.epochs} validation: {values}\n")
-        self.stream.flush()
+        if self.verbose >= 1:
+            values = " ".join(f"val_{k}={v:.4f}" for k, v in metrics.items())
+            self.write(f"epoch {epoch + 1}/{self.epochs} validation: {values}")
 
     def note(self, line: str) -> None:
         """A line of its own under the bar (what happened after training, say)."""
-        self.stream.write(line + "\n")
-        self.stream.flush()
+        if self.verbose >= 1:
+            self.write(line)
+
+    def on_train_end(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

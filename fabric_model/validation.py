@@ -61,6 +61,10 @@ def check_metrics(metrics: Any) -> list[Any]:
 def check_logger(name: str, logger: Any) -> None:
     if logger is None:
         return
+    if name == "driver_logger_callback" and isinstance(logger, (list, tuple)):
+        for item in logger:  # the driver takes a list: each one is added to the default display
+            check_logger(name, item)
+        return
     if isinstance(logger, type):
         raise TypeError(
             f"Expected `{name}` to be a logger object. Received the class {logger.__name__}. "

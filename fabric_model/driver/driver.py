@@ -314,6 +314,8 @@ class Driver:
             rolled_back_from=formed.rolled_back_from,
             hosts=hosts,
         )
+        record = {"generation": formed.generation, "members": list(formed.members), "reason": formed.reason}
+        self.hooks.on_generation({**record, "resume_unit": formed.resume_unit, "iteration": self.progress.iteration})
         log.log(
             logging.INFO if formed.reason == "start" else logging.WARNING,
             "generation %d: %d worker(s) %s on %s, resuming at unit %d (%s)",

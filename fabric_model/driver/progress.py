@@ -130,11 +130,12 @@ class Progress:
             iteration=self.iteration,
             generation=generation,
             workers=reports.world_size,
-            metrics=stat_means(self.stat_names, reports.stats),
+            metrics=(step_metrics := stat_means(self.stat_names, reports.stats)),
             epoch_metrics=averages,
             micro_batches=reports.micro_batches,
             inferred=inferred,
         )
+        self.hooks.record_step(step_metrics, self.iteration, epoch, reports.world_size)
         self.hooks.log_train_metrics(averages, self.iteration, epoch, reports.world_size)
         return self.committed_unit
 

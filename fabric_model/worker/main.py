@@ -174,6 +174,8 @@ def main(argv: list[str]) -> int:
     """``fabric-model worker`` (see :mod:`fabric_model.worker.cli` for its options)."""
     parser = cli.parser()
     args = cli.resolve(parser.parse_args(argv), parser)
+    # TensorFlow's C++ INFO and WARNING chatter (oneDNN, CPU features) off unless the user asks for it.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if os.environ.get(p.LAUNCHED_ENV):
         _die_with_parent()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver owns Ctrl-C and stops us

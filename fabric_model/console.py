@@ -1,0 +1,66 @@
+"""What the library's own log messages look like during ``train()`` (a leaf module).
+
+Two handlers on the ``fabric_model`` logger while a run lasts: ``logs/driver.log`` in the run
+directory gets every message in full, always; the screen gets a short form (the first line, at
+most ``SCREEN_WIDTH`` characters: a lost worker's reason can carry pages of gloo internals),
+printed above the progress bar, but only when ``verbose >= 1`` and the user has configured no
+logging of their own (a handler on the root or the ``fabric_model`` logger), so nothing is
+printed twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from tqdm import tqdm
+
+LOGGER = "fabric_model"
+#: The most characters of a message shown on screen (the log file has the rest).
+SCREEN_WIDTH = 160
+
+
+class ScreenHandler(logging.Handler):
+    """One short line per message on stderr, above the progress bar (``tqdm.write``)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage().strip().splitlines()[0] if record.getMessage().strip() else ""
+            if len(text) > SCREEN_WIDTH:
+                text = text[: SCREEN_WIDTH - 1] + "…"
+            prefix = "" if record.levelno <= logging.INFO else f"{record.levelname.lower()}: "
+            tqdm.write(f"[fabric-model] {prefix}{text}", file=sys.stderr)
+        except Exception:  # a display problem must never stop training
+            self.handleError(record)
+
+
+def user_configured_logging() -> bool:
+    """Whether the user set up logging (a handler on the root or on our logger)."""
+    return bool(logging.getLogger().handlers or logging.getLogger(LOGGER).handlers)
+
+
+def attach(verbose: int, log_file: Path | None) -> Callable[[], None]:
+    """Add the run's handlers; returns the function that removes them (and restores the level)."""
+    logger = logging.getLogger(LOGGER)
+    level, handlers = logger.level, list[logging.Handler]()
+    if verbose >= 1 and not user_configured_logging():
+        handlers.append(ScreenHandler(logging.INFO))
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)  # only when the user configured nothing
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        file_handler = logging.FileHandler(log_file, encoding="utf-8")
+        file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handlers.append(file_handler)
+    for handler in handlers:
+        logger.addHandler(handler)
+
+    def detach() -> None:
+        for handler in handlers:
+            logger.removeHandler(handler)
+            handler.close()
+        logger.setLevel(level)
+
+    return detach

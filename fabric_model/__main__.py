@@ -1,45 +1,88 @@
-"""Command line: ``fabric-model worker ...`` joins a running job as one more worker (launched
-workers use it too); ``fabric-model run [--keras2-optimizers] SCRIPT [ARGS...]`` runs an IBM EDT
-script (docs/ibm-migration.md). ``python -m fabric_model`` is the same."""
+"""Command line ``fabric-model`` (``python -m fabric_model`` is the same), on argparse subcommands:
+
+- ``run [--keras2-optimizers] SCRIPT [ARGS...]``: an IBM EDT script, unchanged (docs/ibm-migration.md);
+- ``worker``: join a running job as one more worker (launched workers use it too);
+- ``status RUN_DIR``: progress, workers and the last checkpoint, as a table;
+- ``plot RUN_DIR [-o PNG]``: loss and metrics per epoch, validation, the worker-count timeline.
+
+Each subcommand imports what it needs only when it runs: ``--help`` stays instant.
+"""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
+from . import __version__
 from .worker import cli
 
 DESCRIPTION = "fabric-model: elastic data-parallel training for PyTorch and Keras."
-RUN_USAGE = "fabric-model run [--keras2-optimizers] SCRIPT [ARGS...]"
 
 
-def help_text() -> str:
-    """The top-level help: every subcommand with its options."""
-    worker = cli.parser()
-    return (
-        f"usage: fabric-model {{worker,run}} ...\n\n{DESCRIPTION}\n\ncommands:\n"
-        f"  worker   join a running job as one more worker, on this host or another\n"
-        f"           (the README's 'Workers on other hosts')\n"
-        f"  run      run an IBM EDT script unchanged (docs/ibm-migration.md)\n\n"
-        f"{worker.format_help()}\n"
-        f"usage: {RUN_USAGE}\n"
-        f"  --keras2-optimizers  Keras 2 optimizer semantics for the script's optimizers\n"
+def parser() -> argparse.ArgumentParser:
+    epilog = (
+        "usage of each command (fabric-model COMMAND --help for more):\n"
+        f"  {cli.parser().format_usage().removeprefix('usage: ').strip()}\n"
+        "  fabric-model run [--keras2-optimizers] SCRIPT [ARGS...]\n"
+        "  fabric-model status RUN_DIR\n"
+        "  fabric-model plot RUN_DIR [-o PNG]\n"
     )
+    top = argparse.ArgumentParser(
+        prog="fabric-model",
+        description=DESCRIPTION,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    top.add_argument("--version", action="version", version=f"fabric-model {__version__}")
+    sub = top.add_subparsers(dest="command", metavar="{run,worker,status,plot}")
+    run = sub.add_parser("run", help="run an IBM EDT script unchanged (docs/ibm-migration.md)")
+    run.add_argument("--keras2-optimizers", action="store_true", help="Keras 2 optimizer semantics")
+    run.add_argument("script", metavar="SCRIPT", help="the script to run")
+    run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's own arguments")
+    cli.add_arguments(
+        sub.add_parser(
+            "worker",
+            help="join a running job as one more worker, on this host or another",
+            description="Join a running fabric-model job as one more worker (this host's device).",
+        )
+    )
+    status = sub.add_parser("status", help="a run's progress, workers and last checkpoint, as a table")
+    status.add_argument("run_dir", metavar="RUN_DIR")
+    plot = sub.add_parser("plot", help="a PNG of a run: metrics per epoch, validation, worker count over time")
+    plot.add_argument("run_dir", metavar="RUN_DIR")
+    plot.add_argument("-o", "--output", metavar="PNG", help="default: RUN_DIR/plot.png")
+    return top
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] == "run":  # imported only here: `worker` stays light
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    top = parser()
+    if args_list[:1] == ["run"]:  # the runtime parses its own line: the script's options pass through untouched
         from .ibm.runtime import main as run_main
 
-        return run_main(args[1:])
-    if args and args[0] == "worker":
-        cli.parser().parse_args(args[1:])  # usage errors and --help before torch is imported
+        return run_main(args_list[1:])
+    if args_list[:1] == ["worker"]:
+        cli.parser().parse_args(args_list[1:])  # usage errors and --help before torch is imported
         from .worker.main import main as worker_main
 
-        return worker_main(args[1:])
-    asked = bool(args) and args[0] in ("-h", "--help", "help")
-    (sys.stdout if asked else sys.stderr).write(help_text())
-    return 0 if asked else 2
+        return worker_main(args_list[1:])
+    args = top.parse_args(args_list)
+    if args.command in ("status", "plot"):
+        from .run_summary import status_table, summarize
+
+        try:
+            if args.command == "status":
+                print(status_table(summarize(args.run_dir)))
+            else:
+                from .plot import plot_run
+
+                print(plot_run(args.run_dir, args.output))
+        except (FileNotFoundError, ImportError) as exc:
+            sys.stderr.write(f"fabric-model {args.command}: {exc}\n")
+            return 2
+        return 0
+    top.print_help()
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A small training run for the display tests, run as its own process (a terminal, a pipe, SIGINT).
 
-    python tests/display_job.py RUN_DIR EPOCHS STEP_DELAY [VERBOSE]
+python tests/display_job.py RUN_DIR EPOCHS STEP_DELAY [VERBOSE]
 """
 
 import sys

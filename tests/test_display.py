@@ -1,0 +1,222 @@
+"""What a person sees: progress on a terminal and in a pipe, the start-up lines, Ctrl-C, TensorBoard
+and CSV files, ``fabric-model status`` and ``plot`` (docs/architecture.md, "Display")."""
+
+from __future__ import annotations
+
+import csv
+import fcntl
+import os
+import pty
+import re
+import select
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import threading
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from fabric_model.metrics_log import read_records
+from fabric_model.run_summary import summarize
+from fabric_model.testing import HoldForJoin, Kill
+from tests.conftest import wait_gone
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+JOB = [PY, "-m", "tests.display_job"]
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def scalars(directory: Path) -> Any:
+    """TensorBoard's own reader of a log directory, loaded. TensorBoard is told TensorFlow is absent
+    (its ``notf`` marker module): the reader needs none, and importing it would change os.environ."""
+    sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(directory))
+    events.Reload()
+    return events
+
+
+def job_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+@pytest.fixture(scope="module")
+def piped_run(tmp_path_factory):
+    """One 2-epoch run with its stderr a pipe: (run_dir, what it printed)."""
+    run_dir = tmp_path_factory.mktemp("piped") / "run"
+    out = subprocess.run(
+        [*JOB, str(run_dir), "2", "0.02"], capture_output=True, text=True, timeout=240, cwd=ROOT, env=job_env()
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run_dir, out.stderr
+
+
+def test_a_pipe_gets_plain_lines_start_up_lines_first(piped_run):
+    run_dir, text = piped_run
+    assert "\r" not in text and "\x1b" not in text  # no redraws in a pipe or a log file
+    lines = text.splitlines()
+    first_progress = next(i for i, line in enumerate(lines) if line.startswith("epoch "))
+    start_up = "\n".join(lines[:first_progress])
+    assert f"run directory: {run_dir}" in start_up
+    assert "2 local worker slot(s) on cpu x2" in start_up and "global batch 32" in start_up
+    assert f"tensorboard --logdir {run_dir / 'tensorboard'}" in start_up
+    assert "generation 0: 2 worker(s)" in start_up
+    progress = [line for line in lines if re.match(r"epoch \d/2 step \d+/6 ", line)]
+    assert progress and all(re.search(r"elapsed \d\d:\d\d eta (\?|\d\d:\d\d)", line) for line in progress)
+    assert any(re.search(r"samples/s workers=2", line) for line in progress)
+    for epoch in (1, 2):
+        assert any(line.startswith(f"epoch {epoch}/2: loss=") for line in lines)
+        assert any(line.startswith(f"epoch {epoch}/2 validation: val_loss=") for line in lines)
+    assert "run directory" in (run_dir / "logs" / "driver.log").read_text()  # the full log on disk
+
+
+def test_tensorboard_files_hold_the_scalars_and_the_csv_parses(piped_run):
+    run_dir, _ = piped_run
+    events = scalars(run_dir / "tensorboard")
+    tags = set(events.Tags()["scalars"])
+    expected = {"train/loss", "train/accuracy", "epoch/loss", "epoch/accuracy", "val/loss", "val/accuracy"}
+    assert expected | {"workers", "generation", "samples_per_s"} <= tags
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 13))  # per step, by iteration
+    assert [e.step for e in events.Scalars("epoch/loss")] == [6, 12]
+    assert all(e.value == 2 for e in events.Scalars("workers"))
+    steps = {
+        r["iteration"]: r["metrics"]["loss"]
+        for r in read_records(run_dir / "logs" / "metrics.jsonl")
+        if r["type"] == "train"
+    }
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([steps[i] for i in range(1, 13)])
+    with open(run_dir / "logs" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["epoch"]) for r in rows] == [1, 2]
+    assert {"loss", "accuracy", "val_loss", "val_accuracy", "samples_per_s", "workers"} <= set(rows[0])
+    assert float(rows[1]["val_loss"]) > 0 and float(rows[1]["samples_per_s"]) > 0
+
+
+def test_status_prints_the_table(piped_run):
+    run_dir, _ = piped_run
+    out = subprocess.run(
+        [PY, "-m", "fabric_model", "status", str(run_dir)], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr
+    table = dict(line.split(None, 1) for line in out.stdout.split("\n\n")[0].splitlines())
+    assert table["state"] == "finished"
+    assert table["progress"] == "epoch 2/2, step 6/6 (iteration 12/12, 100%)"
+    assert table["workers"].startswith("2 (generation 0; 0 fault(s), 0 join(s))")
+    assert table["checkpoint"] == "ckpt-unit-00000013.pt" and table["validation"].startswith("epoch 2: val_loss=")
+
+
+def read_pty(master: int, proc: subprocess.Popen, timeout: float) -> str:
+    chunks, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 0.5)
+        if ready:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the terminal's other side closed
+                break
+            if not data:
+                break
+            chunks.append(data)
+        elif proc.poll() is not None:
+            break
+    return b"".join(chunks).decode("utf-8", "replace")
+
+
+def test_a_terminal_of_80_columns_gets_one_bar_with_eta_and_no_stale_text(tmp_path):
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    proc = subprocess.Popen(
+        [*JOB, str(tmp_path / "run"), "2", "0.15"], stdin=slave, stdout=slave, stderr=slave, cwd=ROOT, env=job_env()
+    )
+    os.close(slave)
+    try:
+        text = read_pty(master, proc, 240)
+        assert proc.wait(timeout=30) == 0, text[-3000:]
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+    redraws = 0
+    for line in text.replace("\r\n", "\n").split("\n"):
+        shown = [ANSI.sub("", s) for s in line.split("\r")]
+        for before, after in zip(shown, shown[1:]):
+            assert len(after) >= len(before.rstrip()), (before, after)  # each redraw covers the last
+        bars = [s for s in shown if "%|" in s]
+        assert all(len(s) <= 80 for s in bars), bars  # the bar never wraps (printed lines may)
+        redraws += len(bars)
+    assert redraws >= 3
+    assert re.search(r"epoch [12]/2 +\d+%\|.*\| \d+/12 \[\d\d:\d\d<\d\d:\d\d", text), text[-2000:]  # elapsed<ETA
+    assert "run directory:" in text and "epoch 2/2 validation: val_loss=" in text
+
+
+def test_ctrl_c_says_how_to_resume_and_leaves_no_process(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [*JOB, str(run_dir), "30", "0.2"],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=job_env(),
+        start_new_session=True,  # its own process group: the Ctrl-C of a terminal goes to all of it
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 180
+    while not any(line.startswith("epoch 1/30 step") for line in lines) and time.monotonic() < deadline:
+        assert proc.poll() is None, "".join(lines)
+        time.sleep(0.1)
+    children = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+    assert len(children) >= 2  # the workers are running
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(10)
+    text = "".join(lines)
+    assert code == 130, text[-3000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text
+    assert f"Resume it with train(..., run_dir='{run_dir}', resume=True)" in text
+    assert wait_gone(children, 10) == []
+
+
+def test_plot_draws_the_worker_count_of_a_run_with_a_kill_and_a_join(tmp_path, monkeypatch):
+    from tests.test_elastic import train as elastic_train
+
+    monkeypatch.setenv("EDT_REPLACE_WORKERS", "0")
+    run_dir = tmp_path / "run"
+    elastic_train(run_dir, tmp_path, [Kill(1, 2), HoldForJoin(4)], joins=[4], workers=2)
+    records = [r for r in read_records(run_dir / "logs" / "metrics.jsonl") if r["type"] == "generation"]
+    assert [r["workers"] for r in records] == [2, 1, 2]
+    gens = summarize(run_dir).generations
+    assert [(g.workers, g.kind) for g in gens] == [(2, "start"), (1, "fault"), (2, "join")]
+    assert [g.time for g in gens] == sorted(g.time for g in gens)
+    png = tmp_path / "plot.png"
+    out = subprocess.run(
+        [PY, "-m", "fabric_model", "plot", str(run_dir), "-o", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=job_env(),
+    )
+    assert out.returncode == 0, out.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    events = scalars(run_dir / "tensorboard")
+    series = [int(e.value) for e in events.Scalars("workers")]
+    changes = [n for i, n in enumerate(series) if i == 0 or series[i - 1] != n]
+    assert changes == [2, 1, 2]  # TensorBoard's worker count follows the generations
+    assert [int(e.value) for e in events.Scalars("generation")] == [0, 1, 2]

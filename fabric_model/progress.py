@@ -65,16 +65,24 @@ class ProgressBar:
         now, self.workers = time.monotonic(), workers
         if self._start is None:
             self._start = (now, iteration)
-            if self.tty and self.verbose == 1:
-                self._bar = tqdm(
-                    total=self.total, initial=iteration, file=self.stream, dynamic_ncols=True, bar_format=_BAR_FORMAT
-                )
         rate = self._rate(now, iteration)
         values = " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
         speed = f"{rate:,.0f} samples/s" if rate is not None else "- samples/s"
+        # What matters most first: a narrow terminal cuts the bar's line from the right.
+        postfix = ", ".join([f"workers={workers}", speed, *(f"{k}={v:.4g}" for k, v in metrics.items())])
+        if self._bar is None and self.tty and self.verbose == 1:
+            self._bar = tqdm(
+                total=self.total,
+                initial=iteration,
+                file=self.stream,
+                dynamic_ncols=True,
+                bar_format=_BAR_FORMAT,
+                desc=f"epoch {epoch + 1}/{self.epochs}",
+                postfix=postfix,
+            )
         if self._bar is not None:
             self._bar.set_description_str(f"epoch {epoch + 1}/{self.epochs}", refresh=False)
-            self._bar.set_postfix_str(f"{values} {speed} workers={workers}", refresh=False)
+            self._bar.set_postfix_str(postfix, refresh=False)
             self._bar.update(iteration - self._bar.n)
         elif self.verbose == 1 and (now - self._last_plain >= PLAIN_INTERVAL or iteration == self.total):
             self._last_plain = now

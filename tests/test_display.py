@@ -155,7 +155,7 @@ def test_a_terminal_of_80_columns_gets_one_bar_with_eta_and_no_stale_text(tmp_pa
         bars = [s for s in shown if "%|" in s]
         assert all(len(s) <= 80 for s in bars), bars  # the bar never wraps (printed lines may)
         redraws += len(bars)
-    assert redraws >= 3
+    assert redraws >= 3 and all("workers=2, " in s for s in bars if "epoch" in s)  # the live worker count
     assert re.search(r"epoch [12]/2 +\d+%\|.*\| \d+/12 \[\d\d:\d\d<\d\d:\d\d", text), text[-2000:]  # elapsed<ETA
     assert "run directory:" in text and "epoch 2/2 validation: val_loss=" in text
 

@@ -22,10 +22,21 @@ LOGGER = "fabric_model"
 SCREEN_WIDTH = 160
 
 
+#: Messages the progress display says in its own short line per generation (``on_generation``):
+#: on screen they would repeat it with an error's internals (gloo's file and line, the peer's port).
+SAID_BY_THE_DISPLAY = (
+    "generation %d ending: %s",
+    "worker %d lost: %s",
+    "generation %d: %d worker(s) %s on %s, resuming at unit %d (%s)",
+)
+
+
 class ScreenHandler(logging.Handler):
     """One short line per message on stderr, above the progress bar (``tqdm.write``)."""
 
     def emit(self, record: logging.LogRecord) -> None:
+        if record.msg in SAID_BY_THE_DISPLAY:
+            return
         try:
             text = record.getMessage().strip().splitlines()[0] if record.getMessage().strip() else ""
             if len(text) > SCREEN_WIDTH:

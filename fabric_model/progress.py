@@ -17,6 +17,8 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
+from .run_summary import short_reason
+
 #: Seconds between the plain progress lines written when the stream is not a terminal.
 PLAIN_INTERVAL = 10.0
 _BAR_FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]"
@@ -100,6 +102,13 @@ class ProgressBar:
         if self.verbose >= 1:
             values = " ".join(f"val_{k}={v:.4f}" for k, v in metrics.items())
             self.write(f"epoch {epoch + 1}/{self.epochs} validation: {values}")
+
+    def on_generation(self, record: dict[str, Any]) -> None:
+        """One short line per generation change (the log file has the full reason)."""
+        self.workers = len(record["members"])
+        if self.verbose >= 1:
+            reason = "" if record["reason"] == "start" else f" ({short_reason(record['reason'])})"
+            self.write(f"generation {record['generation']}: {self.workers} worker(s){reason}")
 
     def note(self, line: str) -> None:
         """A line of its own under the bar (what happened after training, say)."""

@@ -44,6 +44,14 @@ class RunSummary:
     duration: float  # seconds from the first record to the last
 
 
+def short_reason(reason: str, limit: int = 60) -> str:
+    """A generation's reason for a screen or a table: who and what, without the error's internals
+    ("worker 2: allreduce failed: [.../gloo/.../pair.cc:537] Read error ..." -> "worker 2: allreduce failed")."""
+    parts = reason.split(": ")
+    text = ": ".join(parts[:2]).split(" (")[0].split(" [")[0].strip()
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def generations(records: list[dict[str, Any]]) -> list[Generation]:
     """The generations in order, each classified against the one before."""
     out: list[Generation] = []
@@ -121,5 +129,6 @@ def status_table(summary: RunSummary) -> str:
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     if gens:
         lines += ["", f"{'gen':>4}  {'time':>8}  {'workers':>7}  {'kind':<6}  reason"]
-        lines += [f"{g.generation:>4}  {g.time:>7.1f}s  {g.workers:>7}  {g.kind:<6}  {g.reason[:80]}" for g in gens]
+        for g in gens:
+            lines.append(f"{g.generation:>4}  {g.time:>7.1f}s  {g.workers:>7}  {g.kind:<6}  {short_reason(g.reason)}")
     return "\n".join(lines)

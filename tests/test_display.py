@@ -193,12 +193,17 @@ def test_ctrl_c_says_how_to_resume_and_leaves_no_process(tmp_path):
     assert wait_gone(children, 10) == []
 
 
-def test_plot_draws_the_worker_count_of_a_run_with_a_kill_and_a_join(tmp_path, monkeypatch):
+def test_plot_draws_the_worker_count_of_a_run_with_a_kill_and_a_join(tmp_path, monkeypatch, capfd):
     from tests.test_elastic import train as elastic_train
 
     monkeypatch.setenv("EDT_REPLACE_WORKERS", "0")
     run_dir = tmp_path / "run"
     elastic_train(run_dir, tmp_path, [Kill(1, 2), HoldForJoin(4)], joins=[4], workers=2)
+    screen = capfd.readouterr().err
+    # One short line per generation change; the error's internals only in logs/driver.log.
+    assert re.search(r"^generation 1: 1 worker\(s\) \(worker \d[^()\[\]]*\)$", screen, re.M), screen
+    assert re.search(r"^generation 2: 2 worker\(s\) \(worker \d+ joins\)$", screen, re.M), screen
+    assert "pair.cc" not in screen and "generation 1 ending" in (run_dir / "logs" / "driver.log").read_text()
     records = [r for r in read_records(run_dir / "logs" / "metrics.jsonl") if r["type"] == "generation"]
     assert [r["workers"] for r in records] == [2, 1, 2]
     gens = summarize(run_dir).generations

@@ -52,14 +52,28 @@ def user_configured_logging() -> bool:
     return bool(logging.getLogger().handlers or logging.getLogger(LOGGER).handlers)
 
 
+class _Propagate(logging.Handler):
+    """Passes on to the root's handlers what our logger would have passed at the user's level.
+
+    The log file wants INFO whatever the user's level, so the logger is lowered to INFO while a
+    run lasts; the user's own handlers must not see more for it, so propagation goes through here.
+    """
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger().handle(record)
+
+
 def attach(verbose: int, log_file: Path | None) -> Callable[[], None]:
-    """Add the run's handlers; returns the function that removes them (and restores the level)."""
+    """Add the run's handlers; returns the function that removes them (and restores the logger)."""
     logger = logging.getLogger(LOGGER)
-    level, handlers = logger.level, list[logging.Handler]()
+    level, propagate, handlers = logger.level, logger.propagate, list[logging.Handler]()
     if verbose >= 1 and not user_configured_logging():
         handlers.append(ScreenHandler(logging.INFO))
-        if logger.getEffectiveLevel() > logging.INFO:
-            logger.setLevel(logging.INFO)  # only when the user configured nothing
+    elif propagate:  # the user's handlers get what they got before, no more
+        handlers.append(_Propagate(logger.getEffectiveLevel()))
+        logger.propagate = False
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         file_handler = logging.FileHandler(log_file, encoding="utf-8")
@@ -73,5 +87,6 @@ def attach(verbose: int, log_file: Path | None) -> Callable[[], None]:
             logger.removeHandler(handler)
             handler.close()
         logger.setLevel(level)
+        logger.propagate = propagate
 
     return detach

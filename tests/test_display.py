@@ -225,3 +225,27 @@ def test_plot_draws_the_worker_count_of_a_run_with_a_kill_and_a_join(tmp_path, m
     changes = [n for i, n in enumerate(series) if i == 0 or series[i - 1] != n]
     assert changes == [2, 1, 2]  # TensorBoard's worker count follows the generations
     assert [int(e.value) for e in events.Scalars("generation")] == [0, 1, 2]
+
+
+def test_verbose_and_tensorboard_are_checked_in_the_caller(tmp_path):
+    import torch
+    import torch.nn.functional as F
+
+    from fabric_model import FabricModel
+    from tests.display_job import datasets
+    from tests.helpers import MLP
+
+    model = MLP()
+    fm = FabricModel(model, datasets, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"`verbose` to be 0 \(quiet\), 1 \(progress\) or 2.*Received: 3"):
+        fm.train(1, 16, run_dir=tmp_path / "run", verbose=3)
+    with pytest.raises(TypeError, match="tensorboard"):
+        fm.train(1, 16, run_dir=tmp_path / "run", tensorboard="yes")
+    assert not (tmp_path / "run").exists()  # nothing started
+
+
+def test_the_event_file_framing_uses_crc32c():
+    from fabric_model.tb_events import crc32c
+
+    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+    assert crc32c(b"") == 0

@@ -198,14 +198,19 @@ def test_old_signature_loggers_get_loss_first_metric_and_rank_or_workers(monkeyp
     worker.log_test_metrics({"loss": 0.5}, 7, 0)  # lacks it too
     worker.on_train_end()
     monkeypatch.undo()
-    driver = Hooks.for_driver(OldLogger(calls), progress=NewLogger(calls))  # the user's replaces the progress bar
+    # The user's logger(s) come first, the default display stays (a list is accepted).
+    driver = Hooks.for_driver([OldLogger(calls)], NewLogger(calls), None)
     driver.log_train_metrics({"loss": 0.25}, 8, 0, 3)
+    driver.on_train_end()
     assert calls == [
         "callback.begin",
         ("old.train", 0.5, 0.9, 7, 1),
         "callback.end",
         "old.end",
         ("old.train", 0.25, None, 8, 3),
+        ("logger.train", {"loss": 0.25}, 8, 0, 3),
+        "old.end",
+        "logger.end",
     ]
 
 

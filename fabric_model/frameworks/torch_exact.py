@@ -4,9 +4,9 @@
 docs/architecture.md, "Deterministic mode"):
 
 - each micro-batch's gradient and buffer deltas are computed on their own (the float region of
-  the step buffer is zeroed before it) and added to an int64 fixed-point total
+  the step buffer is zeroed before it) and added to a fixed-point total (integers in float64)
   (:class:`~fabric_model.exact_sum.ExactSum`) instead of to each other in float32;
-- the allreduce sums that int64 total (exact, so its order does not matter) and takes the max
+- the allreduce sums that total (exact, so its order does not matter) and takes the max
   of each tensor's largest exponent; if the agreed grid overflowed or was too coarse, every
   replica redoes the step's micro-batches (kept for that) on the new grid. Buckets are not sent
   during backward: the reduction needs the whole step;
@@ -81,7 +81,7 @@ class ExactTorchAdapter(TorchAdapter):
         self._exact.add(self._region)
 
     def all_reduce(self, collective: Any) -> None:
-        """Sum the int64 totals and the float tail, max the exponents; redo the step on a new grid if asked."""
+        """Sum the fixed-point totals and the float tail, max the exponents; redo the step on a new grid if asked."""
         assert self._exact is not None
         while True:
             works = [

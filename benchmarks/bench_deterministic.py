@@ -108,6 +108,7 @@ def main() -> None:
         for m, w in configs:
             for d in (False, True):
                 times[(m, w, d)].append(run(m, w, d, args.steps, args.warmup))
+                print(f"  {m} workers={w} deterministic={d}: {times[(m, w, d)][-1] * 1e3:.3g} ms", flush=True)
         print(f"round {r + 1}/{args.rounds} done (load average {os.getloadavg()[0]:.1f})", flush=True)
     print(f"\nCPU, {os.cpu_count()} cores; batch {BATCH} per worker; median step time [range] over rounds")
     print(f"{'model':5} {'workers':>7} {'off (ms)':>22} {'deterministic (ms)':>22} {'ratio on/off':>24}")

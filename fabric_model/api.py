@@ -12,11 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 # Light modules only: `import fabric_model` must not import torch (and so torch.distributed).
 # The framework, checkpoints and the driver are imported inside the functions that use them.
-from . import checkpoint, compat
+from . import checkpoint, compat, run_setup
 from . import validation as v
 from .callbacks import Callback
 from .cluster import check_cluster, open_cluster
-from .config import threads_per_worker
 from .devices import place_workers
 from .hooks import Hooks
 from .job import Job
@@ -152,6 +151,7 @@ class FabricModel:
         cluster: str | None = None,
         verbose: int = 1,
         tensorboard: bool = True,
+        deterministic: bool = False,
     ) -> TrainResult:
         """Train for ``epoch_number`` epochs; the user's ``model`` then holds the trained weights.
 
@@ -184,6 +184,9 @@ class FabricModel:
                 library's messages, 2 one line per epoch. ``logs/driver.log`` has every message.
             tensorboard: write TensorBoard scalars to ``<run_dir>/tensorboard`` and one CSV row per
                 epoch to ``logs/metrics.csv``.
+            deterministic: bitwise-identical weights, optimizer state and buffers for any worker count,
+                faults and resumes (torch; exact fixed-point step sums, one intra-op thread per CPU worker:
+                README, "Deterministic training"). Default: equal to float32 rounding, faster.
         """
         from .display import check_verbose
 
@@ -192,7 +195,9 @@ class FabricModel:
         host = chosen_bind_address(bind_address)  # checked before anything starts
         ray_cluster = open_cluster(check_cluster(cluster))  # a bad value fails here, before anything starts
         try:
-            loop = LoopOptions(num_dataloader_threads, validation_freq, checkpoint_freq, keep_checkpoints)
+            loop = LoopOptions(
+                num_dataloader_threads, validation_freq, checkpoint_freq, keep_checkpoints, deterministic
+            )
             ignored = {"worker_memory": worker_memory, "driver_memory": driver_memory}
             sizes = (epoch_number, batch_size, engines_number, effective_batch_size)
             setup, adapter, train_set = self._prepare(*sizes, loop, seed, run_dir, resume, ignored, ray_cluster)
@@ -301,6 +306,8 @@ class FabricModel:
                 effective_batch_size=effective_batch_size,
             )
         adapter = self._make_adapter()
+        if loop.deterministic:
+            adapter = run_setup.make_deterministic(self.framework, adapter, sizing.micro_batches)
         payload = self._job_payload(framework.prepare_for_shipping(adapter, framework.first_batch(adapter, train_set)))
         config = train_config(epoch_number, batch_size, sizing, seed, loop, gpus)
         setup = DriverSetup(
@@ -310,7 +317,7 @@ class FabricModel:
             has_test=test_set is not None,
             stat_names=adapter.stat_names,
             devices=slot_devices(sizing.max_workers, gpus),
-            threads=ray_cluster.threads if ray_cluster else threads_per_worker(1 if gpus else sizing.max_workers),
+            threads=run_setup.worker_threads(loop.deterministic, ray_cluster, gpus, sizing.max_workers),
             framework=self.framework,
             keep_checkpoints=loop.keep_checkpoints,
             resume=resumed,

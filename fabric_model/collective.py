@@ -98,6 +98,17 @@ class Collective:
             raise CollectiveError(f"allreduce of generation {self.generation} aborted by the driver")
         return self._group.allreduce([tensor])
 
+    def all_reduce_max_start(self, tensor: torch.Tensor) -> Any:
+        """Start the elementwise max of ``tensor`` in place, as ``all_reduce_start`` (deterministic mode)."""
+        if self.world_size == 1:
+            return None
+        if self.should_abort(self.generation):
+            self._abandon()
+            raise CollectiveError(f"allreduce of generation {self.generation} aborted by the driver")
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
+        return self._group.allreduce([tensor], options)
+
     def wait(self, work: Any) -> None:
         """Wait for an operation from ``all_reduce_start`` (abortable, bounded)."""
         if work is not None:

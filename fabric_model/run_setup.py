@@ -15,7 +15,7 @@ import cloudpickle
 
 from . import compat
 from . import validation as v
-from .config import EngineSizing, Timeouts, TrainConfig, size_engines
+from .config import EngineSizing, Timeouts, TrainConfig, size_engines, threads_per_worker
 from .data import is_batch_level
 from .job import Job
 from .rundir import RunDirectory
@@ -36,6 +36,7 @@ class LoopOptions(NamedTuple):
     validation_freq: Any
     checkpoint_freq: Any
     keep_checkpoints: Any
+    deterministic: Any = False
 
 
 def check_train_arguments(
@@ -60,6 +61,7 @@ def check_train_arguments(
     v.check_positive_int("checkpoint_freq", loop.checkpoint_freq, minimum=0)
     v.check_bool("resume", resume)
     v.check_positive_int("keep_checkpoints", loop.keep_checkpoints)
+    v.check_bool("deterministic", loop.deterministic)
     v.check_effective_batch(effective_batch_size, batch_size)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise TypeError(f"Expected `seed` to be a non-negative int or None. Received: seed={seed!r}")
@@ -141,3 +143,37 @@ def open_run(run_dir: str | os.PathLike[str] | None, setup: DriverSetup) -> RunD
     config, plan = dataclasses.asdict(setup.config), dataclasses.asdict(setup.plan)
     run.write_run_record({"framework": setup.framework, "config": config, "plan": plan, "started": time.time()})
     return run
+
+
+#: Intra-op threads of every CPU worker with ``deterministic=True`` (default 1): one count for any
+#: number of workers, since a GEMM may block, and round, differently with another thread count.
+DETERMINISTIC_THREADS_ENV = "FABRIC_MODEL_DETERMINISTIC_THREADS"
+
+
+def deterministic_threads() -> int:
+    """The intra-op thread count of ``deterministic=True`` (``$FABRIC_MODEL_DETERMINISTIC_THREADS``, default 1)."""
+    raw = os.environ.get(DETERMINISTIC_THREADS_ENV, "1")
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"Expected {DETERMINISTIC_THREADS_ENV} to be a positive integer. Received: {raw!r}")
+    return int(raw)
+
+
+def worker_threads(deterministic: bool, ray_cluster: Any, gpus: int, max_workers: int) -> int:
+    """Intra-op threads per CPU worker: a fixed count when deterministic, else a fair share of the cores."""
+    if deterministic:
+        return deterministic_threads()
+    return int(ray_cluster.threads) if ray_cluster else threads_per_worker(1 if gpus else max_workers)
+
+
+def make_deterministic(framework: str, adapter: Any, max_micro_batches: int) -> Any:
+    """The adapter of ``deterministic=True``: exact step sums (torch only)."""
+    if framework != "torch":
+        raise ValueError(
+            f"deterministic=True is supported for torch models only. Received: deterministic=True with a {framework} "
+            "model. Bitwise-identical Keras training is not implemented yet (it needs TensorFlow's op determinism and "
+            "the fixed-point step sum in the Keras adapter). HINT: pass deterministic=False (training then agrees "
+            "with other worker counts to float32 rounding)."
+        )
+    from .frameworks.torch_exact import ExactTorchAdapter
+
+    return ExactTorchAdapter.from_adapter(adapter, max_micro_batches)

@@ -1,0 +1,133 @@
+"""Exact, order-independent sums of float32 tensors in fixed point (``deterministic=True``).
+
+Floating-point addition is not associative, so a sum of micro-batch gradients depends on which
+worker added which and in what order the collective combined them. Here each micro-batch's
+contribution is rounded once, on its own, to a fixed-point grid that every replica agrees on
+before the step; sums of integers are exact and associative, so the step's total is the same
+whatever the grouping. See docs/architecture.md, "Deterministic mode".
+
+The integers are held in float64 (every integer below ``2**53`` is exact there, and float64
+sums of them are exact): the rounding and the accumulation are then plain vector operations, and
+the collective sums float64. The grid, per tensor: an exponent ``E`` (every value expected below
+``2**E`` in magnitude) and ``guard`` bits for the number of terms, so each term is below
+``2**(52 - guard)`` units and a sum of up to ``2**guard`` terms below ``2**52``. A term is
+``round(x * 2**(52 - guard - E))``, computed in float32 (a power-of-two scaling is exact there).
+Each step also takes each tensor's largest binary exponent (a max-allreduce: exact); after it,
+every replica decides alike from those agreed maxima:
+
+- overflow (a value reached ``2**E``), or fewer than ``PRECISION_BITS`` bits kept below the
+  step's largest value: the step is redone on the grid ``E = max + HEADROOM_BITS``;
+- the largest value fell more than ``2 * HEADROOM_BITS`` bits below ``E``: the next step uses
+  ``E = max + HEADROOM_BITS`` (so the grid, and its cost, change only now and then);
+- tensors whose values are all exactly 0 are exact on any grid and keep their ``E``.
+
+``E`` is kept at or above ``MIN_EXPONENT``, so that ``2**(52 - guard - E)`` stays a float32;
+a tensor whose values are all below ``2**MIN_EXPONENT`` is kept to that absolute grid.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+#: Growth of a tensor's largest value from one step to the next absorbed without a redo (256x).
+HEADROOM_BITS = 8
+#: Bits kept below each tensor's largest value, at least (float32 keeps 24): each term's rounding
+#: error is at most 2**-25 of the largest. Typically ``52 - guard - HEADROOM_BITS`` (42 for 4 terms).
+PRECISION_BITS = 24
+#: The first step's guess (values below 1); a wrong guess costs one redo.
+INITIAL_EXPONENT = 0
+#: The smallest ``E``: ``2**(52 - guard - E)`` must stay below float32's largest power of two.
+MIN_EXPONENT = -64
+#: Bits of a float64 integer used by a sum.
+SUM_BITS = 52
+#: A tensor with no nonzero value this step.
+NO_VALUE = -(1 << 20)
+#: A tensor with an inf or NaN this step: the result is NaN, as a float sum would be.
+NON_FINITE = 1 << 20
+
+
+def guard_bits(max_terms: int) -> int:
+    """Bits reserved so that ``max_terms`` terms cannot leave the exact range of float64."""
+    bits = max(1, math.ceil(math.log2(max(2, max_terms))))
+    if SUM_BITS - bits - HEADROOM_BITS < PRECISION_BITS:
+        raise ValueError(f"deterministic=True sums at most 2**20 micro-batches a step; {max_terms} asked")
+    return bits
+
+
+class ExactSum:
+    """Per-tensor fixed-point accumulation of a flat float32 region, tensor by tensor.
+
+    Args:
+        sizes: the elements of each tensor, in the region's order.
+        max_terms: the most terms (micro-batches) a sum may have.
+        device: where the sum lives (the collective's device).
+    """
+
+    def __init__(self, sizes: list[int], max_terms: int, device: torch.device) -> None:
+        self.sizes = list(sizes)
+        self.guard = guard_bits(max_terms)
+        self.device = device
+        n = len(self.sizes)
+        self.exponents = torch.full((n,), INITIAL_EXPONENT, dtype=torch.int64)
+        self.total = torch.zeros(sum(self.sizes), dtype=torch.float64, device=device)
+        self.maxima = torch.full((n,), NO_VALUE, dtype=torch.int64, device=device)
+        self._index = torch.repeat_interleave(torch.arange(n, device=device), torch.tensor(self.sizes, device=device))
+        self._scratch = torch.empty(sum(self.sizes), dtype=torch.float32, device=device)
+        self.redos = 0  # steps redone, for the record
+        self._set_scales()
+
+    def _set_scales(self) -> None:
+        self.exponents = self.exponents.clamp(min=MIN_EXPONENT)
+        shifts = (SUM_BITS - self.guard) - self.exponents  # quantum of tensor t: 2**-shift
+        self._scale = torch.pow(2.0, shifts.float()).to(self.device)[self._index]
+        self._unscale = torch.pow(2.0, (-shifts).double()).to(self.device)[self._index]
+
+    def zero(self) -> None:
+        """Start a new sum (a step, or its redo)."""
+        self.total.zero_()
+        self.maxima.fill_(NO_VALUE)
+
+    @torch.no_grad()
+    def add(self, region: torch.Tensor) -> None:
+        """Round one term (a flat float32 tensor of all segments) onto the grid and add it."""
+        # One amax per tensor (a scatter-amax would be flagged by use_deterministic_algorithms on CUDA).
+        peaks = torch.stack([s.abs().amax() for s in region.split(self.sizes)])
+        _, exponent = torch.frexp(peaks)  # peak = mantissa * 2**exponent, peak < 2**exponent
+        exponent = exponent.to(torch.int64)
+        exponent = torch.where(peaks == 0, NO_VALUE, exponent)
+        exponent = torch.where(torch.isfinite(peaks), exponent, NON_FINITE)
+        torch.maximum(self.maxima, exponent, out=self.maxima)
+        torch.mul(region, self._scale, out=self._scratch)  # exact: a power of two
+        self._scratch.round_()  # the one rounding of this term (half to even)
+        self.total.add_(self._scratch)  # exact: integers below 2**53
+
+    def settle(self) -> bool:
+        """After the totals and maxima were reduced: True if the sum stands, False to redo it.
+
+        Either way the grid for what comes next is set from the step's maxima, the same on every replica."""
+        maxima = self.maxima.cpu()
+        valid = (maxima != NO_VALUE) & (maxima != NON_FINITE)
+        target = (maxima + HEADROOM_BITS).clamp(min=MIN_EXPONENT)
+        overflow = valid & (maxima > self.exponents)
+        coarse = valid & ((SUM_BITS - self.guard) - (self.exponents - maxima) < PRECISION_BITS)
+        coarse &= self.exponents != target  # at MIN_EXPONENT a redo would not help
+        drifted = valid & (self.exponents - maxima > 2 * HEADROOM_BITS)
+        self._written_unscale = self._unscale  # the grid this step's total is on
+        if bool((overflow | coarse | drifted).any()):
+            self.exponents = torch.where(overflow | coarse | drifted, target, self.exponents)
+            self._set_scales()
+        if bool((overflow | coarse).any()):
+            self.redos += 1
+            return False
+        return True
+
+    @torch.no_grad()
+    def write(self, region: torch.Tensor) -> None:
+        """The exact total (after ``settle`` accepted it) back to float32 into ``region``, rounded once;
+        NaN where a term was not finite."""
+        torch.mul(self.total, self._written_unscale, out=region)
+        bad = self.maxima == NON_FINITE
+        if bool(bad.any()):
+            region.masked_fill_(bad[self._index], float("nan"))

@@ -1,0 +1,196 @@
+"""``deterministic=True`` (docs/architecture.md, "Deterministic mode"): bitwise-identical weights,
+optimizer state and BatchNorm buffers for any worker count, a kill and a join, and a resume."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fabric_model import FabricModel
+from fabric_model.exact_sum import HEADROOM_BITS, ExactSum
+from fabric_model.run_setup import make_deterministic
+from fabric_model.testing import FaultInjector, HoldForJoin, Kill
+
+from .helpers import make_data, records
+
+SEED, EPOCHS, BATCH, GLOBAL = 5, 10, 8, 24  # 3 micro-batches a step, 3 steps an epoch, 30 steps
+DATA = make_data(72)
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Net(torch.nn.Module):
+    """Dropout and BatchNorm: randomness and forward-updated buffers (an integer one too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(12, 16)
+        self.bn = torch.nn.BatchNorm1d(16)
+        self.drop = torch.nn.Dropout(0.2)
+        self.fc2 = torch.nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(torch.relu(self.bn(self.fc1(x)))))
+
+
+def fresh() -> tuple[Net, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Net()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def train(run_dir, workers, faults=(), marker_dir=None, driver_logger=None, **kwargs):
+    model, opt = fresh()
+    injector = FaultInjector(list(faults), marker_dir) if faults else None
+    fm = FabricModel(
+        model,
+        lambda: (DATA, None),
+        F.cross_entropy,
+        opt,
+        worker_logger_callback=injector,
+        driver_logger_callback=driver_logger,
+    )
+    fm.train(
+        EPOCHS, BATCH, workers, effective_batch_size=GLOBAL, seed=SEED, run_dir=run_dir, deterministic=True, **kwargs
+    )
+    return model, opt
+
+
+def final_state(model, opt) -> dict[str, torch.Tensor]:
+    """Weights, BatchNorm buffers and the momentum buffers, by name."""
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    for i, p in enumerate(model.parameters()):
+        state[f"momentum.{i}"] = opt.state[p]["momentum_buffer"]
+    return state
+
+
+def assert_bitwise_equal(state, reference) -> None:
+    assert state.keys() == reference.keys()
+    differ = [k for k in reference if not torch.equal(state[k], reference[k])]
+    assert not differ, f"not bitwise equal: {differ}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    model, opt = train(tmp_path_factory.mktemp("reference") / "run", 1)
+    return copy.deepcopy(final_state(model, opt))
+
+
+# -- the fixed-point sum on its own ----------------------------------------------------------
+def _terms(count: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    scales = torch.tensor([1e-3] * 50 + [3e-7] * 20 + [0.4] * 30)  # three tensors of different magnitudes
+    return [torch.randn(100, generator=g) * scales for _ in range(count)]
+
+
+def _sum(groups: list[list[torch.Tensor]]) -> torch.Tensor:
+    """Each group on its own accumulator (a worker), totals added as the allreduce does."""
+    sums = [ExactSum([50, 20, 30], 16, torch.device("cpu")) for _ in groups]
+    for exact, group in zip(sums, groups):
+        exact.exponents = torch.tensor([-2, -14, 7])
+        exact._set_scales()
+        for term in group:
+            exact.add(term)
+    first = sums[0]
+    for other in sums[1:]:
+        first.total += other.total
+        torch.maximum(first.maxima, other.maxima, out=first.maxima)
+    assert first.settle()
+    out = torch.empty(100)
+    first.write(out)
+    return out
+
+
+def test_exact_sum_does_not_depend_on_grouping_or_order():
+    terms = _terms(12)
+    one = _sum([terms])
+    assert torch.equal(_sum([terms[::-1]]), one)
+    assert torch.equal(_sum([terms[0::3], terms[1::3], terms[2::3]]), one)
+    assert torch.equal(_sum([terms[5:], terms[:5]]), one)
+    exact = torch.stack(terms).double().sum(0)
+    assert torch.allclose(one.double(), exact, rtol=1e-6, atol=0)  # float32 rounding of the exact sum
+    floats = [sum(terms[j] for j in order) for order in ([0, 1, 2, 3], [3, 2, 1, 0])]  # what it replaces
+    assert not torch.equal(floats[0], floats[1])
+
+
+def test_overflow_asks_for_a_redo_on_a_wider_grid_and_zeros_stay_exact():
+    exact = ExactSum([2, 3], 4, torch.device("cpu"))
+    exact.add(torch.tensor([5.0, -0.25, 0.0, 0.0, 0.0]))  # 5 is beyond the first step's guess (below 1)
+    assert not exact.settle()
+    assert exact.exponents.tolist() == [3 + HEADROOM_BITS, 0]  # the zero tensor keeps its grid
+    exact.zero()
+    exact.add(torch.tensor([5.0, -0.25, 0.0, 0.0, 0.0]))
+    assert exact.settle()
+    out = torch.empty(5)
+    exact.write(out)
+    assert out.tolist() == [5.0, -0.25, 0.0, 0.0, 0.0]
+    exact.zero()
+    exact.add(torch.tensor([1.0, float("inf"), 0.0, 0.0, 0.0]))
+    assert exact.settle()
+    exact.write(out)
+    assert out[:2].isnan().all()  # as a float sum would propagate it
+
+
+def test_keras_and_bad_values_are_refused_in_the_caller(run_dir):
+    with pytest.raises(ValueError, match=r"deterministic=True is supported for torch models only.*keras"):
+        make_deterministic("keras", object(), 3)
+    model, opt = fresh()
+    with pytest.raises(TypeError, match="deterministic"):
+        FabricModel(model, lambda: (DATA, None), F.cross_entropy, opt).train(1, BATCH, 1, deterministic="yes")
+
+
+# -- whole runs ------------------------------------------------------------------------------
+@pytest.mark.parametrize("workers", [2, 3])
+def test_bitwise_equal_for_any_worker_count(workers, reference, run_dir):
+    model, opt = train(run_dir, workers)
+    assert_bitwise_equal(final_state(model, opt), reference)
+    assert {r["workers"] for r in records(run_dir, "train")} == {workers}
+
+
+def test_bitwise_equal_after_a_kill_and_a_replacement(reference, run_dir, tmp_path):
+    model, opt = train(run_dir, 3, [Kill(1, 6), HoldForJoin(9)], tmp_path)
+    assert_bitwise_equal(final_state(model, opt), reference)
+    sizes = [g["workers"] for g in records(run_dir, "generation")]
+    assert sizes[:2] == [3, 2] and sizes[-1] == 3, sizes  # the kill happened, the replacement joined
+
+
+SCRIPT = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {repo!r})
+    from tests.test_deterministic import train
+
+    class KillJob:
+        def log_train_metrics(self, metrics, iteration, epoch, workers):
+            if iteration == {kill_at}:  # the driver; its workers die with it
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    train({run_dir!r}, 2, driver_logger=KillJob())
+""")
+
+
+def test_bitwise_equal_after_a_whole_job_kill_and_resume(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT.format(repo=str(REPO), run_dir=str(run_dir), kill_at=22))
+    proc = subprocess.Popen([sys.executable, str(script)], start_new_session=True)
+    try:
+        assert proc.wait(timeout=240) == -signal.SIGKILL
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+    model, opt = train(run_dir, 3, resume=True)
+    resumed = records(run_dir, "resume")[-1]
+    killed_at = 22 // 3 * 4 + 22 % 3  # the unit of iteration 22: 3 steps and a validation slot an epoch
+    assert 0 < resumed["resume_unit"] < killed_at, resumed  # from a checkpoint, not from the start
+    assert_bitwise_equal(final_state(model, opt), reference)

@@ -14,12 +14,15 @@ from typing import TYPE_CHECKING, Any
 # The framework, checkpoints and the driver are imported inside the functions that use them.
 from . import checkpoint, compat
 from . import validation as v
+from .best_checkpoints import check_monitors
 from .callbacks import Callback
 from .cluster import check_cluster, open_cluster
 from .config import threads_per_worker
 from .devices import place_workers
 from .hooks import Hooks
+from .inference import InferenceMixin
 from .job import Job
+from .loop_state import LoopState, check_lr_scheduler
 from .network import DEFAULT_BIND_ADDRESS as LOOPBACK
 from .network import chosen_bind_address
 from .plan import Plan
@@ -57,7 +60,7 @@ class TrainResult:
     onnx_max_diff: float | None = None
 
 
-class FabricModel:
+class FabricModel(InferenceMixin):
     """Trains a single-device PyTorch or Keras model data-parallel on up to ``engines_number`` workers.
 
     Args:
@@ -81,6 +84,8 @@ class FabricModel:
             metrics a Keras model needs to be rebuilt in each worker.
         fn_batch_collate: ``collate(list_of_samples) -> (inputs, target)``; the default stacks
             tensors, numpy arrays and numbers, and recurses into tuples and dicts.
+        lr_scheduler: torch: a ``torch.optim.lr_scheduler`` built on ``optimizer``, stepped per epoch, or
+            ``{"scheduler": s, "interval": "step" | "epoch", "monitor": "val_loss"}`` (README, "Training features").
     """
 
     def __init__(
@@ -104,6 +109,7 @@ class FabricModel:
         worker_logger: Any = None,
         enable_onnx: bool | None = None,
         get_datasets: Callable[[], tuple[Any, Any]] | None = None,
+        lr_scheduler: Any = None,
     ) -> None:
         # IBM's keyword names are aliases of ours (compat.pick); `get_datasets` is this package's old name.
         datasets_function = compat.pick("datasets_function", datasets_function, "get_datasets", get_datasets)
@@ -129,6 +135,7 @@ class FabricModel:
         self.fn_batch_collate = fn_batch_collate
         self.fn_step_train, self.fn_test, self.fn_args = fn_step_train, fn_test, fn_args
         self.metrics, self.user_callbacks = self._check_arguments(metrics, user_callback)
+        self.lr_scheduling = check_lr_scheduler(lr_scheduler, optimizer, self.framework)
         self.run_dir: Path | None = None
 
     def train(
@@ -149,6 +156,7 @@ class FabricModel:
         driver_memory: Any = None,
         bind_address: str | None = None,
         cluster: str | None = None,
+        keep_best: Any = None,
     ) -> TrainResult:
         """Train for ``epoch_number`` epochs; the user's ``model`` then holds the trained weights.
 
@@ -171,6 +179,7 @@ class FabricModel:
                 checkpoint, with its seed and plan (the README's "checkpoints and resume" says what
                 must match); without a checkpoint, training starts from the beginning.
             keep_checkpoints: how many of the newest checkpoints to keep (older ones are deleted).
+            keep_best: a :class:`~fabric_model.BestCheckpoints`: also keep the best checkpoints by a monitored metric.
             worker_memory, driver_memory: IBM's; accepted and ignored (memory is not capped).
             bind_address: the address of this host the driver listens on, for workers started by
                 hand on other hosts (``fabric-model worker``); default ``$FABRIC_MODEL_BIND_ADDRESS``,
@@ -181,7 +190,7 @@ class FabricModel:
         host = chosen_bind_address(bind_address)  # checked before anything starts
         ray_cluster = open_cluster(check_cluster(cluster))  # a bad value fails here, before anything starts
         try:
-            loop = LoopOptions(num_dataloader_threads, validation_freq, checkpoint_freq, keep_checkpoints)
+            loop = LoopOptions(num_dataloader_threads, validation_freq, checkpoint_freq, keep_checkpoints, keep_best)
             ignored = {"worker_memory": worker_memory, "driver_memory": driver_memory}
             sizes = (epoch_number, batch_size, engines_number, effective_batch_size)
             setup, adapter, train_set = self._prepare(*sizes, loop, seed, run_dir, resume, ignored, ray_cluster)
@@ -215,8 +224,10 @@ class FabricModel:
         self, final: Any, adapter: FrameworkAdapter, train_set: Any, run: RunDirectory, hooks: Hooks
     ) -> float | None:
         """The trained state into the user's model and optimizer, the model saved (and exported)."""
-        framework = self._framework
-        framework.load_final_state(adapter, final.model_state, final.optimizer_state)
+        framework, self._trained_adapter = self._framework, adapter
+        # The loop's own state (scheduler, callbacks' state) into the user's objects, the rest into the optimizer.
+        own = LoopState(adapter.stat_names, self.lr_scheduling, self.user_callbacks).unpack(final.optimizer_state)
+        framework.load_final_state(adapter, final.model_state, own)
         framework.save_model(run.model, self.model, final.model_state)
         if not self.save_to_onnx:
             return None
@@ -281,6 +292,8 @@ class FabricModel:
                 effective_batch_size=effective_batch_size,
             )
         adapter = self._make_adapter()
+        monitored = [*self.user_callbacks, self.lr_scheduling]  # EarlyStopping, ReduceLROnPlateau
+        check_monitors(loop.keep_best, monitored, adapter.stat_names, test_set is not None)
         payload = self._job_payload(framework.prepare_for_shipping(adapter, framework.first_batch(adapter, train_set)))
         config = train_config(epoch_number, batch_size, sizing, seed, loop, gpus)
         setup = DriverSetup(
@@ -293,6 +306,7 @@ class FabricModel:
             threads=ray_cluster.threads if ray_cluster else threads_per_worker(1 if gpus else sizing.max_workers),
             framework=self.framework,
             keep_checkpoints=loop.keep_checkpoints,
+            keep_best=loop.keep_best,
             resume=resumed,
             max_workers=engines,
         )
@@ -350,7 +364,7 @@ class FabricModel:
     def _job_payload(self, adapter: FrameworkAdapter) -> bytes:
         """The job every worker receives, cloudpickled once."""
         hooks = Hooks.for_worker(self.worker_logger_callback, self.user_callbacks)
-        return serialize_job(Job(adapter, self.datasets_function, hooks))
+        return serialize_job(Job(adapter, self.datasets_function, hooks, self.lr_scheduling))
 
 
 def _require(**arguments: Any) -> None:

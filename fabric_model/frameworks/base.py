@@ -193,6 +193,14 @@ class Framework(abc.ABC):
             batch = adapter.collate([train_set[i] for i in range(min(len(train_set), 4))])
         return self.split_batch(batch)[0]
 
+    def evaluate_trained(self, adapter: FrameworkAdapter, dataset: Any, batch_size: int) -> dict[str, float]:
+        """``FabricModel.evaluate``: the loss and metrics of the caller's trained model on ``dataset``."""
+        raise NotImplementedError
+
+    def predict_trained(self, adapter: FrameworkAdapter, dataset: Any, batch_size: int) -> Any:
+        """``FabricModel.predict``: the caller's trained model's outputs on ``dataset``."""
+        raise NotImplementedError
+
     # -- ONNX (see fabric_model.export) --------------------------------------------------------
     @abc.abstractmethod
     def onnx_requirements(self) -> tuple[str, ...]:

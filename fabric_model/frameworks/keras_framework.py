@@ -117,3 +117,23 @@ class KerasFramework(Framework):
         from .keras_export import grow_keras_batch
 
         return grow_keras_batch(sample)
+
+    def evaluate_trained(self, adapter: FrameworkAdapter, dataset: Any, batch_size: int) -> dict[str, float]:
+        from .keras_inference import evaluate
+
+        return evaluate(adapter, dataset, batch_size)
+
+    def predict_trained(self, adapter: FrameworkAdapter, dataset: Any, batch_size: int) -> Any:
+        from .keras_inference import predict
+
+        return predict(adapter, dataset, batch_size)
+
+    def load_final_state(
+        self, adapter: FrameworkAdapter, model_state: dict[str, Any], optimizer_state: dict[str, Any]
+    ) -> None:
+        """The trained state into the user's model and optimizer, and the model compiled with them
+        (so ``model.evaluate`` works as after ``model.fit``)."""
+        from .keras_inference import compile_trained
+
+        adapter.load_state(model_state, optimizer_state)
+        compile_trained(adapter)

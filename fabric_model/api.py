@@ -229,6 +229,7 @@ class FabricModel(InferenceMixin):
         own = LoopState(adapter.stat_names, self.lr_scheduling, self.user_callbacks).unpack(final.optimizer_state)
         framework.load_final_state(adapter, final.model_state, own)
         framework.save_model(run.model, self.model, final.model_state)
+        framework.hand_over(adapter)  # Keras: the model comes back compiled
         if not self.save_to_onnx:
             return None
         from .export import export_final_model

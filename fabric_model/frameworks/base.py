@@ -181,6 +181,10 @@ class Framework(abc.ABC):
         """Put the trained state into the user's model and optimizer (those the caller's adapter holds)."""
         adapter.load_state(model_state, optimizer_state)
 
+    def hand_over(self, adapter: FrameworkAdapter) -> None:
+        """Last touches to the user's trained model once it is saved (Keras: compiled)."""
+        return None  # torch: nothing to do
+
     @abc.abstractmethod
     def save_model(self, model_dir: Path, model: Any, model_state: dict[str, Any]) -> Path:
         """Write the trained model into ``model_dir`` in the framework's own format (aside, then renamed)."""

@@ -128,12 +128,10 @@ class KerasFramework(Framework):
 
         return predict(adapter, dataset, batch_size)
 
-    def load_final_state(
-        self, adapter: FrameworkAdapter, model_state: dict[str, Any], optimizer_state: dict[str, Any]
-    ) -> None:
-        """The trained state into the user's model and optimizer, and the model compiled with them
-        (so ``model.evaluate`` works as after ``model.fit``)."""
+    def hand_over(self, adapter: FrameworkAdapter) -> None:
+        """The user's model compiled with the loss, optimizer (holding the trained state) and metrics
+        given, so ``model.evaluate`` works as after ``model.fit``. After ``save_model``: ``model.keras``
+        stays as before, loadable without custom objects for a loss function."""
         from .keras_inference import compile_trained
 
-        adapter.load_state(model_state, optimizer_state)
         compile_trained(adapter)

@@ -188,3 +188,53 @@ def test_feature_arguments_fail_in_the_caller_naming_the_argument(run_dir):
     with pytest.raises(RuntimeError, match="call train\\(\\) first"):
         fm.evaluate(TEST)
     assert not run_dir.exists()  # nothing started
+
+
+def test_the_loop_state_round_trips_through_weights_only_and_logs_reach_only_who_takes_them():
+    """No processes: the scheduler (ReduceLROnPlateau on logs), the epoch's sums and EarlyStopping's
+    state survive torch.save / torch.load(weights_only=True) inside the optimizer state; on_epoch_end
+    gets ``logs`` only where it has a ``logs`` parameter (IBM's signature is called with the epoch)."""
+    import io
+
+    from fabric_model.hooks import Hooks
+    from fabric_model.loop_state import LoopState, check_lr_scheduler
+
+    def make():
+        model, opt = fresh_model_and_optimizer()
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+        scheduling = check_lr_scheduler(plateau, opt, "torch")
+        return opt, plateau, LoopState(["loss", "accuracy"], scheduling, [EarlyStopping("val_loss")])
+
+    opt, plateau, state = make()
+    state.step_done(0, [6.0, 3.0, 4.0])
+    state.step_done(0, [2.0, 1.0, 4.0])
+    logs = state.epoch_logs(0, [1.0, 2.0, 4.0])
+    assert logs == {"loss": 1.0, "accuracy": 0.5, "val_loss": 0.25, "val_accuracy": 0.5}
+    for value in (1.0, 2.0):  # no better: the learning rate halves
+        state.epoch_done({"val_loss": value})
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+    state.callbacks[0].on_epoch_end(0, {"val_loss": 1.0})
+    state.callbacks[0].on_epoch_end(1, {"val_loss": 2.0})
+    assert state.should_stop(None)
+
+    buffer = io.BytesIO()
+    torch.save(state.pack(opt.state_dict()), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    other_opt, other_plateau, other = make()
+    other_opt.load_state_dict(other.unpack(loaded))
+    assert other_plateau.state_dict() == plateau.state_dict() and other_opt.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert other.epoch_logs(0, None) == {"loss": 1.0, "accuracy": 0.5}
+    assert other.callbacks[0].state_dict() == state.callbacks[0].state_dict()
+
+    class Ibm(Callback):
+        def on_epoch_end(self, epoch, save_model=False):
+            self.saw = (epoch, save_model)
+
+    class Keras(Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            self.saw = (epoch, logs)
+
+    ibm, keras_style = Ibm(), Keras()
+    Hooks([], [ibm, keras_style]).on_epoch_end(3, {"loss": 1.0})
+    assert ibm.saw == (3, False) and keras_style.saw == (3, {"loss": 1.0})

@@ -225,8 +225,8 @@ class FabricModel(InferenceMixin):
     ) -> float | None:
         """The trained state into the user's model and optimizer, the model saved (and exported)."""
         framework, self._trained_adapter = self._framework, adapter
-        # The loop's own state (scheduler, callbacks' state) into the user's objects, the rest into the optimizer.
-        own = LoopState(adapter.stat_names, self.lr_scheduling, self.user_callbacks).unpack(final.optimizer_state)
+        # The scheduler's final state into the user's, as the optimizer's (callbacks stay: a next train() starts fresh).
+        own = LoopState(adapter.stat_names, self.lr_scheduling, []).unpack(final.optimizer_state)
         framework.load_final_state(adapter, final.model_state, own)
         framework.save_model(run.model, self.model, final.model_state)
         framework.hand_over(adapter)  # Keras: the model comes back compiled

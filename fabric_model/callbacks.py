@@ -89,7 +89,7 @@ class EarlyStopping(Callback):
 
     Its progress (``best``, ``wait``) is in :meth:`state_dict`, so it travels with the training
     state and every replica, replacements included, stops at the same epoch. ``stopped_epoch``
-    is set in the worker; the caller learns of the stop from ``train()``'s shorter history.
+    is set in the workers; the caller learns of the stop from ``train()``'s shorter history.
     """
 
     def __init__(

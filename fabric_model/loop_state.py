@@ -146,7 +146,7 @@ def check_lr_scheduler(lr_scheduler: Any, optimizer: Any, framework: str) -> LRS
             "optimizer a keras.optimizers.schedules.LearningRateSchedule as its learning_rate, as with model.fit."
         )
     spec = lr_scheduler if isinstance(lr_scheduler, dict) else {"scheduler": lr_scheduler}
-    unknown = set(spec) - {"scheduler", "interval", "monitor", "frequency", "name"}
+    unknown = set(spec) - {"scheduler", "interval", "monitor", "name"}
     scheduler, interval = spec.get("scheduler"), spec.get("interval", "epoch")
     steps = callable(getattr(scheduler, "step", None)) and callable(getattr(scheduler, "state_dict", None))
     if unknown or not steps:

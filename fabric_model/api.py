@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 # The framework, checkpoints and the driver are imported inside the functions that use them.
 from . import checkpoint, compat
 from . import validation as v
-from .best_checkpoints import check_monitors
+from .best_checkpoints import best_of, check_monitors
 from .callbacks import Callback
 from .cluster import check_cluster, open_cluster
 from .config import threads_per_worker
@@ -156,7 +156,6 @@ class FabricModel(InferenceMixin):
         driver_memory: Any = None,
         bind_address: str | None = None,
         cluster: str | None = None,
-        keep_best: Any = None,
     ) -> TrainResult:
         """Train for ``epoch_number`` epochs; the user's ``model`` then holds the trained weights.
 
@@ -179,7 +178,6 @@ class FabricModel(InferenceMixin):
                 checkpoint, with its seed and plan (the README's "checkpoints and resume" says what
                 must match); without a checkpoint, training starts from the beginning.
             keep_checkpoints: how many of the newest checkpoints to keep (older ones are deleted).
-            keep_best: a :class:`~fabric_model.BestCheckpoints`: also keep the best checkpoints by a monitored metric.
             worker_memory, driver_memory: IBM's; accepted and ignored (memory is not capped).
             bind_address: the address of this host the driver listens on, for workers started by
                 hand on other hosts (``fabric-model worker``); default ``$FABRIC_MODEL_BIND_ADDRESS``,
@@ -190,7 +188,7 @@ class FabricModel(InferenceMixin):
         host = chosen_bind_address(bind_address)  # checked before anything starts
         ray_cluster = open_cluster(check_cluster(cluster))  # a bad value fails here, before anything starts
         try:
-            loop = LoopOptions(num_dataloader_threads, validation_freq, checkpoint_freq, keep_checkpoints, keep_best)
+            loop = LoopOptions(num_dataloader_threads, validation_freq, checkpoint_freq, keep_checkpoints)
             ignored = {"worker_memory": worker_memory, "driver_memory": driver_memory}
             sizes = (epoch_number, batch_size, engines_number, effective_batch_size)
             setup, adapter, train_set = self._prepare(*sizes, loop, seed, run_dir, resume, ignored, ray_cluster)
@@ -292,10 +290,7 @@ class FabricModel(InferenceMixin):
                 engines_number=engines_number,
                 effective_batch_size=effective_batch_size,
             )
-        adapter = self._make_adapter()
-        monitored = [*self.user_callbacks, self.lr_scheduling]  # EarlyStopping, ReduceLROnPlateau
-        check_monitors(loop.keep_best, monitored, adapter.stat_names, test_set is not None)
-        payload = self._job_payload(framework.prepare_for_shipping(adapter, framework.first_batch(adapter, train_set)))
+        adapter, payload = self._ship(train_set, test_set is not None)
         config = train_config(epoch_number, batch_size, sizing, seed, loop, gpus)
         setup = DriverSetup(
             payload=payload,
@@ -307,7 +302,7 @@ class FabricModel(InferenceMixin):
             threads=ray_cluster.threads if ray_cluster else threads_per_worker(1 if gpus else sizing.max_workers),
             framework=self.framework,
             keep_checkpoints=loop.keep_checkpoints,
-            keep_best=loop.keep_best,
+            keep_best=best_of(self.user_callbacks),
             resume=resumed,
             max_workers=engines,
         )
@@ -361,6 +356,15 @@ class FabricModel(InferenceMixin):
             fn_args=self.fn_args,
         )
         return self._framework.make_adapter(user)
+
+    def _ship(self, train_set: Any, has_test: bool) -> tuple[FrameworkAdapter, bytes]:
+        """The adapter and the job every worker receives, once what it monitors is checked."""
+        adapter, framework = self._make_adapter(), self._framework
+        # EarlyStopping, BestCheckpoints, ReduceLROnPlateau: each monitor must name a metric of the run.
+        check_monitors([*self.user_callbacks, self.lr_scheduling], adapter.stat_names, has_test)
+        return adapter, self._job_payload(
+            framework.prepare_for_shipping(adapter, framework.first_batch(adapter, train_set))
+        )
 
     def _job_payload(self, adapter: FrameworkAdapter) -> bytes:
         """The job every worker receives, cloudpickled once."""

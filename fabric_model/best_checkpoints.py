@@ -1,5 +1,6 @@
 """Keeping the best checkpoints by a monitored metric, next to the newest ones
-(``train(keep_best=BestCheckpoints(...))``; docs/architecture.md, "Training features").
+(``user_callback=[BestCheckpoints(...)]``, as Keras' ``ModelCheckpoint``; docs/architecture.md,
+"Training features").
 
 A checkpoint taken after epoch ``e`` holds the weights that epoch ``e``'s validation measured,
 so its score is epoch ``e``'s ``logs`` value (``loss``, a metric, or ``val_`` and one of them),
@@ -12,22 +13,22 @@ A leaf module: no torch.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .callbacks import Callback
 from .rundir import atomic_write
 
 #: The file naming the best checkpoints, in the run's ``checkpoints/``.
 BEST_FILE = "best.json"
 
 
-@dataclasses.dataclass(frozen=True)
-class BestCheckpoints:
-    """Which checkpoints to keep besides the newest: the ``keep`` best by ``monitor``.
+class BestCheckpoints(Callback):
+    """Keep, besides the newest ``keep_checkpoints``, the ``keep`` checkpoints that scored best by
+    ``monitor``. Given in ``user_callback``; the driver does the keeping (it has no worker hooks).
 
     Args:
         monitor: a key of an epoch's logs: ``"loss"``, a metric's name, or ``"val_"`` and one of them.
@@ -35,17 +36,17 @@ class BestCheckpoints:
         keep: how many of the best to keep (at least 1).
     """
 
-    monitor: str = "val_loss"
-    mode: str = "auto"
-    keep: int = 1
+    def __init__(self, monitor: str = "val_loss", mode: str = "auto", keep: int = 1) -> None:
+        if not isinstance(monitor, str) or not monitor:
+            raise TypeError(f"Expected `monitor` to be a metric name such as 'val_loss'. Received: {monitor!r}")
+        if mode not in ("min", "max", "auto"):
+            raise ValueError(f"Expected `mode` to be 'min', 'max' or 'auto'. Received: mode={mode!r}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"Expected `keep` to be an int >= 1. Received: keep={keep!r}")
+        self.monitor, self.mode, self.keep = monitor, mode, keep
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.monitor, str) or not self.monitor:
-            raise TypeError(f"Expected `monitor` to be a metric name such as 'val_loss'. Received: {self.monitor!r}")
-        if self.mode not in ("min", "max", "auto"):
-            raise ValueError(f"Expected `mode` to be 'min', 'max' or 'auto'. Received: mode={self.mode!r}")
-        if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
-            raise ValueError(f"Expected `keep` to be an int >= 1. Received: keep={self.keep!r}")
+    def __repr__(self) -> str:
+        return f"BestCheckpoints(monitor={self.monitor!r}, mode={self.mode!r}, keep={self.keep})"
 
     @property
     def maximize(self) -> bool:
@@ -90,14 +91,17 @@ def epoch_logs(train_history: list[dict[str, Any]], test_history: list[dict[str,
     return logs
 
 
-def check_monitors(keep_best: Any, callbacks: list[Any], stat_names: list[str], has_test: bool) -> None:
-    """``train(keep_best=)`` and the ``monitor`` of each callback that has one (``EarlyStopping``), in the caller."""
-    if keep_best is not None:
-        if not isinstance(keep_best, BestCheckpoints):
-            raise TypeError(
-                f"Expected `keep_best` to be a fabric_model.BestCheckpoints or None. Received: keep_best={keep_best!r}"
-            )
-        check_monitor("keep_best", keep_best.monitor, stat_names, has_test)
+def best_of(callbacks: list[Any]) -> BestCheckpoints | None:
+    """The ``BestCheckpoints`` among ``user_callback`` (at most one), or None."""
+    found = [c for c in callbacks if isinstance(c, BestCheckpoints)]
+    if len(found) > 1:
+        raise ValueError(f"Expected at most one BestCheckpoints in `user_callback`. Received: {found}")
+    return found[0] if found else None
+
+
+def check_monitors(callbacks: list[Any], stat_names: list[str], has_test: bool) -> None:
+    """The ``monitor`` of each callback that has one (``EarlyStopping``, ``BestCheckpoints``, a
+    ``ReduceLROnPlateau``), in the caller: it must name something an epoch's logs hold."""
     for callback in callbacks:
         if isinstance(getattr(callback, "monitor", None), str):
             argument = getattr(callback, "argument", f"user_callback {type(callback).__name__}")

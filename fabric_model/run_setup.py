@@ -36,7 +36,6 @@ class LoopOptions(NamedTuple):
     validation_freq: Any
     checkpoint_freq: Any
     keep_checkpoints: Any
-    keep_best: Any = None  # a best_checkpoints.BestCheckpoints, checked with the metrics' names (check_monitors)
 
 
 def check_train_arguments(

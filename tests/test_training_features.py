@@ -134,17 +134,9 @@ def test_best_checkpoints_are_kept_and_evaluate_and_predict_use_the_trained_mode
     the best epoch's checkpoint stays next to the newest, named in best.json. Then evaluate() gives
     the last validation's numbers and predict() the model's outputs."""
     model, opt = fresh_model_and_optimizer()
-    fm = FabricModel(model, lambda: (DATA, TEST), F.cross_entropy, opt)
-    result = fm.train(
-        4,
-        BATCH,
-        1,
-        effective_batch_size=GLOBAL,
-        seed=SEED,
-        run_dir=run_dir,
-        keep_checkpoints=1,
-        keep_best=BestCheckpoints("val_loss", "max", keep=1),
-    )
+    best = BestCheckpoints("val_loss", "max", keep=1)
+    fm = FabricModel(model, lambda: (DATA, TEST), F.cross_entropy, opt, user_callback=[best])
+    result = fm.train(4, BATCH, 1, effective_batch_size=GLOBAL, seed=SEED, run_dir=run_dir, keep_checkpoints=1)
     units_per_epoch = STEPS + 1
     losses = [t["loss"] for t in result.test_history]
     best_epoch = max(range(4), key=lambda e: (losses[e], -e))
@@ -180,9 +172,12 @@ def test_feature_arguments_fail_in_the_caller_naming_the_argument(run_dir):
     fm = FabricModel(model, lambda: (DATA, None), F.cross_entropy, opt, user_callback=[EarlyStopping("val_loss")])
     with pytest.raises(ValueError, match="user_callback EarlyStopping.*val_ metrics need a test dataset"):
         fm.train(1, BATCH, 1, run_dir=run_dir)
+    fm = FabricModel(model, lambda: (DATA, TEST), F.cross_entropy, opt, user_callback=[BestCheckpoints("val_f1")])
+    with pytest.raises(ValueError, match="`user_callback BestCheckpoints` to be one of"):
+        fm.train(1, BATCH, 1, run_dir=run_dir)
+    with pytest.raises(ValueError, match="`mode` to be 'min', 'max' or 'auto'"):
+        BestCheckpoints("val_loss", "best")
     fm = FabricModel(model, lambda: (DATA, TEST), F.cross_entropy, opt)
-    with pytest.raises(ValueError, match="`keep_best` to be one of"):
-        fm.train(1, BATCH, 1, run_dir=run_dir, keep_best=BestCheckpoints("val_f1"))
     with pytest.raises(RuntimeError, match="call train\\(\\) first"):
         fm.evaluate(TEST)
     assert not run_dir.exists()  # nothing started

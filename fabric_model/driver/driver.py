@@ -62,7 +62,7 @@ class DriverSetup:
             :func:`fabric_model.network.resolve_bind_address`).
         max_workers: the most workers at once, hand-started ones included (engines_number);
             None: one per local slot.
-        keep_best: which older checkpoints to keep by a monitored metric (``train(keep_best=)``).
+        keep_best: which older checkpoints to keep by a monitored metric (a ``BestCheckpoints`` in ``user_callback``).
     """
 
     payload: bytes

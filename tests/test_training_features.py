@@ -118,6 +118,7 @@ def test_early_stopping_stops_every_replica_at_the_same_step(run_dir, tmp_path):
     assert [h["epoch"] for h in result.history] == [0, 1]
     assert [h["epoch"] for h in result.test_history] == [0, 1]
     assert len(result.replica_digests) == 2 and len(set(result.replica_digests.values())) == 1
+    assert records(run_dir, "end")[-1]["stopped_after_epoch"] == 1
     generations = records(run_dir, "generation")
     assert len(generations) == 3 and len(generations[-1]["members"]) == 2  # start, the kill, the join
     for path in logs_dir.iterdir():  # every worker that reached an epoch's end saw the same logs

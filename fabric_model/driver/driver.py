@@ -191,6 +191,7 @@ class Driver:
             self.checkpoints.close(timeouts.stop)  # the last checkpoint is on disk when train() returns
             self.progress.check_replicas()
             if len(self.progress.train_history) < config.epochs:  # every replica skipped to the end alike
+                log.info("training stopped by a callback after epoch %d", len(self.progress.train_history))
                 self.hooks.note(f"training stopped by a callback after epoch {len(self.progress.train_history)}")
             for worker_id in self.membership.alive():
                 self._server.send(worker_id, p.Stop())

@@ -5,7 +5,8 @@ FabricModel(model, datasets_function, loss_function, optimizer).train(epochs, ba
 """
 
 from .api import FabricModel, TrainResult
-from .callbacks import Callback
+from .best_checkpoints import BestCheckpoints
+from .callbacks import Callback, EarlyStopping
 from .context import WorkerContext, worker_context
 from .errors import JobError, WorkerError
 from .plan import epoch_permutation, micro_batch_seed
@@ -13,6 +14,8 @@ from .plan import epoch_permutation, micro_batch_seed
 __all__ = [
     "FabricModel",
     "Callback",
+    "EarlyStopping",
+    "BestCheckpoints",
     "TrainResult",
     "JobError",
     "WorkerError",

@@ -14,11 +14,14 @@ from typing import TYPE_CHECKING, Any
 # The framework, checkpoints and the driver are imported inside the functions that use them.
 from . import checkpoint, compat, run_setup
 from . import validation as v
+from .best_checkpoints import best_of, check_monitors
 from .callbacks import Callback
 from .cluster import check_cluster, open_cluster
 from .devices import place_workers
 from .hooks import Hooks
+from .inference import InferenceMixin
 from .job import Job
+from .loop_state import LoopState, check_lr_scheduler
 from .network import DEFAULT_BIND_ADDRESS as LOOPBACK
 from .network import chosen_bind_address
 from .plan import Plan
@@ -55,7 +58,7 @@ class TrainResult:
     onnx_max_diff: float | None = None
 
 
-class FabricModel:
+class FabricModel(InferenceMixin):
     """Trains a single-device PyTorch or Keras model data-parallel on up to ``engines_number`` workers.
 
     Args:
@@ -81,6 +84,8 @@ class FabricModel:
             metrics a Keras model needs to be rebuilt in each worker.
         fn_batch_collate: ``collate(list_of_samples) -> (inputs, target)``; the default stacks
             tensors, numpy arrays and numbers, and recurses into tuples and dicts.
+        lr_scheduler: torch: a ``torch.optim.lr_scheduler`` built on ``optimizer``, stepped per epoch, or
+            ``{"scheduler": s, "interval": "step" | "epoch", "monitor": "val_loss"}`` (README, "Training features").
     """
 
     def __init__(
@@ -104,6 +109,7 @@ class FabricModel:
         worker_logger: Any = None,
         enable_onnx: bool | None = None,
         get_datasets: Callable[[], tuple[Any, Any]] | None = None,
+        lr_scheduler: Any = None,
     ) -> None:
         # IBM's keyword names are aliases of ours (compat.pick); `get_datasets` is this package's old name.
         datasets_function = compat.pick("datasets_function", datasets_function, "get_datasets", get_datasets)
@@ -129,6 +135,7 @@ class FabricModel:
         self.fn_batch_collate = fn_batch_collate
         self.fn_step_train, self.fn_test, self.fn_args = fn_step_train, fn_test, fn_args
         self.metrics, self.user_callbacks = self._check_arguments(metrics, user_callback)
+        self.lr_scheduling = check_lr_scheduler(lr_scheduler, optimizer, self.framework)
         self.run_dir: Path | None = None
 
     def train(
@@ -240,9 +247,12 @@ class FabricModel:
         self, final: Any, adapter: FrameworkAdapter, train_set: Any, run: RunDirectory, hooks: Hooks
     ) -> float | None:
         """The trained state into the user's model and optimizer, the model saved (and exported)."""
-        framework = self._framework
-        framework.load_final_state(adapter, final.model_state, final.optimizer_state)
+        framework, self._trained_adapter = self._framework, adapter
+        # The scheduler's final state into the user's, as the optimizer's (callbacks stay: a next train() starts fresh).
+        own = LoopState(adapter.stat_names, self.lr_scheduling, []).unpack(final.optimizer_state)
+        framework.load_final_state(adapter, final.model_state, own)
         framework.save_model(run.model, self.model, final.model_state)
+        framework.hand_over(adapter)  # Keras: the model comes back compiled
         if not self.save_to_onnx:
             return None
         from .export import export_final_model
@@ -305,10 +315,8 @@ class FabricModel:
                 engines_number=engines_number,
                 effective_batch_size=effective_batch_size,
             )
-        adapter = self._make_adapter()
-        if loop.deterministic:
-            adapter = run_setup.make_deterministic(self.framework, adapter, sizing.micro_batches)
-        payload = self._job_payload(framework.prepare_for_shipping(adapter, framework.first_batch(adapter, train_set)))
+        exact = sizing.micro_batches if loop.deterministic else None  # the micro-batches per step
+        adapter, payload = self._ship(train_set, test_set is not None, exact)
         config = train_config(epoch_number, batch_size, sizing, seed, loop, gpus)
         setup = DriverSetup(
             payload=payload,
@@ -320,6 +328,7 @@ class FabricModel:
             threads=run_setup.worker_threads(loop.deterministic, ray_cluster, gpus, sizing.max_workers),
             framework=self.framework,
             keep_checkpoints=loop.keep_checkpoints,
+            keep_best=best_of(self.user_callbacks),
             resume=resumed,
             max_workers=engines,
         )
@@ -374,10 +383,22 @@ class FabricModel:
         )
         return self._framework.make_adapter(user)
 
+    def _ship(self, train_set: Any, has_test: bool, exact: int | None) -> tuple[FrameworkAdapter, bytes]:
+        """The adapter (deterministic for ``exact`` micro-batches per step) and the job every
+        worker receives, once what it monitors is checked."""
+        adapter, framework = self._make_adapter(), self._framework
+        if exact is not None:
+            adapter = run_setup.make_deterministic(self.framework, adapter, exact)
+        # EarlyStopping, BestCheckpoints, ReduceLROnPlateau: each monitor must name a metric of the run.
+        check_monitors([*self.user_callbacks, self.lr_scheduling], adapter.stat_names, has_test)
+        return adapter, self._job_payload(
+            framework.prepare_for_shipping(adapter, framework.first_batch(adapter, train_set))
+        )
+
     def _job_payload(self, adapter: FrameworkAdapter) -> bytes:
         """The job every worker receives, cloudpickled once."""
         hooks = Hooks.for_worker(self.worker_logger_callback, self.user_callbacks)
-        return serialize_job(Job(adapter, self.datasets_function, hooks))
+        return serialize_job(Job(adapter, self.datasets_function, hooks, self.lr_scheduling))
 
 
 def _require(**arguments: Any) -> None:

@@ -31,9 +31,18 @@ class Callback:
       (a worker that joins mid-run calls it on joining) and when the schedule ends;
     - ``on_epoch_begin(epoch)``: before the first step of each epoch (a worker that joins
       mid-epoch starts from the optimizer state it pulled, which carries any learning rate
-      set earlier); ``on_epoch_end(epoch)``: after the epoch's last step, before validation;
+      set earlier); ``on_epoch_end(epoch, logs)``: after the epoch's validation, with Keras'
+      ``logs``: the epoch's sample-weighted training averages (``loss``, metrics) and, when the
+      epoch was validated, the validation metrics prefixed ``val_``; the same values on every worker;
     - ``on_batch_begin(step)`` / ``on_batch_end(step)``: around each optimizer step (``step``
       within the epoch; a step redone after a failure runs them again).
+
+    Setting ``self.stop_training = True`` (or ``self.model.stop_training``, as Keras callbacks do)
+    in ``on_epoch_end`` or ``on_batch_end`` ends training after that epoch or step. Decide from
+    what every replica shares (``logs``, the step, state kept in ``state_dict()``), and every
+    replica stops at the same step; ``train()`` then returns normally with the shorter history.
+    A callback's ``state_dict()`` / ``load_state_dict(state)``, if it has them, travel with the
+    optimizer state (checkpoints, joining workers, resume), so a replacement decides alike.
 
     Attributes:
         params: ``optimizer``, ``epochs``, ``batch_size``, ``steps_per_epoch``, ``seed``.
@@ -42,6 +51,7 @@ class Callback:
 
     params: dict[str, Any]
     model: Any
+    stop_training: bool = False
 
     def set_context(self, model: Any, params: dict[str, Any]) -> None:
         self.model, self.params = model, params
@@ -55,8 +65,8 @@ class Callback:
     def on_epoch_begin(self, epoch: int) -> None:
         pass
 
-    def on_epoch_end(self, epoch: int, save_model: bool = False) -> None:
-        # IBM's Callback has `save_model`; the loop calls on_epoch_end(epoch), so overrides with it work.
+    def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
+        # IBM's overrides, on_epoch_end(epoch, save_model=False), take no `logs` and are called with the epoch only.
         pass
 
     def on_batch_begin(self, step: int) -> None:
@@ -64,3 +74,62 @@ class Callback:
 
     def on_batch_end(self, step: int) -> None:
         pass
+
+
+class EarlyStopping(Callback):
+    """Stop training when ``monitor`` has stopped improving, as Keras' ``EarlyStopping`` does.
+
+    Args:
+        monitor: a key of the epoch's ``logs``: ``"loss"``, a metric's name, or ``"val_"`` and one
+            of those (checked in the caller against the run's metrics).
+        patience: epochs without improvement after which training stops.
+        mode: ``"min"``, ``"max"``, or ``"auto"`` (``"max"`` for names with "acc" or "auc", else ``"min"``).
+        min_delta: the least change that counts as an improvement.
+        baseline: a value the monitored quantity must improve on (None: the first epoch's).
+
+    Its progress (``best``, ``wait``) is in :meth:`state_dict`, so it travels with the training
+    state and every replica, replacements included, stops at the same epoch. ``stopped_epoch``
+    is set in the workers; the caller learns of the stop from ``train()``'s shorter history.
+    """
+
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        patience: int = 0,
+        mode: str = "auto",
+        min_delta: float = 0.0,
+        baseline: float | None = None,
+    ) -> None:
+        if mode not in ("min", "max", "auto"):
+            raise ValueError(f"Expected `mode` to be 'min', 'max' or 'auto'. Received: mode={mode!r}")
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
+            raise ValueError(f"Expected `patience` to be an int >= 0. Received: patience={patience!r}")
+        self.monitor, self.patience, self.min_delta, self.baseline = monitor, patience, abs(min_delta), baseline
+        self.mode = mode if mode != "auto" else ("max" if ("acc" in monitor or "auc" in monitor) else "min")
+        self.best: float | None = baseline
+        self.wait = 0
+        self.stopped_epoch = -1
+
+    def improved(self, value: float) -> bool:
+        if self.best is None:
+            return True
+        if self.mode == "min":
+            return value < self.best - self.min_delta
+        return value > self.best + self.min_delta
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
+        value = (logs or {}).get(self.monitor)
+        if value is None:  # not validated this epoch (validation_freq > 1): nothing to judge
+            return
+        if self.improved(value):
+            self.best, self.wait = value, 0
+            return
+        self.wait += 1
+        if self.wait >= max(1, self.patience):
+            self.stop_training, self.stopped_epoch = True, epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "wait": self.wait, "stopped_epoch": self.stopped_epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.wait, self.stopped_epoch = state["best"], int(state["wait"]), int(state["stopped_epoch"])

@@ -34,7 +34,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import IO, Any
 
@@ -212,10 +212,11 @@ def newest_checkpoint(directory: Path) -> CheckpointInfo | None:
 
 
 # -- the driver's housekeeping -------------------------------------------------------------
-def prune(directory: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` checkpoints (and temporary files of dead writers)."""
+def prune(directory: Path, keep: int, spare: Collection[int] = ()) -> list[Path]:
+    """Delete all but the newest ``keep`` checkpoints and the units in ``spare`` (the best ones;
+    see :mod:`fabric_model.best_checkpoints`), and temporary files of dead writers."""
     remove_temp_files(directory, only_dead_writers=True)
-    removed = [path for _, path in list_checkpoints(directory)[:-keep]]
+    removed = [path for unit, path in list_checkpoints(directory)[:-keep] if unit not in spare]
     for path in removed:
         path.unlink(missing_ok=True)
     return removed

@@ -84,8 +84,13 @@ class Hooks:
     def on_epoch_begin(self, epoch: int) -> None:
         self._call(self._opening(), "on_epoch_begin", epoch)
 
-    def on_epoch_end(self, epoch: int) -> None:
-        self._call(self._closing(), "on_epoch_end", epoch)
+    def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
+        """``logs`` (Keras': the epoch's training averages and ``val_`` metrics) reaches the
+        methods that take a ``logs`` parameter; IBM's ``on_epoch_end(epoch, save_model=False)`` gets none."""
+        for obj in self._closing():
+            method = getattr(obj, "on_epoch_end", None)
+            if callable(method):
+                method(epoch, logs=dict(logs or {})) if _takes_logs(method) else method(epoch)
 
     def on_batch_begin(self, step: int) -> None:
         self._call(self._opening(), "on_batch_begin", step)
@@ -133,6 +138,14 @@ class Hooks:
             if callable(method):
                 stream = method(stream, unit)
         return stream
+
+
+def _takes_logs(method: Any) -> bool:
+    try:
+        parameters = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "logs" or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 # -- IBM's older logger signature ------------------------------------------------------------

@@ -17,3 +17,4 @@ class Job:
     adapter: Any  # a frameworks.base.FrameworkAdapter; typed loosely so this module imports nothing heavy
     get_datasets: Callable[[], tuple[Any, Any]]
     hooks: Hooks = dataclasses.field(default_factory=Hooks)  # the worker logger and user callbacks
+    lr_scheduling: Any = None  # a loop_state.LRScheduling (its scheduler holds the adapter's optimizer)

@@ -172,16 +172,20 @@ class MetricsLog:
             }
         )
 
-    def end(self, *, iteration: int, replica_digests: Mapping[int, str]) -> None:
-        """Training ended: the digest of every finished replica."""
-        self._write(
-            {
-                "type": "end",
-                "time": time.time(),
-                "iteration": iteration,
-                "replica_digests": {str(k): v for k, v in sorted(replica_digests.items())},
-            }
-        )
+    def end(
+        self, *, iteration: int, replica_digests: Mapping[int, str], stopped_after_epoch: int | None = None
+    ) -> None:
+        """Training ended: the digest of every finished replica; ``stopped_after_epoch`` when a
+        callback stopped training early (every replica after the same epoch or step)."""
+        record = {
+            "type": "end",
+            "time": time.time(),
+            "iteration": iteration,
+            "replica_digests": {str(k): v for k, v in sorted(replica_digests.items())},
+        }
+        if stopped_after_epoch is not None:
+            record["stopped_after_epoch"] = stopped_after_epoch
+        self._write(record)
 
     def onnx(self, *, path: str | None, max_abs_diff: float | None = None, error: str | None = None) -> None:
         """The ONNX export after training: ``path`` and onnxruntime's ``max_abs_diff``, or ``error``."""

@@ -485,3 +485,35 @@ def test_functional_model_with_named_dict_inputs(run_dir):
     assert len(set(result.replica_digests.values())) == 1
     assert result.history[-1]["loss"] < result.history[0]["loss"]
     assert max_rel_diff(trainable(model), before) > 0  # the caller's model holds the trained weights
+
+
+def scheduled_sgd() -> keras.optimizers.Optimizer:
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.2, decay_steps=4, decay_rate=0.5)
+    return keras.optimizers.SGD(learning_rate=schedule, momentum=0.9)
+
+
+def test_a_learning_rate_schedule_resumes_and_the_model_comes_back_compiled(run_dir):
+    """A LearningRateSchedule reads the optimizer's iteration count, which the checkpoint carries:
+    1 epoch, then a resume to 2, ends with the weights of a GradientTape loop under the same
+    schedule. The model comes back compiled (model.evaluate works); fm.evaluate / predict agree."""
+    reference = mlp()
+    gradient_tape_reference(
+        reference, scheduled_sgd(), LOSS, DATA, epochs=EPOCHS, batch_size=BATCH, micro_batches=3, seed=SEED
+    )
+    test = DATA[:40]
+    FabricModel(mlp(), lambda: (DATA, test), LOSS, scheduled_sgd(), metrics=["accuracy"]).train(
+        1, BATCH, 1, effective_batch_size=3 * BATCH, seed=SEED, run_dir=run_dir
+    )
+    model, optimizer = mlp(), scheduled_sgd()
+    fm = FabricModel(model, lambda: (DATA, test), LOSS, optimizer, metrics=["accuracy"])
+    result = fm.train(EPOCHS, BATCH, 1, effective_batch_size=3 * BATCH, run_dir=run_dir, resume=True)
+    assert max_rel_diff(trainable(model), trainable(reference)) < 1e-5
+    steps = EPOCHS * -(-len(DATA) // (3 * BATCH))
+    assert int(optimizer.iterations) == steps
+    x, y = collate_numpy(test)
+    keras_result = model.evaluate(x, y, verbose=0, return_dict=True)  # compiled with the loss and metrics given
+    ours = fm.evaluate()
+    assert ours["loss"] == pytest.approx(result.test_history[-1]["loss"], rel=1e-5)
+    assert keras_result["loss"] == pytest.approx(ours["loss"], rel=1e-5)
+    assert keras_result["accuracy"] == pytest.approx(result.test_history[-1]["accuracy"])
+    assert fm.predict(test).shape == (40, 3)

@@ -9,11 +9,13 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .. import checkpoint
 from .. import protocol as p
+from ..best_checkpoints import BestCheckpoints
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +44,26 @@ class CheckpointBook:
         metrics: the run's metrics log (a record per checkpoint and per resume).
         wrap_stream: the driver hooks' ``wrap_checkpoint_stream`` seam (docs/architecture.md,
             "Testing seams").
+        best: which of the older checkpoints to spare by a monitored metric, if any.
+        epoch_logs: ``epoch -> logs`` (training averages and ``val_`` metrics) the driver has so far.
     """
 
     def __init__(
-        self, directory: Path, framework: str, keep: int, units_per_epoch: int, metrics: Any, wrap_stream: Any = None
+        self,
+        directory: Path,
+        framework: str,
+        keep: int,
+        units_per_epoch: int,
+        metrics: Any,
+        wrap_stream: Any = None,
+        best: BestCheckpoints | None = None,
+        epoch_logs: Callable[[int], dict[str, float]] | None = None,
     ) -> None:
         self.directory, self.framework, self.keep, self.metrics = directory, framework, keep, metrics
         self.units_per_epoch = units_per_epoch
         self.wrap_stream = wrap_stream
+        self.best, self.epoch_logs = best, epoch_logs
+        self._scored: dict[int, float] = {}  # what the spared set was last computed from
         self.by_unit: dict[int, Path] = {}
         self.accepted = -1  # the newest checkpoint handed to the writer (written or not yet)
         self._todo: queue.Queue[tuple[int, int, int, int, bytes] | None] = queue.Queue()
@@ -110,12 +124,38 @@ class CheckpointBook:
             self._done.put(_Written(unit, epoch, worker, generation, path, time.monotonic() - started, error))
 
     def poll(self) -> None:
-        """Record the writes that finished (on the event loop's thread): metrics, pruning."""
+        """Record the writes that finished (on the event loop's thread): metrics, pruning; and
+        prune again when a checkpoint's score came (a validation ends after its checkpoint)."""
         while True:
             try:
                 self._record(self._done.get_nowait())
             except queue.Empty:
-                return
+                break
+        if self.best is not None and self._scores() != self._scored:
+            self._prune()
+
+    def _scores(self) -> dict[int, float]:
+        """The monitored value of each checkpoint whose epoch's logs have it."""
+        assert self.best is not None and self.epoch_logs is not None
+        scores = {}
+        for unit in self.by_unit:
+            value = self.epoch_logs(unit // self.units_per_epoch).get(self.best.monitor)
+            if value is not None:
+                scores[unit] = float(value)
+        return scores
+
+    def _prune(self) -> list[Path]:
+        """Delete the checkpoints neither among the newest ``keep`` nor spared as the best."""
+        spare: set[int] = set()
+        if self.best is not None:
+            self._scored = scores = self._scores()
+            spare = self.best.protected(sorted(self.by_unit), scores)
+        removed = checkpoint.prune(self.directory, self.keep, spare)
+        self.by_unit = {u: q for u, q in self.by_unit.items() if q not in removed}
+        if self.best is not None:
+            names = {u: q.name for u, q in self.by_unit.items()}
+            self.best.write_record(self.directory, {u: v for u, v in self._scored.items() if u in names}, names)
+        return removed
 
     def close(self, timeout: float) -> None:
         """Let the queued writes finish (the last epoch's checkpoint is on disk when train() returns)."""
@@ -137,8 +177,7 @@ class CheckpointBook:
             return
         self.by_unit[done.unit] = done.path
         # Only now that the new one is durable may the oldest go.
-        removed = checkpoint.prune(self.directory, self.keep)
-        self.by_unit = {u: q for u, q in self.by_unit.items() if q not in removed}
+        removed = self._prune()
         self.metrics.checkpoint(
             **where,
             path=f"checkpoints/{done.path.name}",

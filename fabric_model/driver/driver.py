@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import protocol as p
+from ..best_checkpoints import BestCheckpoints, epoch_logs
 from ..checkpoint import CheckpointInfo
 from ..config import TrainConfig
 from ..control import ControlServer
@@ -61,6 +62,7 @@ class DriverSetup:
             :func:`fabric_model.network.resolve_bind_address`).
         max_workers: the most workers at once, hand-started ones included (engines_number);
             None: one per local slot.
+        keep_best: which older checkpoints to keep by a monitored metric (a ``BestCheckpoints`` in ``user_callback``).
     """
 
     payload: bytes
@@ -75,6 +77,7 @@ class DriverSetup:
     resume: CheckpointInfo | None = None
     bind_address: str = DEFAULT_BIND_ADDRESS
     max_workers: int | None = None
+    keep_best: BestCheckpoints | None = None
 
 
 @dataclasses.dataclass
@@ -117,6 +120,8 @@ class Driver:
             self.schedule.units_per_epoch,
             self.metrics,
             wrap_stream=hooks.wrap_checkpoint_stream,  # the driver writes the files (testing seam)
+            best=setup.keep_best,
+            epoch_logs=lambda e: epoch_logs(self.progress.train_history, self.progress.test_history, e),
         )
         # Checkpoints and snapshots that rank 0 uploads (docs/architecture.md, "Elasticity").
         self.states = StateBook(self.checkpoints)
@@ -173,7 +178,8 @@ class Driver:
         self._store = StoreService()
         self._server = ControlServer(secret, host=host, allocate_id=self.membership.allocate_id, store=self._store)
         address = (advertised_address(host), self._server.address[1])
-        timeouts = self.setup.config.timeouts
+        config = self.setup.config
+        timeouts = config.timeouts
         self._launcher = self._launcher_factory(address, secret)
         self.run_dir.write_join_info(address, secret)
         try:
@@ -184,6 +190,9 @@ class Driver:
                 self._next_event()
             self.checkpoints.close(timeouts.stop)  # the last checkpoint is on disk when train() returns
             self.progress.check_replicas()
+            if len(self.progress.train_history) < config.epochs:  # every replica skipped to the end alike
+                log.info("training stopped by a callback after epoch %d", len(self.progress.train_history))
+                self.hooks.note(f"training stopped by a callback after epoch {len(self.progress.train_history)}")
             for worker_id in self.membership.alive():
                 self._server.send(worker_id, p.Stop())
             self._launcher.wait_all(timeouts.stop)

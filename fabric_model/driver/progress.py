@@ -158,7 +158,10 @@ class Progress:
         """Invariant 4: every replica that finished holds the same weights and optimizer state."""
         total = self.schedule.total_units
         finished = {w: d for w, d in self.replica_digests.items() if self.done_units.get(w, -1) >= total}
-        self.metrics.end(iteration=self.iteration, replica_digests={str(k): v for k, v in sorted(finished.items())})
+        # A callback stopped every replica early (worker/loop.py, "_stopping"): the history is shorter.
+        stopped = len(self.train_history) - 1 if len(self.train_history) < self.schedule.epochs else None
+        digests = {str(k): v for k, v in sorted(finished.items())}
+        self.metrics.end(iteration=self.iteration, replica_digests=digests, stopped_after_epoch=stopped)
         self.replica_digests = finished
         if len(set(finished.values())) > 1:
             raise ReplicaDivergenceError(f"replicas ended with different states: {finished}")

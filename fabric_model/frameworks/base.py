@@ -181,6 +181,10 @@ class Framework(abc.ABC):
         """Put the trained state into the user's model and optimizer (those the caller's adapter holds)."""
         adapter.load_state(model_state, optimizer_state)
 
+    def hand_over(self, adapter: FrameworkAdapter) -> None:
+        """Last touches to the user's trained model once it is saved (Keras: compiled)."""
+        return None  # torch: nothing to do
+
     @abc.abstractmethod
     def save_model(self, model_dir: Path, model: Any, model_state: dict[str, Any]) -> Path:
         """Write the trained model into ``model_dir`` in the framework's own format (aside, then renamed)."""
@@ -192,6 +196,14 @@ class Framework(abc.ABC):
         else:
             batch = adapter.collate([train_set[i] for i in range(min(len(train_set), 4))])
         return self.split_batch(batch)[0]
+
+    def evaluate_trained(self, adapter: FrameworkAdapter, dataset: Any, batch_size: int) -> dict[str, float]:
+        """``FabricModel.evaluate``: the loss and metrics of the caller's trained model on ``dataset``."""
+        raise NotImplementedError
+
+    def predict_trained(self, adapter: FrameworkAdapter, dataset: Any, batch_size: int) -> Any:
+        """``FabricModel.predict``: the caller's trained model's outputs on ``dataset``."""
+        raise NotImplementedError
 
     # -- ONNX (see fabric_model.export) --------------------------------------------------------
     @abc.abstractmethod

@@ -117,3 +117,21 @@ class KerasFramework(Framework):
         from .keras_export import grow_keras_batch
 
         return grow_keras_batch(sample)
+
+    def evaluate_trained(self, adapter: FrameworkAdapter, dataset: Any, batch_size: int) -> dict[str, float]:
+        from .keras_inference import evaluate
+
+        return evaluate(adapter, dataset, batch_size)
+
+    def predict_trained(self, adapter: FrameworkAdapter, dataset: Any, batch_size: int) -> Any:
+        from .keras_inference import predict
+
+        return predict(adapter, dataset, batch_size)
+
+    def hand_over(self, adapter: FrameworkAdapter) -> None:
+        """The user's model compiled with the loss, optimizer (holding the trained state) and metrics
+        given, so ``model.evaluate`` works as after ``model.fit``. After ``save_model``: ``model.keras``
+        stays as before, loadable without custom objects for a loss function."""
+        from .keras_inference import compile_trained
+
+        compile_trained(adapter)

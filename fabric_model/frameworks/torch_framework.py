@@ -141,3 +141,13 @@ class TorchFramework(Framework):
         from .torch_export import grow_torch_batch
 
         return grow_torch_batch(sample)
+
+    def evaluate_trained(self, adapter: FrameworkAdapter, dataset: Any, batch_size: int) -> dict[str, float]:
+        from .torch_inference import evaluate
+
+        return evaluate(adapter, dataset, batch_size)
+
+    def predict_trained(self, adapter: FrameworkAdapter, dataset: Any, batch_size: int) -> Any:
+        from .torch_inference import predict
+
+        return predict(adapter, dataset, batch_size)

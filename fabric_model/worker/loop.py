@@ -30,6 +30,7 @@ from ..context import WorkerContext
 from ..control import Channel
 from ..data import EpochShuffledBatches, PrefetchLoader, first_of, is_batch_level, own_shuffle
 from ..job import Job
+from ..loop_state import LoopState
 from ..metrics import stat_means
 from ..plan import Plan, Schedule, assigned_micro_batches, epoch_permutation, eval_batches, micro_batch_seed
 from .inbox import Inbox
@@ -67,6 +68,8 @@ class TrainingLoop:
         self.next_unit = 0
         self.iterations = 0  # steps this worker took part in
         self.hooks = job.hooks
+        # The scheduler, the epoch's sums and the callbacks' state: they travel with the optimizer state.
+        self.extras = LoopState(self.adapter.stat_names, job.lr_scheduling, self.hooks.callbacks)
         # Asked once: the metrics a logger would get are not computed each step for nobody.
         self._logs_train = self.hooks.defines("log_train_metrics")
         self._logs_test = self.hooks.defines("log_test_metrics")
@@ -121,13 +124,13 @@ class TrainingLoop:
             state = decode_state(generation.state, self.plan, str(restore))
             if state["unit"] != generation.resume_unit:
                 raise RuntimeError(f"{restore} holds unit {state['unit']}, not {generation.resume_unit}")
-            self.adapter.load_state(state["model"], state["optimizer"])
+            self.adapter.load_state(state["model"], self.extras.unpack(state["optimizer"]))
         self.uploads.entered(generation.checkpoint, generation.resume_unit)
         if source >= 0:  # the members that lack the agreed state take it from the one that holds it
             mine = self._state() if self.collective.rank == source else None
             state = broadcast_state(self.collective, mine, source)
             if self.collective.rank != source:
-                self.adapter.load_state(state["model"], state["optimizer"])
+                self.adapter.load_state(state["model"], self.extras.unpack(state["optimizer"]))
         self.next_unit = generation.resume_unit
         log.info(
             "generation %d: rank %d/%d at unit %d (group %.3f s, state %s %.3f s)",
@@ -141,13 +144,13 @@ class TrainingLoop:
         )
 
     def _state(self) -> dict[str, Any]:
-        return {"model": self.adapter.model_state(), "optimizer": self.adapter.optimizer_state()}
+        return {"model": self.adapter.model_state(), "optimizer": self.extras.pack(self.adapter.optimizer_state())}
 
     def _upload_if_due(self) -> None:
         """Rank 0 uploads the checkpoint or snapshot due before ``next_unit`` (all replicas are identical)."""
         kind = self.uploads.kind_due(self.next_unit, self.collective.rank)
         if kind is not None:
-            state = (self.adapter.model_state(), self.adapter.optimizer_state())
+            state = (self.adapter.model_state(), self.extras.pack(self.adapter.optimizer_state()))
             self.uploads.upload(kind, self.next_unit, self.collective.generation, *state)
 
     # -- one generation -------------------------------------------------------------------
@@ -160,9 +163,10 @@ class TrainingLoop:
                 self._upload_if_due()
                 epoch, step = self.schedule.locate(self.next_unit)
                 if step is None:
-                    if self.schedule.validation_due(epoch):
-                        self._validate(epoch)
+                    val_stats = self._validate(epoch) if self.schedule.validation_due(epoch) else None
                     self.next_unit += 1
+                    if self._end_epoch(epoch, val_stats):
+                        return
                     continue
                 if step == 0:
                     self.hooks.on_epoch_begin(epoch)
@@ -170,12 +174,27 @@ class TrainingLoop:
                 switch = self._step(epoch, step, batches)
                 self.next_unit += 1
                 self.hooks.on_batch_end(step)
-                if step == self.plan.steps_per_epoch - 1:
-                    self.hooks.on_epoch_end(epoch)
-                if switch:
+                if switch or self._stopping():
                     return
         finally:
             loader.close()
+
+    def _end_epoch(self, epoch: int, val_stats: list[float] | None) -> bool:
+        """Keras' ``on_epoch_end(epoch, logs)``, after validation, then an epoch scheduler's step;
+        returns whether a callback stopped training."""
+        logs = self.extras.epoch_logs(epoch, val_stats)
+        self.hooks.on_epoch_end(epoch, logs)
+        self.extras.epoch_done(logs)
+        return self._stopping()
+
+    def _stopping(self) -> bool:
+        """Every replica decides alike (same logs, same carried state): all skip to the schedule's
+        end after the same unit, and the driver sees them finish (docs/architecture.md, "Training features")."""
+        if not self.extras.should_stop(self.adapter.model):
+            return False
+        log.info("a callback stopped training at unit %d", self.next_unit)
+        self.next_unit = self.schedule.total_units
+        return True
 
     def _collate_for(self, dataset: Any) -> Callable[[Any], Any]:
         batch_level = is_batch_level(dataset) or isinstance(dataset, EpochShuffledBatches)
@@ -226,6 +245,7 @@ class TrainingLoop:
         adapter.all_reduce(collective)
         result = adapter.finish_step()
         stats, switch = result.stats, result.switch
+        self.extras.step_done(epoch, stats)
         self.iterations += 1
         self.channel.send(
             p.StepDone(
@@ -237,7 +257,7 @@ class TrainingLoop:
             self.hooks.log_train_metrics(metrics, self.iterations, epoch, collective.world_size)
         return switch
 
-    def _validate(self, epoch: int) -> None:
+    def _validate(self, epoch: int) -> list[float]:
         adapter, collective = self.adapter, self.collective
         loader = PrefetchLoader(self.test_set, self._collate_for(self.test_set), self.config.num_dataloader_threads)
         try:
@@ -256,3 +276,4 @@ class TrainingLoop:
         self.channel.send(p.EvalDone(epoch, tuple(stats)))
         if self._logs_test:
             self.hooks.log_test_metrics(stat_means(adapter.stat_names, stats), self.iterations, epoch)
+        return stats

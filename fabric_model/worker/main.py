@@ -116,7 +116,7 @@ def _train(
         return collective
     loop.run_joined()
     loop.uploads.flush(timeouts.recovery)  # the last checkpoint reaches the driver before Finished
-    model_state, optimizer_state = job.adapter.model_state(), job.adapter.optimizer_state()
+    model_state, optimizer_state = job.adapter.model_state(), loop.extras.pack(job.adapter.optimizer_state())
     digest = state_digest({"model": model_state, "optimizer": optimizer_state})
     channel.send(p.Finished(digest, loop.next_unit))
     collective.shutdown()

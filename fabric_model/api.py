@@ -17,6 +17,7 @@ from . import validation as v
 from .best_checkpoints import best_of, check_monitors
 from .callbacks import Callback
 from .cluster import check_cluster, open_cluster
+from .constructor_checks import check_constructor_arguments
 from .devices import place_workers
 from .hooks import Hooks
 from .inference import InferenceMixin
@@ -134,7 +135,7 @@ class FabricModel(InferenceMixin):
         self.keras_custom_objects = keras_custom_objects
         self.fn_batch_collate = fn_batch_collate
         self.fn_step_train, self.fn_test, self.fn_args = fn_step_train, fn_test, fn_args
-        self.metrics, self.user_callbacks = self._check_arguments(metrics, user_callback)
+        self.metrics, self.user_callbacks = check_constructor_arguments(self, metrics, user_callback)
         self.lr_scheduling = check_lr_scheduler(lr_scheduler, optimizer, self.framework)
         self.run_dir: Path | None = None
 
@@ -333,39 +334,6 @@ class FabricModel(InferenceMixin):
             max_workers=engines,
         )
         return setup, adapter, train_set
-
-    def _check_arguments(self, metrics: Any, user_callback: Any) -> tuple[list[Any], list[Any]]:
-        """Check the constructor's arguments (messages name the argument); return the metrics and callbacks."""
-        framework = self._framework
-        framework.check_options(
-            fn_step_train=self.fn_step_train, fn_test=self.fn_test, keras_custom_objects=self.keras_custom_objects
-        )
-        v.check_callable(
-            "datasets_function",
-            self.datasets_function,
-            hint=" HINT: pass the function itself, datasets_function=my_fn, not its result my_fn().",
-        )
-        framework.check_loss(self.loss_function)
-        checked_metrics = framework.check_metrics(metrics)
-        v.check_logger("worker_logger_callback", self.worker_logger_callback)
-        v.check_logger("driver_logger_callback", self.driver_logger_callback)
-        v.check_bool("save_to_onnx", self.save_to_onnx)
-        v.check_callable("fn_batch_collate", self.fn_batch_collate, allow_none=True)
-        v.check_callable(
-            "fn_step_train",
-            self.fn_step_train,
-            allow_none=True,
-            hint=" HINT: step(model, data, eva, train_loader, fn_args) -> (metric, loss).",
-        )
-        v.check_callable(
-            "fn_test",
-            self.fn_test,
-            allow_none=True,
-            hint=" HINT: fn_test(model, test_iter, fn_args) -> (metric, loss).",
-        )
-        callbacks = v.check_user_callbacks(user_callback)
-        framework.check_optimizer(self.model, self.optimizer)
-        return checked_metrics, list(callbacks)
 
     def _make_adapter(self) -> FrameworkAdapter:
         from .frameworks.base import UserObjects

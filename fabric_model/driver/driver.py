@@ -142,6 +142,7 @@ class Driver:
             p.Ready: lambda w, m: self._execute(self.membership.ready(w, m.attempt, time.monotonic())),
             p.Heartbeat: lambda w, m: None,
             p.StepDone: self._on_step,
+            p.StepsDone: self._on_steps,
             p.EvalDone: lambda w, m: self.progress.eval_done(m, len(self.membership.members)),
             p.StateChunk: self._on_state_chunk,
             p.LeftGeneration: lambda w, m: self._execute(self.membership.left(w, m, time.monotonic())),
@@ -253,6 +254,10 @@ class Driver:
         if unit is not None:
             self.membership.committed(unit)
             self.states.committed(unit)
+
+    def _on_steps(self, worker_id: int, message: p.StepsDone) -> None:
+        for report in message.reports:  # each counts as it would alone (worker/reports.py)
+            self._on_step(worker_id, report)
 
     def _on_state_chunk(self, worker_id: int, message: p.StateChunk) -> None:
         # Fenced: only rank 0 of the current generation may upload (driver/snapshots.py).

@@ -25,14 +25,23 @@ import numpy as np
 from .. import protocol as p
 from ..checkpoint import decode_state
 from ..collective import Collective, CollectiveError
-from ..config import TrainConfig
+from ..config import TrainConfig, threads_per_worker
 from ..context import WorkerContext
 from ..control import Channel
-from ..data import EpochShuffledBatches, PrefetchLoader, first_of, is_batch_level, own_shuffle
+from ..data import (
+    EpochShuffledBatches,
+    PrefetchLoader,
+    first_of,
+    is_batch_level,
+    loader_threads,
+    own_shuffle,
+    reads_at_once,
+)
 from ..job import Job
 from ..metrics import stat_means
 from ..plan import Plan, Schedule, assigned_micro_batches, epoch_permutation, eval_batches, micro_batch_seed
 from .inbox import Inbox
+from .reports import ReportingChannel
 from .snapshots import StateUploader
 from .state_transfer import broadcast_state
 
@@ -55,7 +64,9 @@ class TrainingLoop:
     ) -> None:
         self.job, self.config, self.plan = job, config, plan
         self.adapter = job.adapter
-        self.channel, self.membership, self.collective = channel, inbox, collective
+        # Step reports go out together on short steps; every other message after them (worker/reports.py).
+        self.channel = ReportingChannel(channel)
+        self.membership, self.collective = inbox, collective
         self.train_set, self.test_set = datasets
         # Items are addressed as epoch * len + item, so each epoch draws its own sample order.
         self._epoch_items = own_shuffle(self.train_set)
@@ -77,18 +88,21 @@ class TrainingLoop:
     def run_joined(self) -> None:
         """Train from the position of the generation entered (``enter``) to the schedule's end."""
         self.hooks.on_train_begin()
-        while True:
-            try:
-                self._run_generation()
-                if self.next_unit >= self.schedule.total_units:
-                    break
-                failed, reason = False, "switch"
-            except CollectiveError as exc:
-                self.adapter.abort_step()
-                failed, reason = True, str(exc).splitlines()[0][:300]
-            self.collective.shutdown()
-            self.channel.send(self.position(failed, reason))
-            self._reenter()
+        try:
+            while True:
+                try:
+                    self._run_generation()
+                    if self.next_unit >= self.schedule.total_units:
+                        break
+                    failed, reason = False, "switch"
+                except CollectiveError as exc:
+                    self.adapter.abort_step()
+                    failed, reason = True, str(exc).splitlines()[0][:300]
+                self.collective.shutdown()
+                self.channel.send(self.position(failed, reason))
+                self._reenter()
+        finally:  # the held reports reach the driver before Finished or WorkerFailed
+            self.channel.flush()
         self.hooks.on_train_end()
 
     def _reenter(self) -> None:
@@ -153,7 +167,7 @@ class TrainingLoop:
     # -- one generation -------------------------------------------------------------------
     def _run_generation(self) -> None:
         """Run units until the schedule ends or the members agree to switch generation."""
-        loader = PrefetchLoader(self.train_set, self._collate_for(self.train_set), self.config.num_dataloader_threads)
+        loader = self._loader_for(self.train_set)
         try:
             batches = loader.iterate(self._micro_batches(self.next_unit))
             while self.next_unit < self.schedule.total_units:
@@ -177,9 +191,15 @@ class TrainingLoop:
         finally:
             loader.close()
 
-    def _collate_for(self, dataset: Any) -> Callable[[Any], Any]:
+    def _loader_for(self, dataset: Any) -> PrefetchLoader:
+        """Reads ``dataset``'s micro-batches: in one gather where the framework can, and with
+        the loader threads the user asked for, else a share of this worker's cores (data.py)."""
         batch_level = is_batch_level(dataset) or isinstance(dataset, EpochShuffledBatches)
-        return first_of if batch_level else self.adapter.collate
+        collate: Callable[[Any], Any] = first_of if batch_level else self.adapter.collate
+        reader = None if batch_level else self.adapter.reader(dataset)
+        cores = threads_per_worker(self.config.sizing.max_workers)
+        threads = loader_threads(self.config.num_dataloader_threads, reads_at_once(dataset, reader), cores)
+        return PrefetchLoader(dataset, collate, threads, reader)
 
     def _check_abort(self) -> None:
         """Leave a long step or validation early when the driver ends this generation."""
@@ -227,7 +247,7 @@ class TrainingLoop:
         result = adapter.finish_step()
         stats, switch = result.stats, result.switch
         self.iterations += 1
-        self.channel.send(
+        self.channel.report(
             p.StepDone(
                 collective.generation, epoch, step, collective.rank, collective.world_size, tuple(mine), tuple(stats)
             )
@@ -239,7 +259,7 @@ class TrainingLoop:
 
     def _validate(self, epoch: int) -> None:
         adapter, collective = self.adapter, self.collective
-        loader = PrefetchLoader(self.test_set, self._collate_for(self.test_set), self.config.num_dataloader_threads)
+        loader = self._loader_for(self.test_set)
         try:
             # A batch-level dataset's items are batches already: one item per evaluation batch.
             chunk = 1 if is_batch_level(self.test_set) else self.config.batch_size

@@ -39,10 +39,23 @@ class Alone(OneOfTwo):
     world_size = 1
 
 
+class WithUnused(nn.Module):
+    """BatchNorm statistics, and a layer no step gives a gradient (weight decay must leave it alone)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+        self.unused = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
 def train(collective: object, micro_batches: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
-    adapter = TorchAdapter(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), F.cross_entropy)
+    model = WithUnused()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    adapter = TorchAdapter(model, optimizer, F.cross_entropy)
     adapter.setup("cpu", 1)
     g = torch.Generator().manual_seed(1)
     for step in range(4):
@@ -58,6 +71,8 @@ def train(collective: object, micro_batches: int) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("micro_batches", [1, 3])
 def test_a_lone_worker_takes_the_buffer_paths_weights_bit_for_bit(micro_batches: int) -> None:
     alone, reduced = train(Alone(), micro_batches), train(OneOfTwo(), micro_batches)
+    torch.manual_seed(0)
+    assert torch.equal(alone["unused.weight"], WithUnused().unused.weight)  # untouched by decay and momentum
     for name in reduced:
         assert torch.equal(alone[name], reduced[name]), name
 

@@ -159,10 +159,11 @@ class TorchAdapter(FrameworkAdapter):
         self._works: list[Any] = []
         self._deferred_error: Exception | None = None
         self._direct = False  # this step's gradients are fresh tensors, not views (a lone worker)
+        self._got = [0.0] * len(self._params)  # the got-gradient flags, written to the buffer per micro-batch
 
     def _on_grad_ready(self, index: int) -> None:
         """A parameter received a gradient; on the last micro-batch, launch its bucket once full, in order."""
-        self._got_grad[index] = 1.0
+        self._got[index] = 1.0  # a list: a tensor element write per parameter costs microseconds
         if not self._overlap:
             return
         bucket = self._bucket_of[index]
@@ -195,6 +196,7 @@ class TorchAdapter(FrameworkAdapter):
     def begin_step(self, collective: Any = None) -> None:
         self._collective = collective
         self._works, self._launched, self._pending = [], 0, list(self._bucket_sizes)
+        self._got = [0.0] * len(self._params)
         # A lone worker reduces nothing: backward writes fresh gradients, as in a plain loop,
         # instead of adding into a zeroed buffer (docs/architecture.md, "The step").
         self._direct = getattr(collective, "world_size", 0) == 1 and self.step_fn is None
@@ -225,6 +227,7 @@ class TorchAdapter(FrameworkAdapter):
             (loss if weight == 1.0 else loss * weight).backward()  # x * 1.0 == x: one op less
         finally:
             self._overlap = False
+        self._got_grad.copy_(torch.tensor(self._got))
         n = num_samples
         with torch.no_grad():
             self._add_buffer_deltas(weight)
@@ -262,6 +265,7 @@ class TorchAdapter(FrameworkAdapter):
                 self.optimizer.step = previous
             else:
                 del self.optimizer.step
+        self._got_grad.copy_(torch.tensor(self._got))
         scratch = self._scratch
         offset = 0
         for p in self._params:  # the user may have replaced .grad (clipping does not)

@@ -192,7 +192,10 @@ def run_faults(steps: int) -> dict:
     for record in log:  # the later record of a step wins, as in the README
         if record["type"] == "train":
             steps_done[(record["epoch"], record["step"])] = record
-    after = [r for r in log if r["type"] == "train" and r["time"] > killed]
+    # Reports of steps before the kill may be committed after it (workers send them in
+    # batches): count from the steps of the generations formed after the kill.
+    first = min(r["generation"] for r in log if r["type"] == "generation" and r["time"] > killed)
+    after = [r for r in log if r["type"] == "train" and r["generation"] >= first]
     counts = [sorted(j for mbs in r["micro_batches"].values() for j in mbs) for r in steps_done.values()]
     return {
         "kill_to_next": after[0]["time"] - killed,

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -161,3 +163,16 @@ def test_step_reports_go_one_by_one_when_steps_are_long() -> None:
     for step in range(3):
         channel.report(done(0, step))
     assert raw.sent == [done(0, 0), done(0, 1), done(0, 2)]
+
+
+def test_held_reports_go_out_within_the_interval_when_no_step_follows() -> None:
+    """A worker held after a step (a callback, a validation, a hang) still reports it: the
+    driver may be waiting for that commit (a join is started after a committed step)."""
+    raw = Recorder()
+    channel = ReportingChannel(raw, interval=0.05)  # type: ignore[arg-type]
+    channel.report(done(0, 0))
+    channel.report(done(0, 1))
+    deadline = time.monotonic() + 10.0
+    while len(raw.sent) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert raw.sent == [done(0, 0), done(0, 1)]

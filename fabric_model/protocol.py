@@ -12,7 +12,7 @@ A worker's life in messages::
           <------------------------- JobSpec
     Ready ------------------------->                 (set up: job, datasets, device)
           <------------------------- EnterGeneration (rank, world size, where to resume)
-    StepDone(s) / EvalDone / Heartbeat / StateChunk ...
+    StepDone / EvalDone / Heartbeat / StateChunk ...
           <------------------------- JoinPending     (vote to switch after a step)
           <------------------------- Abort           (a member was lost: give up collectives)
     LeftGeneration ---------------->                 (how far it got), then EnterGeneration again
@@ -96,14 +96,6 @@ class StepDone:
     world_size: int
     micro_batches: tuple[int, ...]
     stats: tuple[float, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class StepsDone:
-    """Several ``StepDone`` reports of one worker, in order: on short steps a worker sends its
-    reports together (``worker/reports.py``) so the driver wakes once for many steps."""
-
-    reports: tuple[StepDone, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,8 +243,6 @@ class StoreOpen:
 
 
 WorkerMessage = (
-    (Hello | Ready | LeftGeneration | Heartbeat | StepDone | EvalDone | Finished | FinalState | WorkerFailed)
-    | StateChunk
-    | StepsDone
-)
+    Hello | Ready | LeftGeneration | Heartbeat | StepDone | EvalDone | Finished | FinalState | WorkerFailed
+) | StateChunk
 DriverMessage = Assigned | JobSpec | EnterGeneration | JoinPending | Abort | SendFinalState | Stop

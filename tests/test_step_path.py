@@ -4,12 +4,9 @@
   come out bit-identical to the buffer path's;
 - a ``TensorDataset`` is read in one gather, a dataset with ``__getitems__`` in one call:
   the batches are the ones item-by-item reading and ``default_collate`` give;
-- step reports are sent together on short steps, and never after a later message.
 """
 
 from __future__ import annotations
-
-import time
 
 import numpy as np
 import pytest
@@ -18,10 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset, default_collate
 
-from fabric_model import protocol as p
 from fabric_model.data import PrefetchLoader, fetch, loader_threads, reads_at_once
 from fabric_model.frameworks.torch_adapter import TorchAdapter
-from fabric_model.worker.reports import ReportingChannel
 
 
 class OneOfTwo:
@@ -127,52 +122,3 @@ def test_loader_threads_default_counts_the_workers_cores() -> None:
     assert loader_threads(3, True, 2) == 3  # the user's number stands
     assert loader_threads(None, True, 16) == 0  # one gather: no thread to hand it over
     assert [loader_threads(None, False, c) for c in (1, 2, 4, 8, 16)] == [1, 1, 2, 4, 4]
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.sent: list[object] = []
-
-    def send(self, message: object) -> None:
-        self.sent.append(message)
-
-
-def done(generation: int, step: int) -> p.StepDone:
-    return p.StepDone(generation, 0, step, 0, 1, (0,), (1.0, 1.0))
-
-
-def test_step_reports_go_together_and_before_any_later_message() -> None:
-    raw = Recorder()
-    channel = ReportingChannel(raw, interval=3600.0)  # type: ignore[arg-type]
-    channel.report(done(0, 0))  # a generation's first report goes at once
-    channel.report(done(0, 1))
-    channel.report(done(0, 2))
-    assert raw.sent == [done(0, 0)]
-    left = p.LeftGeneration(0, 3, False, "switch")
-    channel.send(left)  # the held reports first, in order, in one message
-    assert raw.sent == [done(0, 0), p.StepsDone((done(0, 1), done(0, 2))), left]
-    channel.report(done(1, 3))  # a new generation's first report: at once again
-    channel.report(done(1, 4))
-    channel.flush()
-    assert raw.sent[3:] == [done(1, 3), done(1, 4)]
-
-
-def test_step_reports_go_one_by_one_when_steps_are_long() -> None:
-    raw = Recorder()
-    channel = ReportingChannel(raw, interval=0.0)  # type: ignore[arg-type]
-    for step in range(3):
-        channel.report(done(0, step))
-    assert raw.sent == [done(0, 0), done(0, 1), done(0, 2)]
-
-
-def test_held_reports_go_out_within_the_interval_when_no_step_follows() -> None:
-    """A worker held after a step (a callback, a validation, a hang) still reports it: the
-    driver may be waiting for that commit (a join is started after a committed step)."""
-    raw = Recorder()
-    channel = ReportingChannel(raw, interval=0.05)  # type: ignore[arg-type]
-    channel.report(done(0, 0))
-    channel.report(done(0, 1))
-    deadline = time.monotonic() + 10.0
-    while len(raw.sent) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert raw.sent == [done(0, 0), done(0, 1)]

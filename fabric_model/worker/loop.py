@@ -41,7 +41,6 @@ from ..job import Job
 from ..metrics import stat_means
 from ..plan import Plan, Schedule, assigned_micro_batches, epoch_permutation, eval_batches, micro_batch_seed
 from .inbox import Inbox
-from .reports import ReportingChannel
 from .snapshots import StateUploader
 from .state_transfer import broadcast_state
 
@@ -64,9 +63,7 @@ class TrainingLoop:
     ) -> None:
         self.job, self.config, self.plan = job, config, plan
         self.adapter = job.adapter
-        # Step reports go out together on short steps; every other message after them (worker/reports.py).
-        self.channel = ReportingChannel(channel)
-        self.membership, self.collective = inbox, collective
+        self.channel, self.membership, self.collective = channel, inbox, collective
         self.train_set, self.test_set = datasets
         # Items are addressed as epoch * len + item, so each epoch draws its own sample order.
         self._epoch_items = own_shuffle(self.train_set)
@@ -88,21 +85,18 @@ class TrainingLoop:
     def run_joined(self) -> None:
         """Train from the position of the generation entered (``enter``) to the schedule's end."""
         self.hooks.on_train_begin()
-        try:
-            while True:
-                try:
-                    self._run_generation()
-                    if self.next_unit >= self.schedule.total_units:
-                        break
-                    failed, reason = False, "switch"
-                except CollectiveError as exc:
-                    self.adapter.abort_step()
-                    failed, reason = True, str(exc).splitlines()[0][:300]
-                self.collective.shutdown()
-                self.channel.send(self.position(failed, reason))
-                self._reenter()
-        finally:  # the held reports reach the driver before Finished or WorkerFailed
-            self.channel.flush()
+        while True:
+            try:
+                self._run_generation()
+                if self.next_unit >= self.schedule.total_units:
+                    break
+                failed, reason = False, "switch"
+            except CollectiveError as exc:
+                self.adapter.abort_step()
+                failed, reason = True, str(exc).splitlines()[0][:300]
+            self.collective.shutdown()
+            self.channel.send(self.position(failed, reason))
+            self._reenter()
         self.hooks.on_train_end()
 
     def _reenter(self) -> None:
@@ -247,7 +241,7 @@ class TrainingLoop:
         result = adapter.finish_step()
         stats, switch = result.stats, result.switch
         self.iterations += 1
-        self.channel.report(
+        self.channel.send(
             p.StepDone(
                 collective.generation, epoch, step, collective.rank, collective.world_size, tuple(mine), tuple(stats)
             )

@@ -25,7 +25,6 @@ from ..checkpoint import checkpoint_due, encode_state, state_record
 from ..config import TrainConfig
 from ..control import Channel
 from ..plan import Schedule
-from .reports import ReportingChannel
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +41,7 @@ class StateUploader:
         config: the run's configuration (``checkpoint_freq``, ``batch_size``, the snapshot intervals).
     """
 
-    def __init__(self, channel: Channel | ReportingChannel, schedule: Schedule, config: TrainConfig) -> None:
+    def __init__(self, channel: Channel, schedule: Schedule, config: TrainConfig) -> None:
         self.channel, self.schedule = channel, schedule
         self.freq, self.batch_size = config.checkpoint_freq, config.batch_size
         self.every_steps = int(config.timeouts.snapshot_steps)

@@ -108,6 +108,8 @@ def main() -> int:
                 result = run("faults", "mlp", 128, Path(tmp))
                 faults.extend([result] if result else [])
             print(f"round {r + 1}/{args.rounds} done, load average {os.getloadavg()[0]:.2f}", flush=True)
+            if r + 1 < args.rounds:  # a long run shows where it stands
+                print_table(results, faults, workloads, rows, kinds_1)
     print_table(results, faults, workloads, rows, kinds_1)
     for note in notes:
         print(f"note: {note}")

@@ -157,7 +157,7 @@ def print_table(results: dict, faults: list[dict], workloads: list[str], rows: s
         lost = f"{max(f['lost'] for f in faults)} / {max(f['doubled'] for f in faults)}"
         kept = "yes" if all(f["batch_kept"] for f in faults) else "no"
         diff = max(f["weights_max_diff"] for f in faults)
-        lines.append(["samples lost / doubled, global batch kept, max |weights - undisturbed|", "", "",
+        lines.append(["samples lost / doubled, global batch kept, largest weight difference to undisturbed", "", "",
                       f"{lost}, {kept}, {diff:.1e}", ""])  # fmt: skip
     print()
     for line in lines:

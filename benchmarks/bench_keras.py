@@ -19,7 +19,7 @@ threads and 1 inter-op thread, and ``model.fit`` runs in a fresh process configu
 way (TensorFlow's threads must be set before its runtime starts). ``model.fit`` gets the data
 as NumPy arrays (Keras feeds them through ``tf.data`` with shuffling); FabricModel gets a
 map-style dataset of ``(x, y)`` samples over the same arrays and runs with its defaults
-(``num_dataloader_threads=4``; ``--dataloader-threads`` changes it). On the CPU, ``fit``
+(loader threads chosen by the worker; ``--dataloader-threads`` changes it). On the CPU, ``fit``
 does not use XLA (``jit_compile="auto"``), nor does FabricModel.
 
 The two runs of a round are interleaved (fit, FabricModel); with ``--repeats`` > 1 each

@@ -16,9 +16,9 @@ median step time), which the occasional step slowed down by other load does not 
 
 Threads are matched: FabricModel gives each CPU worker ``os.cpu_count() // workers`` torch
 threads, so the plain loop gets ``os.cpu_count()`` and each DDP rank ``os.cpu_count() // 2``.
-FabricModel runs with its defaults (``num_dataloader_threads=4``; ``--dataloader-threads``
-changes it); the baselines use a ``torch.utils.data.DataLoader`` with ``num_workers=0``, as a
-plain script would.
+FabricModel runs with its defaults (no loader thread for this ``TensorDataset``, read in one
+gather; ``--dataloader-threads`` changes it); the baselines use a ``torch.utils.data.DataLoader``
+with ``num_workers=0``, as a plain script would.
 
 The four runs of a round are interleaved (plain, FM-1, DDP, FM-2); with ``--repeats`` > 1
 each figure is the best of the rounds, which damps noise from other load on the machine

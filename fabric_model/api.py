@@ -144,7 +144,7 @@ class FabricModel(InferenceMixin):
         epoch_number: int,
         batch_size: int,
         engines_number: int | None = None,
-        num_dataloader_threads: int = 4,
+        num_dataloader_threads: int | None = None,
         validation_freq: int = 1,
         checkpoint_freq: int = 1,
         effective_batch_size: int | None = None,
@@ -171,6 +171,8 @@ class FabricModel(InferenceMixin):
                 (see :mod:`fabric_model.devices`), accumulating micro-batches to keep the global
                 batch. Default: one per local GPU (1 on CPU).
             num_dataloader_threads: threads per worker reading upcoming micro-batches (0: none).
+                Default: none for a dataset read in one gather (a ``TensorDataset``, one with
+                ``__getitems__``), else one per two of the worker's cores, up to 4.
             validation_freq: validate after every ``validation_freq``-th epoch.
             checkpoint_freq: checkpoint after every ``checkpoint_freq``-th epoch (0: never).
             effective_batch_size: the global batch, a multiple of ``batch_size``; see

@@ -187,7 +187,7 @@ class TrainConfig:
     batch_size: int
     sizing: EngineSizing
     seed: int
-    num_dataloader_threads: int
+    num_dataloader_threads: int | None  # None: chosen by the worker (data.loader_threads)
     validation_freq: int
     checkpoint_freq: int
     timeouts: Timeouts

@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 
 Collate = Callable[[Sequence[Any]], Any]
+#: Reads a whole micro-batch at once, given its indices (a framework's gather, see ``FrameworkAdapter.reader``).
+Reader = Callable[[np.ndarray], Any]
 
 
 def is_map_dataset(obj: Any) -> bool:
@@ -19,8 +21,31 @@ def is_map_dataset(obj: Any) -> bool:
 
 
 def fetch(dataset: Any, indices: np.ndarray, collate: Collate) -> Any:
-    """Read ``indices`` from ``dataset`` and collate them into one batch."""
+    """Read ``indices`` from ``dataset`` and collate them into one batch.
+
+    A dataset with ``__getitems__`` (torch's batched-read protocol, as its ``DataLoader``
+    uses it) is asked once for all of them; any other item by item."""
+    getitems = getattr(dataset, "__getitems__", None)
+    if callable(getitems):
+        return collate(getitems([int(i) for i in indices]))
     return collate([dataset[int(i)] for i in indices])
+
+
+def reads_at_once(dataset: Any, reader: Reader | None) -> bool:
+    """Whether a micro-batch of ``dataset`` is one read (a gather, ``__getitems__``), not one per sample."""
+    return reader is not None or callable(getattr(dataset, "__getitems__", None))
+
+
+def loader_threads(requested: int | None, at_once: bool, cores: int) -> int:
+    """How many threads read ahead: the user's number, else a share of this worker's cores.
+
+    The default counts the readers in the worker's thread budget: on 2 cores every reader
+    thread takes time from the compute threads, and a micro-batch read in one gather costs
+    less than handing it over from another thread, so such a dataset gets none. Item by item,
+    reading overlaps compute: one thread per two cores, up to 4."""
+    if requested is not None:
+        return requested
+    return 0 if at_once else max(1, min(4, cores // 2))
 
 
 class PrefetchLoader:
@@ -32,9 +57,10 @@ class PrefetchLoader:
     reads is exactly what its plan assigns it.
     """
 
-    def __init__(self, dataset: Any, collate: Collate, threads: int) -> None:
+    def __init__(self, dataset: Any, collate: Collate, threads: int, reader: Reader | None = None) -> None:
         self._dataset = dataset
         self._collate = collate
+        self._reader = reader
         self._threads = threads
         self._pool: ThreadPoolExecutor | None = (
             ThreadPoolExecutor(threads, thread_name_prefix="fabric-data") if threads > 0 else None
@@ -44,7 +70,7 @@ class PrefetchLoader:
         """``(key, indices, batch)`` for each schedule entry, in order."""
         if self._pool is None:
             for key, indices in schedule:
-                yield key, indices, fetch(self._dataset, indices, self._collate)
+                yield key, indices, self._read(indices)
             return
         pending: collections.deque[tuple[Hashable, np.ndarray, Future[Any]]] = collections.deque()
         entries = iter(schedule)
@@ -56,7 +82,7 @@ class PrefetchLoader:
                     if entry is None:
                         break
                     key, indices = entry
-                    pending.append((key, indices, self._pool.submit(fetch, self._dataset, indices, self._collate)))
+                    pending.append((key, indices, self._pool.submit(self._read, indices)))
                 if not pending:
                     return
                 key, indices, future = pending.popleft()
@@ -64,6 +90,9 @@ class PrefetchLoader:
         finally:
             for _, _, future in pending:
                 future.cancel()
+
+    def _read(self, indices: np.ndarray) -> Any:
+        return self._reader(indices) if self._reader is not None else fetch(self._dataset, indices, self._collate)
 
     def close(self) -> None:
         if self._pool is not None:

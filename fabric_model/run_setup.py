@@ -56,7 +56,7 @@ def check_train_arguments(
     v.check_positive_int("epoch_number", epoch_number)
     v.check_positive_int("batch_size", batch_size)
     v.check_positive_int("engines_number", engines_number, allow_none=True)
-    v.check_positive_int("num_dataloader_threads", loop.num_dataloader_threads, minimum=0)
+    v.check_positive_int("num_dataloader_threads", loop.num_dataloader_threads, minimum=0, allow_none=True)
     v.check_positive_int("validation_freq", loop.validation_freq)
     v.check_positive_int("checkpoint_freq", loop.checkpoint_freq, minimum=0)
     v.check_bool("resume", resume)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..data import is_batch_level
+from ..data import Reader, is_batch_level
 
 if TYPE_CHECKING:  # annotations only: importing this module must not import torch
     import numpy as np
@@ -44,6 +44,11 @@ class FrameworkAdapter(abc.ABC):
     @abc.abstractmethod
     def collate(self, samples: Sequence[Any]) -> Any:
         """Turn a list of dataset samples into one batch (the user's ``fn_batch_collate`` if given)."""
+
+    def reader(self, dataset: Any) -> Reader | None:
+        """A way to read a micro-batch of ``dataset`` in one go, faster than item by item and
+        ``collate`` with the same result; None where there is none (``data.fetch`` then)."""
+        return None
 
     @abc.abstractmethod
     def begin_step(self, collective: Any = None) -> None:

@@ -10,10 +10,12 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
+from ..data import Reader
 from ..step_layout import StepLayout, StepResult
 from ..tree import map_tree
 from .base import FrameworkAdapter, metric_name
-from .torch_batches import split_batch, to_device
+from .torch_batches import cpu_copy, scalar, split_batch, to_device
+from .torch_gather import tensor_reader
 from .torch_ibm import Eva, accuracy, forbidden_step, test_result
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -156,10 +158,12 @@ class TorchAdapter(FrameworkAdapter):
         self._overlap = False
         self._works: list[Any] = []
         self._deferred_error: Exception | None = None
+        self._direct = False  # this step's gradients are fresh tensors, not views (a lone worker)
+        self._got = [0.0] * len(self._params)  # the got-gradient flags, written to the buffer per micro-batch
 
     def _on_grad_ready(self, index: int) -> None:
         """A parameter received a gradient; on the last micro-batch, launch its bucket once full, in order."""
-        self._got_grad[index] = 1.0
+        self._got[index] = 1.0  # a list: a tensor element write per parameter costs microseconds
         if not self._overlap:
             return
         bucket = self._bucket_of[index]
@@ -177,6 +181,9 @@ class TorchAdapter(FrameworkAdapter):
             return self._collate_fn(samples)
         return default_collate(list(samples))
 
+    def reader(self, dataset: Any) -> Reader | None:
+        return tensor_reader(dataset, self._collate_fn)
+
     # -- a step ---------------------------------------------------------------------------
     @property
     def step_buffer(self) -> torch.Tensor:
@@ -189,9 +196,13 @@ class TorchAdapter(FrameworkAdapter):
     def begin_step(self, collective: Any = None) -> None:
         self._collective = collective
         self._works, self._launched, self._pending = [], 0, list(self._bucket_sizes)
-        self._flat.zero_()
+        self._got = [0.0] * len(self._params)
+        # A lone worker reduces nothing: backward writes fresh gradients, as in a plain loop,
+        # instead of adding into a zeroed buffer (docs/architecture.md, "The step").
+        self._direct = getattr(collective, "world_size", 0) == 1 and self.step_fn is None
+        self._flat[self._layout.n_gradients if self._direct else 0 :].zero_()
         for p, view in zip(self._params, self._grad_views):
-            p.grad = view
+            p.grad = None if self._direct else view
         self._buf_start = [b.detach().clone() for b in self._buffers]
         self._in_step = True
 
@@ -208,13 +219,15 @@ class TorchAdapter(FrameworkAdapter):
             return
         output = self.model(*inputs) if isinstance(inputs, tuple) else self.model(inputs)
         loss = self.loss_function(output, target)
-        self._ensure_grad_views()
+        if not self._direct:
+            self._ensure_grad_views()
         # On this worker's last micro-batch, buckets go out while backward still runs.
         self._overlap = last and self._collective is not None and self._collective.world_size > 1
         try:
-            (loss * weight).backward()
+            (loss if weight == 1.0 else loss * weight).backward()  # x * 1.0 == x: one op less
         finally:
             self._overlap = False
+        self._got_grad.copy_(torch.tensor(self._got))
         n = num_samples
         with torch.no_grad():
             self._add_buffer_deltas(weight)
@@ -252,6 +265,7 @@ class TorchAdapter(FrameworkAdapter):
                 self.optimizer.step = previous
             else:
                 del self.optimizer.step
+        self._got_grad.copy_(torch.tensor(self._got))
         scratch = self._scratch
         offset = 0
         for p in self._params:  # the user may have replaced .grad (clipping does not)
@@ -263,8 +277,8 @@ class TorchAdapter(FrameworkAdapter):
             for p, view in zip(self._params, self._grad_views):
                 p.grad = view
             self._add_buffer_deltas(weight)
-            self._stats[0] += _scalar(loss, self.device) * n
-            self._stats[1] += _scalar(metric, self.device) * n
+            self._stats[0] += scalar(loss, self.device) * n
+            self._stats[1] += scalar(metric, self.device) * n
             self._count += n
 
     def all_reduce(self, collective: Any) -> None:
@@ -311,7 +325,8 @@ class TorchAdapter(FrameworkAdapter):
 
     def finish_step(self) -> StepResult:
         with torch.no_grad():
-            self._ensure_grad_views()
+            if not self._direct:
+                self._ensure_grad_views()
             for b, start, view in zip(self._buffers, self._buf_start, self._buf_views):
                 b.copy_(start + (view if b.is_floating_point() else view.round().to(b.dtype)))
             # A parameter no worker produced a gradient for keeps .grad None through the step,
@@ -350,7 +365,7 @@ class TorchAdapter(FrameworkAdapter):
                 result = self.test_fn(self.model, test_iter(), self.fn_args)
         finally:
             self.model.train()
-        values = [float(_scalar(v, torch.device("cpu"))) for v in test_result(result)]
+        values = [float(scalar(v, torch.device("cpu"))) for v in test_result(result)]
         values = (values + [float("nan")] * len(self.stat_names))[: len(self.stat_names)]
         return torch.tensor([v * count for v in values] + [count], dtype=torch.float64)
 
@@ -378,17 +393,4 @@ class TorchAdapter(FrameworkAdapter):
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
     def optimizer_state(self) -> dict[str, Any]:
-        return map_tree(_cpu_copy, self.optimizer.state_dict())
-
-
-def _scalar(value: Any, device: torch.device) -> torch.Tensor:
-    """A float32 scalar tensor from a tensor, a number or None (0)."""
-    if value is None:
-        return torch.zeros((), device=device)
-    if isinstance(value, torch.Tensor):
-        return value.detach().float().reshape(()).to(device)
-    return torch.tensor(float(value), device=device)
-
-
-def _cpu_copy(x: Any) -> Any:
-    return x.detach().cpu().clone() if isinstance(x, torch.Tensor) else x
+        return map_tree(cpu_copy, self.optimizer.state_dict())

@@ -25,10 +25,18 @@ import numpy as np
 from .. import protocol as p
 from ..checkpoint import decode_state
 from ..collective import Collective, CollectiveError
-from ..config import TrainConfig
+from ..config import TrainConfig, threads_per_worker
 from ..context import WorkerContext
 from ..control import Channel
-from ..data import EpochShuffledBatches, PrefetchLoader, first_of, is_batch_level, own_shuffle
+from ..data import (
+    EpochShuffledBatches,
+    PrefetchLoader,
+    first_of,
+    is_batch_level,
+    loader_threads,
+    own_shuffle,
+    reads_at_once,
+)
 from ..job import Job
 from ..loop_state import LoopState
 from ..metrics import stat_means
@@ -156,7 +164,7 @@ class TrainingLoop:
     # -- one generation -------------------------------------------------------------------
     def _run_generation(self) -> None:
         """Run units until the schedule ends or the members agree to switch generation."""
-        loader = PrefetchLoader(self.train_set, self._collate_for(self.train_set), self.config.num_dataloader_threads)
+        loader = self._loader_for(self.train_set)
         try:
             batches = loader.iterate(self._micro_batches(self.next_unit))
             while self.next_unit < self.schedule.total_units:
@@ -196,9 +204,15 @@ class TrainingLoop:
         self.next_unit = self.schedule.total_units
         return True
 
-    def _collate_for(self, dataset: Any) -> Callable[[Any], Any]:
+    def _loader_for(self, dataset: Any) -> PrefetchLoader:
+        """Reads ``dataset``'s micro-batches: in one gather where the framework can, and with
+        the loader threads the user asked for, else a share of this worker's cores (data.py)."""
         batch_level = is_batch_level(dataset) or isinstance(dataset, EpochShuffledBatches)
-        return first_of if batch_level else self.adapter.collate
+        collate: Callable[[Any], Any] = first_of if batch_level else self.adapter.collate
+        reader = None if batch_level else self.adapter.reader(dataset)
+        cores = threads_per_worker(self.config.sizing.max_workers)
+        threads = loader_threads(self.config.num_dataloader_threads, reads_at_once(dataset, reader), cores)
+        return PrefetchLoader(dataset, collate, threads, reader)
 
     def _check_abort(self) -> None:
         """Leave a long step or validation early when the driver ends this generation."""
@@ -259,7 +273,7 @@ class TrainingLoop:
 
     def _validate(self, epoch: int) -> list[float]:
         adapter, collective = self.adapter, self.collective
-        loader = PrefetchLoader(self.test_set, self._collate_for(self.test_set), self.config.num_dataloader_threads)
+        loader = self._loader_for(self.test_set)
         try:
             # A batch-level dataset's items are batches already: one item per evaluation batch.
             chunk = 1 if is_batch_level(self.test_set) else self.config.batch_size

@@ -1,0 +1,124 @@
+"""The per-step path's shortcuts change nothing a user relies on (no processes: the pieces alone).
+
+- a lone worker's gradients are fresh tensors, not views into the step buffer: the weights
+  come out bit-identical to the buffer path's;
+- a ``TensorDataset`` is read in one gather, a dataset with ``__getitems__`` in one call:
+  the batches are the ones item-by-item reading and ``default_collate`` give;
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset, default_collate
+
+from fabric_model.data import PrefetchLoader, fetch, loader_threads, reads_at_once
+from fabric_model.frameworks.torch_adapter import TorchAdapter
+
+
+class OneOfTwo:
+    """A collective of two whose peer contributes nothing: the sum is this rank's buffer, so
+    the adapter takes its reducing path with the lone worker's numbers."""
+
+    world_size, rank = 2, 0
+
+    def all_reduce_start(self, tensor: torch.Tensor) -> None:
+        return None
+
+    def wait(self, work: None) -> None:
+        pass
+
+
+class Alone(OneOfTwo):
+    world_size = 1
+
+
+class WithUnused(nn.Module):
+    """BatchNorm statistics, and a layer no step gives a gradient (weight decay must leave it alone)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+        self.unused = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def train(collective: object, micro_batches: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = WithUnused()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    adapter = TorchAdapter(model, optimizer, F.cross_entropy)
+    adapter.setup("cpu", 1)
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        adapter.begin_step(collective)
+        for j in range(micro_batches):
+            batch = (torch.randn(5, 8, generator=g), torch.randint(0, 3, (5,), generator=g))
+            adapter.train_micro_batch(batch, 5, 5 * micro_batches, seed=step * 10 + j, last=j == micro_batches - 1)
+        adapter.all_reduce(collective)
+        adapter.finish_step()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_a_lone_worker_takes_the_buffer_paths_weights_bit_for_bit(micro_batches: int) -> None:
+    alone, reduced = train(Alone(), micro_batches), train(OneOfTwo(), micro_batches)
+    torch.manual_seed(0)
+    assert torch.equal(alone["unused.weight"], WithUnused().unused.weight)  # untouched by decay and momentum
+    for name in reduced:
+        assert torch.equal(alone[name], reduced[name]), name
+
+
+def test_a_tensor_dataset_is_read_in_one_gather_as_item_by_item() -> None:
+    data = TensorDataset(torch.randn(50, 3, 4), torch.randint(0, 9, (50,)))
+    adapter = TorchAdapter(nn.Linear(4, 2), torch.optim.SGD(nn.Linear(4, 2).parameters(), lr=0.1), F.mse_loss)
+    reader = adapter.reader(data)
+    assert reader is not None and reads_at_once(data, reader)
+    indices = np.array([7, 3, 49, 0, 3])
+    gathered, collated = reader(indices), default_collate([data[int(i)] for i in indices])
+    assert len(gathered) == len(collated) == 2
+    for a, b in zip(gathered, collated):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    # A user's collate, or a subclass that may override __getitem__, is read item by item.
+    assert TorchAdapter(nn.Linear(4, 2), adapter.optimizer, F.mse_loss, collate_fn=default_collate).reader(data) is None
+
+    class Shifted(TensorDataset):
+        def __getitem__(self, i: int):  # type: ignore[no-untyped-def]
+            x, y = super().__getitem__(i)
+            return x + 1, y
+
+    assert adapter.reader(Shifted(*data.tensors)) is None
+
+
+def test_a_dataset_with_getitems_is_asked_once_per_micro_batch() -> None:
+    class Batched:
+        def __init__(self) -> None:
+            self.calls: list[list[int]] = []
+
+        def __len__(self) -> int:
+            return 10
+
+        def __getitem__(self, i: int) -> tuple[int, int]:
+            raise AssertionError("read item by item")
+
+        def __getitems__(self, indices: list[int]) -> list[tuple[int, int]]:
+            self.calls.append(indices)
+            return [(i, -i) for i in indices]
+
+    data = Batched()
+    assert fetch(data, np.array([4, 1]), list) == [(4, -4), (1, -1)]
+    assert data.calls == [[4, 1]] and reads_at_once(data, None)
+    loader = PrefetchLoader(data, list, threads=0)
+    got = [batch for _, _, batch in loader.iterate([("a", np.array([2])), ("b", np.array([3, 5]))])]
+    assert got == [[(2, -2)], [(3, -3), (5, -5)]]
+
+
+def test_loader_threads_default_counts_the_workers_cores() -> None:
+    assert loader_threads(3, True, 2) == 3  # the user's number stands
+    assert loader_threads(None, True, 16) == 0  # one gather: no thread to hand it over
+    assert [loader_threads(None, False, c) for c in (1, 2, 4, 8, 16)] == [1, 1, 2, 4, 4]

@@ -29,6 +29,8 @@ class TorchAdapter(FrameworkAdapter):
     straight into what the collective reduces: no copy before or after the allreduce.
     """
 
+    lone_direct = True  # a lone worker's backward writes fresh gradients (begin_step)
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -199,7 +201,7 @@ class TorchAdapter(FrameworkAdapter):
         self._got = [0.0] * len(self._params)
         # A lone worker reduces nothing: backward writes fresh gradients, as in a plain loop,
         # instead of adding into a zeroed buffer (docs/architecture.md, "The step").
-        self._direct = getattr(collective, "world_size", 0) == 1 and self.step_fn is None
+        self._direct = self.lone_direct and getattr(collective, "world_size", 0) == 1 and self.step_fn is None
         self._flat[self._layout.n_gradients if self._direct else 0 :].zero_()
         for p, view in zip(self._params, self._grad_views):
             p.grad = None if self._direct else view

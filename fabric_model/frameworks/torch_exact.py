@@ -35,6 +35,7 @@ class ExactTorchAdapter(TorchAdapter):
     """A :class:`TorchAdapter` whose step sums are bitwise independent of how micro-batches are divided."""
 
     max_terms: int = 1  # micro-batches in a step, at most (set in the caller)
+    lone_direct = False  # every micro-batch's gradient goes through the step buffer, even alone
 
     @classmethod
     def from_adapter(cls, adapter: TorchAdapter, max_terms: int) -> ExactTorchAdapter:

@@ -201,10 +201,17 @@ class FabricModel:
             self.driver_logger_callback, ProgressBar(setup.config.epochs, plan.steps_per_epoch, plan.global_batch)
         )
         from .driver.driver import Driver  # torch.distributed is imported only once training starts
+        from .launchers.local import local_launcher_factory, start_warm_process
 
-        launcher = ray_cluster.launcher_factory(run.worker_log) if ray_cluster else None
-        driver = Driver(setup, run, hooks, launcher)
-        final = driver.run()
+        # Local workers fork from a warm process that imports torch while the driver starts.
+        warm = None if ray_cluster else start_warm_process(setup.framework, setup.threads, setup.bind_address, run.logs)
+        try:
+            launcher = ray_cluster.launcher_factory(run.worker_log) if ray_cluster else None
+            driver = Driver(setup, run, hooks, launcher or local_launcher_factory(run.worker_log, setup.threads, warm))
+            final = driver.run()
+        finally:
+            if warm is not None:
+                warm.close()
         onnx_diff = self._finish(final, adapter, train_set, run, hooks)
         self.run_dir = run.path
         return TrainResult(

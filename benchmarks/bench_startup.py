@@ -57,8 +57,8 @@ class Stamp:
 
 class Data:
     def __init__(self):
-        g = torch.Generator().manual_seed(0)
-        self.x, self.y = torch.randn(STEPS * 64 * ENGINES, 256, generator=g), torch.randint(0, 10, (STEPS * 64 * ENGINES,), generator=g)
+        g, n = torch.Generator().manual_seed(0), STEPS * 64 * ENGINES
+        self.x, self.y = torch.randn(n, 256, generator=g), torch.randint(0, 10, (n,), generator=g)
     def __len__(self):
         return len(self.x)
     def __getitem__(self, i):

@@ -234,10 +234,7 @@ class Membership:
         if self.finishing and worker_id == self.final_from:
             commands += self._request_final()
         if record.slot is not None and self.limits.replace_workers and not self.finishing:
-            if record.placed is not None:  # a request the cluster could not place is no crash
-                self._slot_failures[record.slot] += 1
-            delay = min(30.0, 2.0 ** (max(1, self._slot_failures[record.slot]) - 1))
-            self._replacements.append((now + delay, record.slot))
+            self._replacements.append((now + self._backoff(record.slot, record.placed is not None), record.slot))
         if was_member and not self.finishing:
             self._begin_change(f"worker {worker_id} lost: {reason}", now)
             commands += self._abort_members()
@@ -271,6 +268,13 @@ class Membership:
         return commands
 
     # -- internals --------------------------------------------------------------------------
+    def _backoff(self, slot: int, placed: bool) -> float:
+        """A slot's first crash is replaced at once (a warm fork takes milliseconds), later ones after
+        2 s doubling to 30 s; a request never placed (no crash: the count stays) as the last crash."""
+        self._slot_failures[slot] += placed
+        failures = self._slot_failures[slot]
+        return 0.0 if placed and failures == 1 else min(30.0, 2.0 ** (max(1, failures) - 1))
+
     def _start_replacements(self, now: float) -> list[Command]:
         commands: list[Command] = []
         for when, slot in list(self._replacements):

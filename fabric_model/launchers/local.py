@@ -164,7 +164,11 @@ def start_warm_process(framework: str, threads: int, host: str, logs: Path) -> W
     workers start fresh instead (``FABRIC_MODEL_WARM_START=0``, or not Linux)."""
     if os.environ.get(WARM_START_ENV, "1") == "0" or not sys.platform.startswith("linux"):
         return None
-    return WarmProcess(worker_environment(threads, host), logs / "warm.log", framework)
+    try:
+        return WarmProcess(worker_environment(threads, host), logs / "warm.log", framework)
+    except OSError as exc:  # the workers start as fresh interpreters, as they would without it
+        log.warning("could not start the warm process (%s): workers start as fresh interpreters", exc)
+        return None
 
 
 def local_launcher_factory(

@@ -57,7 +57,8 @@ def exit_code(status: int) -> int:
 class Server:
     """Reads requests, forks and signals workers, reports their exits."""
 
-    def __init__(self) -> None:
+    def __init__(self, out: int) -> None:
+        self.out = out  # the events' pipe (fd 1 itself carries stray output to the log)
         self.children: dict[int, int] = {}  # worker id -> pid, until reaped
         self._pending = b""
         self._wake_r, self._wake_w = os.pipe()
@@ -68,7 +69,7 @@ class Server:
     def send(self, **event: Any) -> None:
         data = (json.dumps(event) + "\n").encode()
         while data:
-            data = data[os.write(1, data) :]
+            data = data[os.write(self.out, data) :]
 
     def serve(self) -> None:
         """Until stdin ends: handle requests and reap children as they exit."""
@@ -92,7 +93,7 @@ class Server:
             pid = os.fork()
             if pid == 0:
                 try:
-                    become_worker(request, (0, 1, self._wake_r, self._wake_w))
+                    become_worker(request, (0, self.out, self._wake_r, self._wake_w))
                 finally:
                     os._exit(70)  # become_worker never returns; an exception here must not resume the server
             self.children[request["id"]] = pid
@@ -154,10 +155,12 @@ def become_worker(request: dict[str, Any], server_fds: tuple[int, ...]) -> None:
 def main() -> int:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the caller decides
+    out = os.dup(1)  # events only; whatever an import prints goes to the log, not into the protocol
+    os.dup2(2, 1)
     framework = sys.argv[1] if len(sys.argv) > 1 else "torch"
     for name in PRELOAD + PRELOAD_BY_FRAMEWORK.get(framework, ()):
         importlib.import_module(name)
-    server = Server()
+    server = Server(out)
     server.send(ev="ready")
     try:
         server.serve()

@@ -109,7 +109,11 @@ class WarmProcess:
         """Events from the warm process; at its end, every worker not reported is gone with it."""
         assert self.process.stdout is not None
         for line in self.process.stdout:
-            event = json.loads(line)
+            try:
+                event = json.loads(line)
+            except ValueError:
+                log.warning("the warm process said %r", line[:200])
+                continue
             with self.changed:
                 worker = self._workers.get(event.get("id", -1))
                 if worker is not None and event["ev"] == "started":

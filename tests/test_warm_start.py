@@ -119,6 +119,9 @@ def test_a_forked_workers_exit_code_output_and_kill_are_a_fresh_ones(warm, tmp_p
     refused = warm.fork(0, ["worker", "--driver", f"127.0.0.1:{port}", "--worker-id", "0"], _env(), tmp_path / "w0.log")
     assert refused is not None and refused.wait(timeout=60) == 2
     assert "cannot join the driver" in (tmp_path / "w0.log").read_text()
+    usage = warm.fork(3, ["worker"], _env(), tmp_path / "w3.log")  # no --driver: argparse's exit 2
+    assert usage is not None and usage.wait(timeout=60) == 2
+    assert "the driver's address is missing" in (tmp_path / "w3.log").read_text()
     with socket.socket() as silent:  # accepts, never answers the handshake: the worker blocks
         silent.bind(("127.0.0.1", 0))
         silent.listen()
@@ -137,4 +140,4 @@ def test_a_forked_workers_exit_code_output_and_kill_are_a_fresh_ones(warm, tmp_p
         warm.close()  # the warm process takes a worker still running along
         assert left.wait(timeout=10) == -signal.SIGKILL
         assert not psutil.pid_exists(left.pid) or psutil.Process(left.pid).status() == psutil.STATUS_ZOMBIE
-    assert warm.fork(3, ["worker"], _env(), tmp_path / "w3.log") is None  # gone: the launcher starts a fresh one
+    assert warm.fork(4, ["worker"], _env(), tmp_path / "w4.log") is None  # gone: the launcher starts a fresh one

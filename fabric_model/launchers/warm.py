@@ -30,6 +30,7 @@ import os
 import select
 import signal
 import sys
+import traceback
 from typing import Any
 
 #: What every worker imports before its first step; ``torch`` jobs add their adapter.
@@ -92,10 +93,15 @@ class Server:
         if request["op"] == "start":
             pid = os.fork()
             if pid == 0:
+                code = 70
                 try:
                     become_worker(request, (0, self.out, self._wake_r, self._wake_w))
+                except SystemExit as exc:  # a usage error exits as it would in a fresh interpreter
+                    code = exc.code if isinstance(exc.code, int) else 1
+                except BaseException:
+                    traceback.print_exc()
                 finally:
-                    os._exit(70)  # become_worker never returns; an exception here must not resume the server
+                    os._exit(code)  # never back into the server's loop
             self.children[request["id"]] = pid
             self.send(ev="started", id=request["id"], pid=pid)
         elif request["op"] == "signal":

@@ -230,15 +230,26 @@ class FabricModel(InferenceMixin):
         """Train with the driver (workers local or on ``ray_cluster``), then hand the result over."""
         from .display import run_with_display
         from .driver.driver import Driver  # torch.distributed is imported only once training starts
+        from .launchers.local import local_launcher_factory, start_warm_process
 
-        launcher = ray_cluster.launcher_factory(run.worker_log) if ray_cluster else None
+        # Local workers fork from a warm process that imports torch while the driver starts.
+        warm = None if ray_cluster else start_warm_process(setup.framework, setup.threads, setup.bind_address, run.logs)
+        launcher = (
+            ray_cluster.launcher_factory(run.worker_log)
+            if ray_cluster
+            else local_launcher_factory(run.worker_log, setup.threads, warm)
+        )
         drivers: list[Driver] = []
 
         def start(hooks: Hooks) -> Any:
             drivers.append(Driver(setup, run, hooks, launcher))
             return drivers[0].run()
 
-        final, hooks = run_with_display(self.driver_logger_callback, setup, run, display, start)
+        try:
+            final, hooks = run_with_display(self.driver_logger_callback, setup, run, display, start)
+        finally:
+            if warm is not None:
+                warm.close()
         driver, plan = drivers[0], setup.plan
         onnx_diff = self._finish(final, adapter, train_set, run, hooks)
         self.run_dir = run.path

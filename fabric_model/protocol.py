@@ -47,6 +47,8 @@ CUDA_VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 SNAPSHOT_STEPS_ENV = "FABRIC_MODEL_SNAPSHOT_STEPS"
 #: ... or once this many seconds have passed since the last one (0: not by time).
 SNAPSHOT_SECONDS_ENV = "FABRIC_MODEL_SNAPSHOT_SECONDS"
+#: ``0``: local workers start as fresh interpreters, not as forks of the warm process.
+WARM_START_ENV = "FABRIC_MODEL_WARM_START"
 
 
 # -- worker -> driver -----------------------------------------------------------------------

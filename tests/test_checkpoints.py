@@ -283,9 +283,9 @@ def test_whole_job_killed_mid_epoch_resumes_to_the_undisturbed_weights(tmp_path,
             return bool(units_in(ckpt_dir)) and done >= 13  # epoch 1, step 2 committed
 
         wait_until(past_a_checkpoint, 120, proc, "3 steps past the first checkpoint", tmp_path, "first")
-        workers = psutil.Process(proc.pid).children()
-        assert len(workers) == 2
-        proc.kill()  # the driver; its workers die with it (PR_SET_PDEATHSIG)
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        assert len(workers) == 3  # the warm process and the 2 workers it forked
+        proc.kill()  # the driver; the warm process and its workers die with it (PR_SET_PDEATHSIG)
         proc.wait(timeout=10)
         _, alive = psutil.wait_procs(workers, timeout=10)
         assert not alive, f"workers outlived the driver: {[p.pid for p in alive]}"

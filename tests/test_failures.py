@@ -90,9 +90,12 @@ def _start_driver(run_dir: Path) -> tuple[subprocess.Popen, list[psutil.Process]
         assert proc.poll() is None, proc.stdout.read().decode()
         time.sleep(0.1)
     assert metrics.exists(), "training did not start within 60 s"
-    workers = psutil.Process(proc.pid).children()
-    assert len(workers) == 2
-    return proc, workers
+    # The warm process and the two workers it forked (docs/architecture.md, "Processes").
+    (warm,) = psutil.Process(proc.pid).children()
+    assert "fabric_model.launchers.warm" in warm.cmdline()
+    processes = [warm, *warm.children()]
+    assert len(processes) == 3, [c.cmdline() for c in processes]
+    return proc, processes
 
 
 def _assert_gone(workers: list[psutil.Process], within: float) -> None:

@@ -440,7 +440,8 @@ def test_keras_job_killed_whole_resumes_to_the_undisturbed_weights(tmp_path, und
             assert proc.poll() is None, (tmp_path / "first.out").read_text()
             assert time.monotonic() < deadline, "the job did not get 2 steps past its first checkpoint"
             time.sleep(0.05)
-        workers = psutil.Process(proc.pid).children()
+        workers = psutil.Process(proc.pid).children(recursive=True)  # the warm process and its forks
+        assert len(workers) >= 2
         proc.kill()
         proc.wait(timeout=10)
         _, alive = psutil.wait_procs(workers, timeout=10)

@@ -214,7 +214,7 @@ class Membership:
         peers = len(self.members) if member else self.limits.max_workers
         if self._user_errors[key] >= min(USER_ERROR_LIMIT, peers):
             raise exc
-        return self.lost(worker_id, f"error: {str(exc)[:200]}", now)
+        return self.lost(worker_id, f"error: {str(exc)[:200]}", now, crashed=False)
 
     def process_exited(self, worker_id: int, code: int, now: float) -> list[Command]:
         """A local worker process ended (a clean exit at the end is no loss)."""
@@ -222,8 +222,8 @@ class Membership:
             return []
         return self.lost(worker_id, f"process exited with code {code}", now)
 
-    def lost(self, worker_id: int, reason: str, now: float) -> list[Command]:
-        """The worker is gone: its process died, its link closed, it froze or it failed."""
+    def lost(self, worker_id: int, reason: str, now: float, crashed: bool = True) -> list[Command]:
+        """The worker is gone: its process died, its link closed, it froze, or (not ``crashed``) it failed."""
         record = self.workers[worker_id]
         if record.state is WorkerState.GONE:
             return []
@@ -234,9 +234,7 @@ class Membership:
         if self.finishing and worker_id == self.final_from:
             commands += self._request_final()
         if record.slot is not None and self.limits.replace_workers and not self.finishing:
-            if record.placed is not None:  # a request the cluster could not place is no crash
-                self._slot_failures[record.slot] += 1
-            delay = min(30.0, 2.0 ** (max(1, self._slot_failures[record.slot]) - 1))
+            delay = self._backoff(record.slot, record.placed is not None, crashed)
             self._replacements.append((now + delay, record.slot))
         if was_member and not self.finishing:
             self._begin_change(f"worker {worker_id} lost: {reason}", now)
@@ -271,6 +269,13 @@ class Membership:
         return commands
 
     # -- internals --------------------------------------------------------------------------
+    def _backoff(self, slot: int, placed: bool, crashed: bool) -> float:
+        """1 s doubling to 30 s with the slot's failures, but a first crash is replaced at once (a
+        warm fork takes milliseconds; a user's error waits); a request never placed is no failure."""
+        self._slot_failures[slot] += placed
+        failures = self._slot_failures[slot]
+        return 0.0 if placed and crashed and failures == 1 else min(30.0, 2.0 ** (max(1, failures) - 1))
+
     def _start_replacements(self, now: float) -> list[Command]:
         commands: list[Command] = []
         for when, slot in list(self._replacements):

@@ -1,8 +1,10 @@
 """Local worker processes: the default launcher.
 
-Workers are fresh interpreters running ``python -m fabric_model worker`` (never a fork:
-CUDA and TensorFlow break under it). Unlike ``multiprocessing``'s spawn, this does not
-re-import the user's main script in the child, so a script without an
+Workers run ``python -m fabric_model worker``: forks of the job's warm process
+(:mod:`fabric_model.launchers.warm`, a clean interpreter that has imported torch), else fresh
+interpreters; never a fork of the caller (CUDA and TensorFlow break under it). Unlike
+``multiprocessing``'s spawn, this does not re-import the user's main script in the child, so a
+script without an
 ``if __name__ == "__main__":`` guard, or a notebook, works unchanged.
 
 Workers choose their devices independently of the driver's ``CUDA_VISIBLE_DEVICES``: when the
@@ -23,8 +25,9 @@ from pathlib import Path
 from typing import IO
 
 from ..devices import cuda_visible_for_workers
-from ..protocol import CUDA_VISIBLE_ENV, LAUNCHED_ENV, SECRET_ENV
+from ..protocol import CUDA_VISIBLE_ENV, LAUNCHED_ENV, SECRET_ENV, WARM_START_ENV
 from .base import Launcher
+from .warm_client import ForkedWorker, WarmProcess
 
 log = logging.getLogger(__name__)
 
@@ -37,61 +40,54 @@ class LocalLauncher(Launcher):
         secret: the job's secret, passed in each worker's environment.
         log_path: where worker ``worker_id`` writes its stdout and stderr.
         threads: intra-op threads per CPU worker (``OMP_NUM_THREADS``).
+        warm: the job's warm process, which forks the workers; without one (or once it is
+            gone), each worker is a fresh interpreter.
     """
 
-    def __init__(self, address: tuple[str, int], secret: bytes, log_path: Callable[[int], Path], threads: int) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        secret: bytes,
+        log_path: Callable[[int], Path],
+        threads: int,
+        warm: WarmProcess | None = None,
+    ) -> None:
         self.address = address
         self.secret = secret
         self.log_path = log_path
         self.threads = threads
-        self.processes: dict[int, subprocess.Popen[bytes]] = {}
+        self.warm = warm
+        self.processes: dict[int, subprocess.Popen[bytes] | ForkedWorker] = {}
         self._logs: dict[int, IO[bytes]] = {}
 
     def _environment(self) -> dict[str, str]:
-        env = dict(os.environ)
-        changed, cuda_visible = cuda_visible_for_workers()
-        if changed:  # the script's own choice for the driver, not the job's allocation
-            env.pop(CUDA_VISIBLE_ENV, None)
-            if cuda_visible is not None:
-                env[CUDA_VISIBLE_ENV] = cuda_visible
+        env = worker_environment(self.threads, self.address[0])
         env[SECRET_ENV] = self.secret.hex()
         env[LAUNCHED_ENV] = "1"
-        # The worker must import what the caller could import (modules next to the script).
-        paths = [p for p in sys.path if p and os.path.isdir(p)]
-        env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        env.setdefault("OMP_NUM_THREADS", str(self.threads))
-        if self.address[0].startswith("127.") or self.address[0] == "localhost":
-            env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep gloo on loopback with the driver
-        env["PYTHONUNBUFFERED"] = "1"
         return env
 
     def start(self, worker_id: int, device: str | None) -> None:
         path = self.log_path(worker_id)
         path.parent.mkdir(parents=True, exist_ok=True)
-        logfile = open(path, "ab")
-        cmd = [
-            sys.executable,
-            "-m",
-            "fabric_model",
-            "worker",
-            "--driver",
-            f"{self.address[0]}:{self.address[1]}",
-            "--worker-id",
-            str(worker_id),
-        ]
+        argv = ["worker", "--driver", f"{self.address[0]}:{self.address[1]}", "--worker-id", str(worker_id)]
         if device:
-            cmd += ["--device", device]
-        proc = subprocess.Popen(
-            cmd,
-            env=self._environment(),
-            stdout=logfile,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=os.getcwd(),
-        )
+            argv += ["--device", device]
+        proc: subprocess.Popen[bytes] | ForkedWorker | None = None
+        if self.warm is not None:
+            proc = self.warm.fork(worker_id, argv, self._environment(), path)
+        if proc is None:
+            logfile = open(path, "ab")
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "fabric_model", *argv],
+                env=self._environment(),
+                stdout=logfile,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=os.getcwd(),
+            )
+            self._logs[worker_id] = logfile
         self.processes[worker_id] = proc
-        self._logs[worker_id] = logfile
-        log.debug("started worker %d (pid %d)", worker_id, proc.pid)
+        log.debug("started worker %d (%s)", worker_id, "forked" if isinstance(proc, ForkedWorker) else "fresh")
 
     def exited(self) -> dict[int, int]:
         """Worker ids whose process has ended, with their exit codes."""
@@ -142,3 +138,41 @@ class LocalLauncher(Launcher):
         except OSError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
+
+
+def worker_environment(threads: int, host: str) -> dict[str, str]:
+    """A local worker's environment, but for the job's secret (the warm process gets this too)."""
+    env = dict(os.environ)
+    changed, cuda_visible = cuda_visible_for_workers()
+    if changed:  # the script's own choice for the driver, not the job's allocation
+        env.pop(CUDA_VISIBLE_ENV, None)
+        if cuda_visible is not None:
+            env[CUDA_VISIBLE_ENV] = cuda_visible
+    env.pop(SECRET_ENV, None)
+    # The worker must import what the caller could import (modules next to the script).
+    paths = [p for p in sys.path if p and os.path.isdir(p)]
+    env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    if host.startswith("127.") or host == "localhost":
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep gloo on loopback with the driver
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def start_warm_process(framework: str, threads: int, host: str, logs: Path) -> WarmProcess | None:
+    """The job's warm process, importing from now on (its output in ``logs/warm.log``); None where
+    workers start fresh instead (``FABRIC_MODEL_WARM_START=0``, or not Linux)."""
+    if os.environ.get(WARM_START_ENV, "1") == "0" or not sys.platform.startswith("linux"):
+        return None
+    try:
+        return WarmProcess(worker_environment(threads, host), logs / "warm.log", framework)
+    except OSError as exc:  # the workers start as fresh interpreters, as they would without it
+        log.warning("could not start the warm process (%s): workers start as fresh interpreters", exc)
+        return None
+
+
+def local_launcher_factory(
+    log_path: Callable[[int], Path], threads: int, warm: WarmProcess | None
+) -> Callable[[tuple[str, int], bytes], LocalLauncher]:
+    """The driver's launcher factory (address, secret -> launcher) for local workers."""
+    return lambda address, secret: LocalLauncher(address, secret, log_path, threads, warm)

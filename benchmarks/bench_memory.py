@@ -1,0 +1,145 @@
+"""Per-worker memory: FabricModel's workers against hand-written DDP workers on the same model.
+
+    PYTHONPATH=. python benchmarks/bench_memory.py               # MLP 256->512->512->10, 3 rounds
+    PYTHONPATH=. python benchmarks/bench_memory.py --wide        # the 8.4M-parameter MLP of bench_elastic
+
+Each round runs, in turn, 2 FabricModel workers forked from the warm process, 2 FabricModel
+workers as fresh interpreters (``FABRIC_MODEL_WARM_START=0``), and 2 DDP ranks on gloo
+(``torch.multiprocessing.spawn``). Every worker measures itself with psutil after step 20:
+RSS (resident pages, shared ones counted in full by each process), PSS (shared pages divided
+among the processes sharing them) and USS (pages only this process holds). Forked workers
+share the warm process's imported pages, so RSS overstates what they cost together; PSS is
+the honest per-worker share, USS what ending one worker gives back; the warm process's own
+PSS (printed too) belongs to the job as well: half of it on top of each forked worker's. Figures: median [min-max]
+over rounds and workers, in MiB, and the ratio of the medians to DDP's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP = 20
+
+COMMON = """
+import json, os, sys, psutil, torch, torch.nn as nn, torch.nn.functional as F
+F_IN, HID = (1024, 4096) if WIDE else (256, 512)
+def make_model():
+    torch.manual_seed(0)
+    if WIDE:
+        return nn.Sequential(nn.Linear(F_IN, HID), nn.ReLU(), nn.Linear(HID, F_IN), nn.ReLU(), nn.Linear(F_IN, 10))
+    return nn.Sequential(nn.Linear(F_IN, HID), nn.ReLU(), nn.Linear(HID, HID), nn.ReLU(), nn.Linear(HID, 10))
+def measure(out, step):
+    m = psutil.Process().memory_full_info()
+    with open(os.path.join(out, f"{os.getpid()}.json"), "w") as f:
+        json.dump({"rss": m.rss, "pss": m.pss, "uss": m.uss, "step": step}, f)
+"""
+
+FABRIC = """
+from fabric_model import FabricModel
+class Data:
+    def __init__(self):
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(2 * 64 * 30, F_IN, generator=g), torch.randint(0, 10, (2 * 64 * 30,), generator=g)
+    def __len__(self):
+        return len(self.x)
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+class Measure:
+    def __init__(self, out):
+        self.out, self.done = out, False
+    def log_train_metrics(self, metrics, iteration, epoch, workers):
+        if iteration == STEP and not self.done:
+            self.done = True
+            measure(self.out, iteration)
+            parent = psutil.Process(os.getppid())
+            if "fabric_model.launchers.warm" in parent.cmdline():  # the warm process's own share, once
+                m = parent.memory_full_info()
+                with open(os.path.join(self.out, f"warm-{parent.pid}.jsonw"), "w") as f:
+                    json.dump({"rss": m.rss, "pss": m.pss, "uss": m.uss}, f)
+model = make_model()
+opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+FabricModel(model, lambda: (Data(), None), F.cross_entropy, opt, worker_logger_callback=Measure(OUT)).train(
+    1, 64, 2, seed=0, run_dir=os.path.join(OUT, "run"))
+"""
+
+DDP = """
+import torch.distributed as dist, torch.multiprocessing as mp
+def rank(r):
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(max(1, os.cpu_count() // 2))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{PORT}", rank=r, world_size=2)
+    model = nn.parallel.DistributedDataParallel(make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    g = torch.Generator().manual_seed(r)
+    for step in range(1, STEP + 1):
+        x, y = torch.randn(64, F_IN, generator=g), torch.randint(0, 10, (64,), generator=g)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    measure(OUT, STEP)
+    dist.destroy_process_group()
+if __name__ == "__main__":
+    mp.spawn(rank, nprocs=2)
+"""
+
+
+def _run(kind: str, out: Path, wide: bool, port: int) -> list[dict[str, int]]:
+    out.mkdir(parents=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env["FABRIC_MODEL_CPU_WORKERS"] = "2"
+    if kind == "fresh":
+        env["FABRIC_MODEL_WARM_START"] = "0"
+    header = f"WIDE={wide}\nSTEP={STEP}\nOUT={str(out)!r}\nPORT={port}\n" + COMMON
+    code = header + (DDP if kind == "ddp" else FABRIC)
+    script = out / "job.py"  # a file, not -c: spawned DDP ranks import their __main__
+    script.write_text(code)
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{kind} failed:\n{done.stderr[-3000:]}")
+    warm = [json.loads(p.read_text()) for p in out.glob("*.jsonw")]
+    return [json.loads(p.read_text()) for p in out.glob("*.json")] + [{**w, "warm": 1} for w in warm]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--wide", action="store_true")
+    args = parser.parse_args()
+    kinds = {
+        "warm": "fabric_model, forked from the warm process",
+        "fresh": "fabric_model, fresh interpreters",
+        "ddp": "hand-written DDP (gloo)",
+    }
+    samples: dict[str, list[dict[str, int]]] = {k: [] for k in kinds}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for i, kind in enumerate(kinds):
+                samples[kind] += _run(kind, Path(tmp) / f"{kind}-{r}", args.wide, 29600 + 10 * r + i)
+            print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+    model = "MLP 1024->4096->1024->10 (8.4M)" if args.wide else "MLP 256->512->512->10"
+    print(f"{model}, 2 workers, after step {STEP}; MiB, median [min-max] over {args.rounds} rounds x 2 workers")
+    base = {m: statistics.median(s[m] for s in samples["ddp"]) for m in ("rss", "pss", "uss")}
+    # The warm process holds the pages its forks share: its PSS counts toward the job's total.
+    samples["warm process itself"] = [s for s in samples["warm"] if s.get("warm")]
+    samples["warm"] = [s for s in samples["warm"] if not s.get("warm")]
+    kinds["warm process itself"] = "  the warm process itself (idle, shared pages)"
+    for kind, label in kinds.items():
+        cells = []
+        for m in ("rss", "pss", "uss"):
+            values = [s[m] / 2**20 for s in samples[kind]]
+            med = statistics.median(values)
+            cells.append(f"{m} {med:6.0f} [{min(values):.0f}-{max(values):.0f}] x{med * 2**20 / base[m]:.2f}")
+        print(f"{label:<44} " + "   ".join(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Start-up and replacement: process start to first committed step, and SIGKILL to a replacement training.
+
+    PYTHONPATH=. python benchmarks/bench_startup.py              # 5 interleaved rounds
+    PYTHONPATH=. python benchmarks/bench_startup.py --rounds 3 --no-replace
+
+Each round starts, in turn, fresh interpreters that run:
+
+- ``python``: an empty interpreter; ``import torch``: the import alone (what each fresh worker pays);
+- ``plain``: ``import torch``, build the MLP 256->512->512->10, take one SGD step (batch 64);
+- ``fm-1``, ``fm-2``: the same model through ``FabricModel.train`` with 1 and 2 engines,
+  timed to the driver's first committed step; then the same with fresh worker interpreters
+  (``FABRIC_MODEL_WARM_START=0``), as before the warm process;
+- ``replace`` (unless ``--no-replace``): 2 engines, worker 1 SIGKILLed inside step 3; from the
+  kill to the next committed step (the survivor alone) and to the first committed step the
+  replacement worker takes part in.
+
+Times are from just before the parent starts the child to the moment the child stamps; the
+table gives the median [min-max] over the rounds and each row's ratio to ``plain`` of the same
+rounds. Machine load from other processes moves every row alike within a round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PLAIN = """
+import time, torch, torch.nn as nn, torch.nn.functional as F
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+opt.zero_grad(); F.cross_entropy(model(x), y).backward(); opt.step()
+print("STAMP", time.time(), flush=True)
+"""
+
+FABRIC = """
+import os, sys, time, torch, torch.nn as nn, torch.nn.functional as F
+from fabric_model import FabricModel
+from fabric_model.testing import FaultInjector, Kill
+
+class Stamp:
+    def __init__(self):
+        self.done = False
+    def log_train_metrics(self, metrics, iteration, epoch, workers):
+        if not self.done:
+            self.done = True
+            print("STAMP", time.time(), flush=True)
+
+class Data:
+    def __init__(self):
+        g, n = torch.Generator().manual_seed(0), STEPS * 64 * ENGINES
+        self.x, self.y = torch.randn(n, 256, generator=g), torch.randint(0, 10, (n,), generator=g)
+    def __len__(self):
+        return len(self.x)
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+inj = FaultInjector([Kill(1, 3)], MARKERS, step_delay=0.1) if KILL else None
+fm = FabricModel(model, lambda: (Data(), None), F.cross_entropy, opt, driver_logger_callback=Stamp(),
+                 worker_logger_callback=inj)
+fm.train(1, 64, ENGINES, seed=0, run_dir=RUN_DIR)
+"""
+
+
+def _run(code: str, env: dict[str, str]) -> tuple[float, float]:
+    """Run ``code`` in a fresh interpreter; (seconds to its STAMP or exit, its end time)."""
+    start = time.time()
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    end = time.time()
+    if out.returncode != 0:
+        raise RuntimeError(f"child failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    stamps = [float(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("STAMP")]
+    return (stamps[0] if stamps else end) - start, end
+
+
+def _fabric(engines: int, tmp: Path, name: str, env: dict[str, str], kill: bool = False) -> tuple[float, Path, Path]:
+    run_dir, markers = tmp / name / "run", tmp / name / "markers"
+    markers.mkdir(parents=True)
+    steps = 50 if kill else 2  # paced at 0.1 s: room for the replacement to join
+    header = f"STEPS={steps}\nENGINES={engines}\nKILL={kill}\nRUN_DIR={str(run_dir)!r}\nMARKERS={str(markers)!r}\n"
+    seconds, _ = _run(header + FABRIC, env)
+    return seconds, run_dir, markers
+
+
+def _replacement(tmp: Path, name: str, env: dict[str, str]) -> tuple[float, float]:
+    """(kill -> next committed step, kill -> first committed step with the replacement)."""
+    _, run_dir, markers = _fabric(2, tmp, name, env, kill=True)
+    killed = float((markers / "fault-0").read_text())
+    lines = [json.loads(x) for x in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+    gens = {r["generation"]: r for r in lines if r["type"] == "generation"}
+    steps = [r for r in lines if r["type"] == "train" and r["time"] > killed]
+    with_new = [r for r in steps if any(m >= 2 for m in gens[r["generation"]]["members"])]
+    if not with_new:
+        raise RuntimeError(f"no step with a replacement worker: {gens}")
+    return steps[0]["time"] - killed, with_new[0]["time"] - killed
+
+
+def _row(name: str, values: list[float], base: list[float] | None) -> str:
+    med = statistics.median(values)
+    text = f"{name:<34} {med:7.2f} s [{min(values):.2f}-{max(values):.2f}]"
+    if base:
+        ratios = [v / b for v, b in zip(values, base)]
+        text += f"   x{statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}] of plain"
+    return text
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--no-replace", action="store_true")
+    args = parser.parse_args()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.pop("EDT_REPLACE_WORKERS", None)
+    rows: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        for r in range(args.rounds):
+            rows.setdefault("python", []).append(_run("pass", env)[0])
+            rows.setdefault("import torch", []).append(_run("import torch", env)[0])
+            rows.setdefault("plain loop: start -> first step", []).append(_run(PLAIN, env)[0])
+            for engines in (1, 2):
+                seconds = _fabric(engines, tmp, f"fm{engines}-{r}", env)[0]
+                rows.setdefault(f"fm {engines} engine(s): start -> first commit", []).append(seconds)
+                seconds = _fabric(engines, tmp, f"fresh{engines}-{r}", {**env, "FABRIC_MODEL_WARM_START": "0"})[0]
+                rows.setdefault(f"fm {engines} engine(s), fresh workers", []).append(seconds)
+            if not args.no_replace:
+                nxt, new = _replacement(tmp, f"kill-{r}", env)
+                rows.setdefault("SIGKILL -> next committed step", []).append(nxt)
+                rows.setdefault("SIGKILL -> replacement training", []).append(new)
+            print(f"round {r + 1}/{args.rounds} done (load {os.getloadavg()[0]:.2f})", file=sys.stderr)
+    base = rows["plain loop: start -> first step"]
+    print(f"{args.rounds} rounds, {os.cpu_count()} cores; median [min-max]")
+    for name, values in rows.items():
+        ratio = name.startswith(("fm", "import", "plain"))
+        print(_row(name, values, base if ratio else None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -204,7 +204,14 @@ class FabricModel:
 
         launcher = ray_cluster.launcher_factory(run.worker_log) if ray_cluster else None
         driver = Driver(setup, run, hooks, launcher)
-        final = driver.run()
+        try:
+            final = driver.run()
+        except BaseException as exc:  # a worker's error: its traceback is the cause, the driver's frames noise
+            from .errors import RemoteTraceback
+
+            if isinstance(exc.__cause__, RemoteTraceback):
+                raise exc.with_traceback(None) from exc.__cause__
+            raise
         onnx_diff = self._finish(final, adapter, train_set, run, hooks)
         self.run_dir = run.path
         return TrainResult(

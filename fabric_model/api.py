@@ -247,6 +247,12 @@ class FabricModel(InferenceMixin):
 
         try:
             final, hooks = run_with_display(self.driver_logger_callback, setup, run, display, start)
+        except BaseException as exc:  # a worker's error: its traceback is the cause, the driver's frames noise
+            from .errors import RemoteTraceback
+
+            if isinstance(exc.__cause__, RemoteTraceback):
+                raise exc.with_traceback(None) from exc.__cause__
+            raise
         finally:
             if warm is not None:
                 warm.close()

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import traceback
+from pathlib import Path
+
 import cloudpickle
+
+_PACKAGE = str(Path(__file__).resolve().parent)
 
 
 class RemoteTraceback(Exception):
@@ -34,9 +39,21 @@ def encode_exception(exc: BaseException) -> bytes | None:
         return None
 
 
+def user_traceback(exc: BaseException) -> str:
+    """``exc``'s traceback from the user's first frame: the worker's own frames above it are
+    dropped (the worker log keeps the full text), so what the user sees starts with their code."""
+    te = traceback.TracebackException.from_exception(exc)
+    frames = list(te.stack)
+    outside = [i for i, f in enumerate(frames) if not f.filename.startswith(_PACKAGE)]
+    # The user's own file rather than a library's (torch's Module.__call__ precedes a forward).
+    own = [i for i in outside if "site-packages" not in frames[i].filename]
+    first_user = (own or outside or [0])[0]
+    te.stack = traceback.StackSummary.from_list(frames[first_user:])
+    return "".join(te.format())
+
+
 def rebuild_exception(data: bytes | None, traceback_text: str, worker: str) -> BaseException:
     """The exception to raise in the caller: the user's own type, caused by the worker traceback."""
-    remote = RemoteTraceback(f'"""\n{worker} failed:\n{traceback_text}"""')
     exc: BaseException | None = None
     if data is not None:
         try:
@@ -46,5 +63,9 @@ def rebuild_exception(data: bytes | None, traceback_text: str, worker: str) -> B
     if not isinstance(exc, BaseException):
         last = traceback_text.strip().splitlines()[-1] if traceback_text.strip() else "unknown error"
         exc = WorkerError(f"{worker} failed: {last}")
-    exc.__cause__ = remote
+    else:  # the caller's traceback ends with the same "Type: message" lines: print them once
+        tail = "".join(traceback.format_exception_only(type(exc), exc))
+        if traceback_text.endswith(tail):
+            traceback_text = traceback_text[: -len(tail)]
+    exc.__cause__ = RemoteTraceback(f'"""\n{worker} failed:\n{traceback_text.rstrip()}\n"""')
     return exc

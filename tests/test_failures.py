@@ -27,8 +27,8 @@ class BadLabels(Exception):
 
 
 def loss_that_fails_on_a_large_batch(output, target):
-    # Fails in the worker only: the caller never runs the loss.
-    if output.shape[0] > 1:
+    # Fails in the worker only: the caller's early check runs the loss on two samples.
+    if output.shape[0] > 2:
         raise BadLabels(f"labels out of range: {int(target.max())} (model has {output.shape[1]} outputs)")
     return F.cross_entropy(output, target)
 
@@ -68,6 +68,35 @@ def test_user_exception_returns_with_worker_traceback(run_dir):
     assert isinstance(cause, RemoteTraceback)
     assert "loss_that_fails_on_a_large_batch" in cause.text  # the user's frame, from the worker
     assert "worker" in cause.text
+
+
+FAILING_SCRIPT = textwrap.dedent("""
+    import sys, torch, torch.nn.functional as F
+    sys.path.insert(0, {repo!r})
+    from tests.helpers import fresh_model_and_optimizer, make_data
+    from fabric_model import FabricModel, worker_context
+    def loss_broken_in_workers(output, target):
+        if worker_context() is not None:
+            raise ValueError("the loss is broken")
+        return F.cross_entropy(output, target)
+    data = make_data(40)
+    model, opt = fresh_model_and_optimizer()
+    FabricModel(model, lambda: (data, None), loss_broken_in_workers, opt).train(1, 8, 2, run_dir={run_dir!r})
+""")
+
+
+def test_worker_error_prints_once_with_the_users_frame_first(run_dir, tmp_path):
+    script = tmp_path / "train_script.py"  # a file, so tracebacks show its source lines
+    script.write_text(FAILING_SCRIPT.format(repo=str(REPO), run_dir=str(run_dir)))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    err = proc.stderr
+    assert err.count('raise ValueError("the loss is broken")') == 1, err
+    assert err.count("ValueError: the loss is broken") == 1, err
+    remote = err[err.index("failed:") :]
+    frames = [line for line in remote.splitlines() if line.lstrip().startswith("File ")]
+    assert "loss_broken_in_workers" in frames[0], err  # the user's frame, not the worker's loop
+    assert "worker/loop.py" not in err and "driver/" not in err, err
 
 
 DRIVER_SCRIPT = textwrap.dedent("""

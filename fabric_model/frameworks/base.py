@@ -159,9 +159,13 @@ class Framework(abc.ABC):
         """``(inputs, target)`` of a collated batch."""
 
     def first_batch(self, adapter: FrameworkAdapter, train_set: Any) -> Any:
-        """The first training sample collated into a batch, so a wrong sample fails in the caller."""
+        """The first two training samples collated into a batch, so a wrong sample fails in the caller
+        (two: a per-sample loss or metric then shows as a non-scalar)."""
         try:
-            batch = train_set[0] if is_batch_level(train_set) else adapter.collate([train_set[0]])
+            if is_batch_level(train_set):
+                batch = train_set[0]
+            else:
+                batch = adapter.collate([train_set[i] for i in range(min(2, len(train_set)))])
             self.split_batch(batch)
         except Exception as exc:
             raise TypeError(

@@ -19,7 +19,10 @@ class TorchFramework(Framework):
     name: ClassVar[str] = "torch"
 
     def check_loss(self, loss_function: Any) -> None:
-        """The loss must be a callable ``loss(output, target)``."""
+        """The loss must be a callable ``loss(output, target)``, not a loss class."""
+        from ..first_batch_checks import check_loss_object
+
+        check_loss_object(loss_function)
         v.check_callable(
             "loss_function",
             loss_function,
@@ -56,27 +59,24 @@ class TorchFramework(Framework):
             )
 
     def prepare_for_shipping(self, adapter: FrameworkAdapter, first_batch: Any) -> FrameworkAdapter:
-        """Keep the default accuracy only if the model's output on the first batch is a classifier's."""
-        if getattr(adapter, "default_accuracy", False) and getattr(adapter, "step_fn", None) is None:
-            import torch
+        """Check the model, loss and metrics on the first batch (see :mod:`..first_batch_checks`), and
+        keep the default accuracy only if the model's output is a classifier's."""
+        import torch
 
-            from .torch_batches import to_device
-            from .torch_ibm import accuracy_applies
+        from ..first_batch_checks import check_loss_and_metrics, check_parameter_dtypes, forward_first_batch
+        from .torch_batches import to_device
+        from .torch_ibm import accuracy_applies
 
-            model = adapter.model
-            device = next(model.parameters(), torch.zeros(0)).device
-            inputs, target = self.split_batch(to_device(first_batch, device))
-            was_training = model.training
-            model.eval()  # no BatchNorm statistics updated, no dropout
-            try:
-                with torch.no_grad():
-                    output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
-            except Exception:  # the workers report the model's own error, with its context
-                output = None
-            finally:
-                model.train(was_training)
-            if not accuracy_applies(output, target):
-                adapter.drop_default_accuracy()  # type: ignore[attr-defined]
+        model = adapter.model
+        check_parameter_dtypes(model)
+        if getattr(adapter, "step_fn", None) is not None:  # a custom step uses the loss its own way
+            return adapter
+        device = next(model.parameters(), torch.zeros(0)).device
+        inputs, target = self.split_batch(to_device(first_batch, device))
+        output = forward_first_batch(model, inputs)
+        if getattr(adapter, "default_accuracy", False) and not accuracy_applies(output, target):
+            adapter.drop_default_accuracy()  # type: ignore[attr-defined]
+        check_loss_and_metrics(adapter.loss_function, adapter.metrics, output, target)  # type: ignore[attr-defined]
         return adapter
 
     def make_adapter(self, user: UserObjects) -> FrameworkAdapter:

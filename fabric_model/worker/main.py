@@ -28,7 +28,7 @@ from ..config import Timeouts, get_timeout, heartbeat_interval
 from ..context import WorkerContext, _install
 from ..control import Channel
 from ..digest import state_digest
-from ..errors import encode_exception
+from ..errors import encode_exception, user_traceback
 from ..job import Job
 from ..network import select_interfaces
 from ..remote_store import RemoteStore
@@ -127,8 +127,8 @@ def _train(
 
 
 def _report_failure(channel: Channel, exc: BaseException) -> None:
-    text = traceback.format_exc()
-    sys.stderr.write(text)
+    sys.stderr.write(traceback.format_exc())  # the worker log keeps every frame
+    text = user_traceback(exc)
     # Not the user's error: the driver must not count it against their code.
     collective = isinstance(exc, (CollectiveError, TimeoutError, KeyboardInterrupt)) or type(exc).__module__.startswith(
         "torch.distributed"

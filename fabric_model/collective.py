@@ -91,23 +91,22 @@ class Collective:
 
     def all_reduce_start(self, tensor: torch.Tensor) -> Any:
         """Start summing ``tensor`` in place; pass the result to ``wait`` (None for a group of one)."""
-        if self.world_size == 1:
-            return None
-        if self.should_abort(self.generation):
-            self._abandon()
-            raise CollectiveError(f"allreduce of generation {self.generation} aborted by the driver")
-        return self._group.allreduce([tensor])
+        return self._start_all_reduce(tensor, None)
 
     def all_reduce_max_start(self, tensor: torch.Tensor) -> Any:
         """Start the elementwise max of ``tensor`` in place, as ``all_reduce_start`` (deterministic mode)."""
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
+        return self._start_all_reduce(tensor, options)
+
+    def _start_all_reduce(self, tensor: torch.Tensor, options: Any) -> Any:
+        """The allreduce with ``options`` (default: sum), unless the group is one or the driver aborted."""
         if self.world_size == 1:
             return None
         if self.should_abort(self.generation):
             self._abandon()
             raise CollectiveError(f"allreduce of generation {self.generation} aborted by the driver")
-        options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
-        return self._group.allreduce([tensor], options)
+        return self._group.allreduce([tensor]) if options is None else self._group.allreduce([tensor], options)
 
     def wait(self, work: Any) -> None:
         """Wait for an operation from ``all_reduce_start`` (abortable, bounded)."""

@@ -37,8 +37,9 @@ from fabric_model.testing import FaultInjector, Kill, WorkerStarter, fired_at  #
 
 
 def make_model(width: int, features: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(features, width), nn.ReLU(), nn.Linear(width, features), nn.ReLU(),
-                         nn.Linear(features, 10))
+    return nn.Sequential(
+        nn.Linear(features, width), nn.ReLU(), nn.Linear(width, features), nn.ReLU(), nn.Linear(features, 10)
+    )
 
 
 class Synthetic:
@@ -79,8 +80,14 @@ def main() -> int:
         # --quick steps take milliseconds: pace them so the joining worker (seconds to start) lands.
         injector = FaultInjector([Kill(1, args.kill_step)], tmp, step_delay=0.1 if args.quick else 0.0)
         starter = WorkerStarter(run_dir, [args.join_step], inner=Quiet())
-        fm = FabricModel(model, lambda: (Synthetic(samples, features), None), F.cross_entropy, opt,
-                         worker_logger_callback=injector, driver_logger_callback=starter)
+        fm = FabricModel(
+            model,
+            lambda: (Synthetic(samples, features), None),
+            F.cross_entropy,
+            opt,
+            worker_logger_callback=injector,
+            driver_logger_callback=starter,
+        )
         import os
 
         os.environ["EDT_REPLACE_WORKERS"] = "0"  # the join below is the only one
@@ -104,13 +111,17 @@ def main() -> int:
     before_join = [r for r in steps if r["time"] <= join_gen["time"]]
     join_gap = after_join[0]["time"] - before_join[-1]["time"] if after_join and before_join else float("nan")
     first_commit = times[0] - t_start
-    print(f"model: {params / 1e6:.1f}M parameters, global batch {3 * batch}, 3 CPU workers, "
-          f"median step {median * 1e3:.0f} ms")
+    print(
+        f"model: {params / 1e6:.1f}M parameters, global batch {3 * batch}, 3 CPU workers, "
+        f"median step {median * 1e3:.0f} ms"
+    )
     print(f"recovery after a kill (kill -> next committed step): {redone['time'] - killed:6.2f} s")
     print(f"  of which forming the new generation:              {lost_gen['time'] - killed:6.2f} s")
     print(f"join pause on the running workers (gap - median step): {join_gap - median:6.2f} s")
-    print(f"restart-the-world (train() -> first committed step):  {first_commit:6.2f} s "
-          f"(+ the steps since the last checkpoint)")
+    print(
+        f"restart-the-world (train() -> first committed step):  {first_commit:6.2f} s "
+        f"(+ the steps since the last checkpoint)"
+    )
     print(f"ratio restart / recovery: {first_commit / (redone['time'] - killed):.1f}x")
     return 0
 

@@ -70,12 +70,14 @@ def make_model(seed: int = 0):
     import keras
 
     keras.utils.set_random_seed(seed)
-    return keras.Sequential([
-        keras.Input((FEATURES,)),
-        keras.layers.Dense(HIDDEN, activation="relu"),
-        keras.layers.Dense(HIDDEN, activation="relu"),
-        keras.layers.Dense(CLASSES),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(HIDDEN, activation="relu"),
+            keras.layers.Dense(HIDDEN, activation="relu"),
+            keras.layers.Dense(CLASSES),
+        ]
+    )
 
 
 def make_optimizer():
@@ -215,8 +217,14 @@ def bench_fabric(
     from fabric_model import FabricModel
 
     profile = run_dir / "worker.prof" if os.environ.get(PROFILE_ENV) else None
-    fm = FabricModel(make_model(), get_datasets, make_loss(), make_optimizer(), driver_logger_callback=Quiet(),
-                     worker_logger_callback=ProfileWorker(profile) if profile else None)
+    fm = FabricModel(
+        make_model(),
+        get_datasets,
+        make_loss(),
+        make_optimizer(),
+        driver_logger_callback=Quiet(),
+        worker_logger_callback=ProfileWorker(profile) if profile else None,
+    )
     extra = {} if dataloader_threads is None else {"num_dataloader_threads": dataloader_threads}
     result = fm.train(epochs, batch_size, 1, run_dir=run_dir, seed=0, **extra)
     if profile is not None:
@@ -245,8 +253,12 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=32, help="untimed steps at the start of each run (default 32)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of the two runs; the best is reported")
     parser.add_argument("--quick", action="store_true", help="a short smoke run: --steps 64 --warmup 8 --repeats 1")
-    parser.add_argument("--dataloader-threads", type=int, default=None,
-                        help="FabricModel's num_dataloader_threads (default: FabricModel's own default)")
+    parser.add_argument(
+        "--dataloader-threads",
+        type=int,
+        default=None,
+        help="FabricModel's num_dataloader_threads (default: FabricModel's own default)",
+    )
     parser.add_argument("--keep-runs", action="store_true", help="keep FabricModel's run directories")
     args = parser.parse_args()
     # The driver logs each worker generation at WARNING level; keep the report readable.
@@ -266,13 +278,20 @@ def main() -> int:
 
     cores = usable_cores()
     n_params = make_model().count_params()
-    print(f"keras {keras.__version__}, tensorflow {tf.__version__}, {cores} usable CPU cores, "
-          f"load average {os.getloadavg()[0]:.2f} (1 min)")
-    print(f"model: MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES} ({n_params / 1e6:.2f} M params), SGD, "
-          f"{NUM_SAMPLES} synthetic samples, batch {args.batch_size}")
-    print(f"timed steps per run: {total - args.warmup} (after {args.warmup} warm-up steps, {epochs} epoch(s)); "
-          f"{args.repeats} round(s); FabricModel num_dataloader_threads="
-          f"{'default' if args.dataloader_threads is None else args.dataloader_threads}", flush=True)
+    print(
+        f"keras {keras.__version__}, tensorflow {tf.__version__}, {cores} usable CPU cores, "
+        f"load average {os.getloadavg()[0]:.2f} (1 min)"
+    )
+    print(
+        f"model: MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES} ({n_params / 1e6:.2f} M params), SGD, "
+        f"{NUM_SAMPLES} synthetic samples, batch {args.batch_size}"
+    )
+    print(
+        f"timed steps per run: {total - args.warmup} (after {args.warmup} warm-up steps, {epochs} epoch(s)); "
+        f"{args.repeats} round(s); FabricModel num_dataloader_threads="
+        f"{'default' if args.dataloader_threads is None else args.dataloader_threads}",
+        flush=True,
+    )
     if os.environ.get(PROFILE_ENV):
         print(f"{PROFILE_ENV} is set: FabricModel's worker runs under cProfile, its figures are not comparable")
 
@@ -281,10 +300,13 @@ def main() -> int:
     try:
         for r in range(args.repeats):
             runs["fit"].append(bench_fit(args.batch_size, epochs, args.warmup))
-            runs["fm1"].append(bench_fabric(args.batch_size, args.warmup, epochs, root / f"fm1-{r}",
-                                            args.dataloader_threads))
-            print(f"round {r + 1} (mean samples/s): " + ", ".join(f"{k} {v[-1][0]:,.0f}" for k, v in runs.items()),
-                  flush=True)
+            runs["fm1"].append(
+                bench_fabric(args.batch_size, args.warmup, epochs, root / f"fm1-{r}", args.dataloader_threads)
+            )
+            print(
+                f"round {r + 1} (mean samples/s): " + ", ".join(f"{k} {v[-1][0]:,.0f}" for k, v in runs.items()),
+                flush=True,
+            )
     finally:
         if args.keep_runs or os.environ.get(PROFILE_ENV):
             print(f"FabricModel run directories kept in {root}")
@@ -299,8 +321,10 @@ def main() -> int:
     for name, key in rows:
         print(f"{name:<24}{1:>8}{cores:>9}{args.batch_size:>7}{mean[key]:>18,.0f}{median[key]:>15,.0f}")
     ratio, target = mean["fm1"] / mean["fit"], 0.9
-    print(f"\nFabricModel 1 engine / model.fit (mean samples/s; median-step in brackets): {ratio:.3f}x  "
-          f"[{median['fm1'] / median['fit']:.3f}x]  target >= {target:.2f}x: {'met' if ratio >= target else 'MISSED'}")
+    print(
+        f"\nFabricModel 1 engine / model.fit (mean samples/s; median-step in brackets): {ratio:.3f}x  "
+        f"[{median['fm1'] / median['fit']:.3f}x]  target >= {target:.2f}x: {'met' if ratio >= target else 'MISSED'}"
+    )
     return 0
 
 

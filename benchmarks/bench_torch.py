@@ -59,8 +59,10 @@ def make_model(seed: int = 0) -> nn.Module:
     """An MLP of about 1.6 M parameters: a step at batch 128 is tens of ms of matmuls on CPU."""
     torch.manual_seed(seed)
     return nn.Sequential(
-        nn.Linear(FEATURES, HIDDEN), nn.ReLU(),
-        nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
+        nn.Linear(FEATURES, HIDDEN),
+        nn.ReLU(),
+        nn.Linear(HIDDEN, HIDDEN),
+        nn.ReLU(),
         nn.Linear(HIDDEN, CLASSES),
     )
 
@@ -185,8 +187,12 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=32, help="untimed steps at the start of each run (default 32)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of the four runs; the best is reported")
     parser.add_argument("--quick", action="store_true", help="a short smoke run: --steps 64 --warmup 8 --repeats 1")
-    parser.add_argument("--dataloader-threads", type=int, default=None,
-                        help="FabricModel's num_dataloader_threads (default: FabricModel's own default)")
+    parser.add_argument(
+        "--dataloader-threads",
+        type=int,
+        default=None,
+        help="FabricModel's num_dataloader_threads (default: FabricModel's own default)",
+    )
     parser.add_argument("--keep-runs", action="store_true", help="keep FabricModel's run directories")
     args = parser.parse_args()
     # The driver logs each worker generation at WARNING level; keep the report readable.
@@ -205,11 +211,16 @@ def main() -> int:
     cores = os.cpu_count() or 1
     n_params = sum(p.numel() for p in make_model().parameters())
     print(f"torch {torch.__version__}, {cores} CPU cores, load average {os.getloadavg()[0]:.2f} (1 min)")
-    print(f"model: MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES} ({n_params / 1e6:.2f} M params), SGD, "
-          f"{NUM_SAMPLES} synthetic samples, per-worker batch {args.batch_size}")
-    print(f"timed steps per run: 1 worker {totals[1] - args.warmup}, 2 workers {totals[2] - args.warmup} "
-          f"(after {args.warmup} warm-up steps); {args.repeats} round(s); FabricModel num_dataloader_threads="
-          f"{'default' if args.dataloader_threads is None else args.dataloader_threads}", flush=True)
+    print(
+        f"model: MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES} ({n_params / 1e6:.2f} M params), SGD, "
+        f"{NUM_SAMPLES} synthetic samples, per-worker batch {args.batch_size}"
+    )
+    print(
+        f"timed steps per run: 1 worker {totals[1] - args.warmup}, 2 workers {totals[2] - args.warmup} "
+        f"(after {args.warmup} warm-up steps); {args.repeats} round(s); FabricModel num_dataloader_threads="
+        f"{'default' if args.dataloader_threads is None else args.dataloader_threads}",
+        flush=True,
+    )
 
     root = Path(tempfile.mkdtemp(prefix="bench_torch_"))
     runs: dict[str, list[tuple[float, float]]] = {"plain": [], "fm1": [], "ddp": [], "fm2": []}
@@ -220,8 +231,10 @@ def main() -> int:
             runs["fm1"].append(bench_fabric(bs, 1, warmup, epochs[1], root / f"fm1-{r}", dl))
             runs["ddp"].append(bench_ddp(bs, totals[2], warmup))
             runs["fm2"].append(bench_fabric(bs, 2, warmup, epochs[2], root / f"fm2-{r}", dl))
-            print(f"round {r + 1} (mean samples/s): " + ", ".join(f"{k} {v[-1][0]:,.0f}" for k, v in runs.items()),
-                  flush=True)
+            print(
+                f"round {r + 1} (mean samples/s): " + ", ".join(f"{k} {v[-1][0]:,.0f}" for k, v in runs.items()),
+                flush=True,
+            )
     finally:
         if args.keep_runs:
             print(f"FabricModel run directories kept in {root}")
@@ -237,17 +250,25 @@ def main() -> int:
         ("DDP gloo, 2 processes", 2, "ddp"),
         ("FabricModel, 2 engines", 2, "fm2"),
     ]
-    print(f"\n{'run':<24}{'workers':>8}{'threads/worker':>16}{'global batch':>14}"
-          f"{'samples/s (mean)':>18}{'(median step)':>15}")
+    print(
+        f"\n{'run':<24}{'workers':>8}{'threads/worker':>16}{'global batch':>14}"
+        f"{'samples/s (mean)':>18}{'(median step)':>15}"
+    )
     for name, workers, key in rows:
-        print(f"{name:<24}{workers:>8}{max(1, cores // workers):>16}{args.batch_size * workers:>14}"
-              f"{mean[key]:>18,.0f}{median[key]:>15,.0f}")
+        print(
+            f"{name:<24}{workers:>8}{max(1, cores // workers):>16}{args.batch_size * workers:>14}"
+            f"{mean[key]:>18,.0f}{median[key]:>15,.0f}"
+        )
     print("\nratios (mean samples/s; median-step in brackets):")
-    for label, ours, base, target in (("(a) FabricModel 1 engine / plain loop", "fm1", "plain", 0.95),
-                                      ("(b) FabricModel 2 engines / DDP      ", "fm2", "ddp", 1.0)):
+    for label, ours, base, target in (
+        ("(a) FabricModel 1 engine / plain loop", "fm1", "plain", 0.95),
+        ("(b) FabricModel 2 engines / DDP      ", "fm2", "ddp", 1.0),
+    ):
         ratio = mean[ours] / mean[base]
-        print(f"{label}: {ratio:.3f}x  [{median[ours] / median[base]:.3f}x]  "
-              f"target >= {target:.2f}x: {'met' if ratio >= target else 'MISSED'}")
+        print(
+            f"{label}: {ratio:.3f}x  [{median[ours] / median[base]:.3f}x]  "
+            f"target >= {target:.2f}x: {'met' if ratio >= target else 'MISSED'}"
+        )
     return 0
 
 

@@ -9,6 +9,7 @@ from .best_checkpoints import BestCheckpoints
 from .callbacks import Callback, EarlyStopping
 from .context import WorkerContext, worker_context
 from .errors import JobError, WorkerError
+from .frameworks.tf_quiet import quiet_tensorflow
 from .plan import epoch_permutation, micro_batch_seed
 
 __all__ = [
@@ -23,5 +24,6 @@ __all__ = [
     "worker_context",
     "epoch_permutation",
     "micro_batch_seed",
+    "quiet_tensorflow",
 ]
 __version__ = "0.1.0"

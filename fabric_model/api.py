@@ -28,6 +28,7 @@ from .network import chosen_bind_address
 from .plan import Plan
 from .run_setup import LoopOptions, check_train_arguments, open_run, serialize_job, size_run, slot_devices, train_config
 from .rundir import RunDirectory
+from .step_options import check_step_options
 
 if TYPE_CHECKING:
     from .driver.driver import DriverSetup
@@ -87,6 +88,9 @@ class FabricModel(InferenceMixin):
             tensors, numpy arrays and numbers, and recurses into tuples and dicts.
         lr_scheduler: torch: a ``torch.optim.lr_scheduler`` built on ``optimizer``, stepped per epoch, or
             ``{"scheduler": s, "interval": "step" | "epoch", "monitor": "val_loss"}`` (README, "Training features").
+        precision: torch: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"`` (autocast forward; float32 weights,
+            gradients and reduction; float16 with a loss scale shared by every replica).
+        gradient_clip_norm: clip the step's whole reduced gradient to this global L2 norm.
     """
 
     def __init__(
@@ -111,11 +115,13 @@ class FabricModel(InferenceMixin):
         enable_onnx: bool | None = None,
         get_datasets: Callable[[], tuple[Any, Any]] | None = None,
         lr_scheduler: Any = None,
+        precision: str = "32",
+        gradient_clip_norm: float | None = None,
     ) -> None:
         # IBM's keyword names are aliases of ours (compat.pick); `get_datasets` is this package's old name.
         datasets_function = compat.pick("datasets_function", datasets_function, "get_datasets", get_datasets)
         # Defaults exist only so `get_datasets=` can stand in for the second parameter; all three are required.
-        _require(datasets_function=datasets_function, loss_function=loss_function, optimizer=optimizer)
+        v.require(datasets_function=datasets_function, loss_function=loss_function, optimizer=optimizer)
         driver_logger_callback = compat.pick(
             "driver_logger_callback", driver_logger_callback, "driver_logger", driver_logger
         )
@@ -137,6 +143,8 @@ class FabricModel(InferenceMixin):
         self.fn_step_train, self.fn_test, self.fn_args = fn_step_train, fn_test, fn_args
         self.metrics, self.user_callbacks = check_constructor_arguments(self, metrics, user_callback)
         self.lr_scheduling = check_lr_scheduler(lr_scheduler, optimizer, self.framework)
+        custom_step = fn_step_train is not None
+        self.step_options = check_step_options(precision, gradient_clip_norm, self.framework, custom_step, optimizer)
         self.run_dir: Path | None = None
 
     def train(
@@ -367,6 +375,7 @@ class FabricModel(InferenceMixin):
             fn_step_train=self.fn_step_train,
             fn_test=self.fn_test,
             fn_args=self.fn_args,
+            step_options=self.step_options,
         )
         return self._framework.make_adapter(user)
 
@@ -386,10 +395,3 @@ class FabricModel(InferenceMixin):
         """The job every worker receives, cloudpickled once."""
         hooks = Hooks.for_worker(self.worker_logger_callback, self.user_callbacks)
         return serialize_job(Job(adapter, self.datasets_function, hooks, self.lr_scheduling))
-
-
-def _require(**arguments: Any) -> None:
-    """Raise naming the required arguments that were not given."""
-    missing = [name for name, value in arguments.items() if value is None]
-    if missing:
-        raise TypeError(f"FabricModel() is missing required argument(s): {', '.join(missing)}. Received: None")

@@ -67,11 +67,14 @@ def attach(verbose: int, log_file: Path | None) -> Callable[[], None]:
     """Add the run's handlers; returns the function that removes them (and restores the logger)."""
     logger = logging.getLogger(LOGGER)
     level, propagate, handlers = logger.level, logger.propagate, list[logging.Handler]()
-    if verbose >= 1 and not user_configured_logging():
+    user = user_configured_logging()
+    if verbose >= 1 and not user:
         handlers.append(ScreenHandler(logging.INFO))
-    elif propagate:  # the user's handlers get what they got before, no more
+    elif propagate and user:  # the user's handlers get what they got before, no more
         handlers.append(_Propagate(logger.getEffectiveLevel()))
-        logger.propagate = False
+    # Our handlers decide what is shown: without them (verbose=0, no logging of the user's) Python's
+    # last-resort handler would still print warnings; the log file has every message.
+    logger.propagate = False
     if logger.getEffectiveLevel() > logging.INFO:
         logger.setLevel(logging.INFO)
     if log_file is not None:

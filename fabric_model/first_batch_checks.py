@@ -31,14 +31,15 @@ def check_loss_object(loss_function: Any) -> None:
         )
 
 
-def check_parameter_dtypes(model: torch.nn.Module) -> None:
-    """The step buffer and its reduction are float32, so float32 parameters are required."""
+def check_parameter_dtypes(model: torch.nn.Module, precision: str = "32") -> None:
+    """The step buffer and its reduction are float32, so float32 parameters are required at any ``precision``."""
     other = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
     if other:
+        mixed = {"torch.bfloat16": "bf16-mixed", "torch.float16": "16-mixed"}.get(other[0], "bf16-mixed")
         raise TypeError(
             f"Expected `model` to have float32 parameters (fabric_model keeps float32 weights and reduces "
-            f"float32 gradients). Received: parameters of dtype {', '.join(other)}. HINT: pass model.float(); "
-            "run reduced-precision maths through autocast in the model's forward instead of casting the weights."
+            f"float32 gradients; precision={precision!r} sets the forward pass's precision). Received: parameters "
+            f"of dtype {', '.join(other)}. HINT: pass model.float() and FabricModel(..., precision={mixed!r})."
         )
 
 

@@ -28,7 +28,7 @@ class RunRecorder:
 
     Args:
         tensorboard_dir: the directory ``tensorboard --logdir`` is pointed at.
-        csv_path: the CSV file (appended to on resume; the header is written once).
+        csv_path: the CSV file (a resumed run keeps the rows of the epochs before the one it redoes).
         stat_names: "loss" and the metrics, the CSV's columns (``val_`` ones too with validation).
         global_batch, steps_per_epoch: samples per step (for ``samples_per_s``), steps per epoch.
     """
@@ -59,14 +59,22 @@ class RunRecorder:
         columns += [f"val_{n}" for n in self.stat_names]
         if self._csv_file is None:
             self.csv_path.parent.mkdir(parents=True, exist_ok=True)
-            new = not self.csv_path.exists() or self.csv_path.stat().st_size == 0
-            self._csv_file = open(self.csv_path, "a", newline="", encoding="utf-8")
+            kept = self._earlier_rows(int(self._row["epoch"]))
+            self._csv_file = open(self.csv_path, "w", newline="", encoding="utf-8")
             self._csv = csv.DictWriter(self._csv_file, columns, extrasaction="ignore")
-            if new:
-                self._csv.writeheader()
+            self._csv.writeheader()
+            self._csv.writerows(kept)
         self._csv.writerow(self._row)
         self._csv_file.flush()
         self._row = None
+
+    def _earlier_rows(self, epoch: int) -> list[dict[str, str]]:
+        """A resumed run's rows before ``epoch``: epochs after the checkpoint it resumed from are
+        trained again, and their rows written again, not twice."""
+        if not self.csv_path.exists():
+            return []
+        with open(self.csv_path, newline="", encoding="utf-8") as f:
+            return [row for row in csv.DictReader(f) if row.get("epoch", "").isdigit() and int(row["epoch"]) < epoch]
 
     # -- hooks -----------------------------------------------------------------------------
     def record_step(self, metrics: dict[str, float], iteration: int, epoch: int, workers: int) -> None:

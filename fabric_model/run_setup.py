@@ -174,6 +174,11 @@ def make_deterministic(framework: str, adapter: Any, max_micro_batches: int) -> 
             "the fixed-point step sum in the Keras adapter). HINT: pass deterministic=False (training then agrees "
             "with other worker counts to float32 rounding)."
         )
+    if adapter.grad_step.options.scales_loss:
+        raise ValueError(
+            "Expected `precision` to be '32' or 'bf16-mixed' with deterministic=True. Received: precision='16-mixed'. "
+            "HINT: float16's loss scale can overflow the exact fixed-point sum; bf16-mixed needs no scale."
+        )
     from .frameworks.torch_exact import ExactTorchAdapter
 
     return ExactTorchAdapter.from_adapter(adapter, max_micro_batches)

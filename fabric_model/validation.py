@@ -143,3 +143,10 @@ def check_effective_batch(effective_batch_size: int | None, batch_size: int) -> 
             f"HINT: use {max(batch_size, effective_batch_size // batch_size * batch_size)} or "
             f"{(effective_batch_size // batch_size + 1) * batch_size}"
         )
+
+
+def require(**arguments: Any) -> None:
+    """Raise naming the required arguments that were not given."""
+    missing = [name for name, value in arguments.items() if value is None]
+    if missing:
+        raise TypeError(f"FabricModel() is missing required argument(s): {', '.join(missing)}. Received: None")

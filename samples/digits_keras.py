@@ -16,18 +16,17 @@ Run it from the repository root, after ``pip install -e ".[tensorflow]"`` (or wi
 """
 
 import argparse
-import os
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads: no start-up chatter
+import numpy as np
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+from sklearn.preprocessing import StandardScaler
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-from sklearn.model_selection import train_test_split  # noqa: E402
-from sklearn.preprocessing import StandardScaler  # noqa: E402
+from fabric_model import FabricModel, quiet_tensorflow
 
-from fabric_model import FabricModel  # noqa: E402
+with quiet_tensorflow():  # TensorFlow's start-up notices off the screen (TF_CPP_MIN_LOG_LEVEL=0 shows them)
+    import keras
 
 
 def get_datasets():
@@ -35,9 +34,11 @@ def get_datasets():
     x, y = load_digits(return_X_y=True)
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
     scaler = StandardScaler().fit(x_train)  # fit on the training set only
+
     def to_dataset(features, labels):
         features = scaler.transform(features).astype(np.float32)
         return [(features[i], np.int64(labels[i])) for i in range(len(labels))]
+
     return to_dataset(x_train, y_train), to_dataset(x_test, y_test)
 
 
@@ -51,12 +52,16 @@ def main():
     args = parser.parse_args()
 
     keras.utils.set_random_seed(args.seed)  # the initial weights
-    model = keras.Sequential([
-        keras.Input((64,)),
-        keras.layers.Dense(128, activation="relu"), keras.layers.Dropout(0.2),
-        keras.layers.Dense(64, activation="relu"), keras.layers.Dropout(0.2),
-        keras.layers.Dense(10),  # logits
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(128, activation="relu"),
+            keras.layers.Dropout(0.2),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dropout(0.2),
+            keras.layers.Dense(10),  # logits
+        ]
+    )
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     optimizer = keras.optimizers.SGD(learning_rate=0.05, momentum=0.9)
     fm = FabricModel(model, get_datasets, loss, optimizer, metrics=["accuracy"])

@@ -32,9 +32,12 @@ def get_datasets():
     x, y = load_digits(return_X_y=True)
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
     scaler = StandardScaler().fit(x_train)  # fit on the training set only
+
     def to_dataset(features, labels):
-        return TensorDataset(torch.tensor(scaler.transform(features), dtype=torch.float32),
-                             torch.tensor(labels, dtype=torch.long))
+        return TensorDataset(
+            torch.tensor(scaler.transform(features), dtype=torch.float32), torch.tensor(labels, dtype=torch.long)
+        )
+
     return to_dataset(x_train, y_train), to_dataset(x_test, y_test)
 
 
@@ -53,8 +56,12 @@ def main():
 
     torch.manual_seed(args.seed)
     model = nn.Sequential(
-        nn.Linear(64, 128), nn.ReLU(), nn.Dropout(0.2),
-        nn.Linear(128, 64), nn.ReLU(), nn.Dropout(0.2),
+        nn.Linear(64, 128),
+        nn.ReLU(),
+        nn.Dropout(0.2),
+        nn.Linear(128, 64),
+        nn.ReLU(),
+        nn.Dropout(0.2),
         nn.Linear(64, 10),
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)

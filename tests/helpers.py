@@ -41,10 +41,21 @@ def accuracy(output, target):
 
 
 def reference_train(
-    model, optimizer, dataset, *, seed: int, epochs: int, batch_size: int, micro_batches: int, loss_fn=F.cross_entropy
+    model,
+    optimizer,
+    dataset,
+    *,
+    seed: int,
+    epochs: int,
+    batch_size: int,
+    micro_batches: int,
+    loss_fn=F.cross_entropy,
+    autocast: torch.dtype | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ):
     """A plain single-process loop over the documented plan: same global batches, same order,
-    the gradient of each global batch's mean loss, dropout seeded per micro-batch."""
+    the gradient of each global batch's mean loss, dropout seeded per micro-batch; the forward
+    under ``autocast`` and the loss through ``scaler`` if given (the optimizer then unscales and steps)."""
     plan = Plan(len(dataset), batch_size, micro_batches, seed)
     model.train()
     for epoch in range(epochs):
@@ -56,7 +67,9 @@ def reference_train(
                 idx = plan.micro_batch_indices(epoch, step, j, perm)
                 x, y = default_collate([dataset[int(i)] for i in idx])
                 torch.manual_seed(micro_batch_seed(seed, epoch, step, j))
-                (loss_fn(model(x), y) * (len(idx) / total)).backward()
+                with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                    loss = loss_fn(model(x), y) * (len(idx) / total)
+                (loss if scaler is None else scaler.scale(loss)).backward()
             optimizer.step()
     return model
 

@@ -249,3 +249,23 @@ def test_the_event_file_framing_uses_crc32c():
 
     assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
     assert crc32c(b"") == 0
+
+
+def test_a_resumed_run_s_csv_has_each_epoch_once(tmp_path):
+    """Epochs 1-3 written, then the run resumes from the checkpoint after epoch 1: epoch 2's row
+    is replaced by the redone epoch's, epoch 3's goes (it will be trained again), the header stays."""
+    from fabric_model.run_record import RunRecorder
+
+    def run(epochs: range, loss: float) -> None:
+        recorder = RunRecorder(tmp_path / "tb", tmp_path / "metrics.csv", ["loss"], 8, 2)
+        for epoch in epochs:
+            recorder.record_step({"loss": loss}, 2 * epoch + 1, epoch, 2)
+            recorder.log_train_metrics({"loss": loss}, 2 * epoch + 2, epoch, 2)
+            recorder.log_test_metrics({"loss": loss}, 2 * epoch + 2, epoch)
+        recorder.close()
+
+    run(range(3), 1.0)
+    run(range(1, 2), 0.5)
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["epoch"], float(r["loss"]), float(r["val_loss"])) for r in rows] == [("1", 1.0, 1.0), ("2", 0.5, 0.5)]

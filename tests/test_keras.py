@@ -518,3 +518,61 @@ def test_a_learning_rate_schedule_resumes_and_the_model_comes_back_compiled(run_
     assert keras_result["loss"] == pytest.approx(ours["loss"], rel=1e-5)
     assert keras_result["accuracy"] == pytest.approx(result.test_history[-1]["accuracy"])
     assert fm.predict(test).shape == (40, 3)
+
+
+def test_gradient_clip_norm_clips_the_reduced_step_gradient_as_global_clipnorm_does(run_dir, tape_reference):
+    """Two workers: Keras' optimizer clips the step's reduced gradient, as ``global_clipnorm``
+    does on the GradientTape loop's whole-batch gradient; the user's optimizer is left as given."""
+    clip = 0.05
+    reference = mlp()
+    clipping = keras.optimizers.SGD(learning_rate=0.1, momentum=0.9, global_clipnorm=clip)
+    gradient_tape_reference(
+        reference, clipping, LOSS, DATA, epochs=EPOCHS, batch_size=BATCH, micro_batches=3, seed=SEED
+    )
+    assert max_rel_diff(trainable(reference), tape_reference) > 0.1  # the clip binds
+    model, optimizer = mlp(), sgd()
+    FabricModel(model, lambda: (DATA, None), LOSS, optimizer, gradient_clip_norm=clip).train(
+        EPOCHS, BATCH, 2, effective_batch_size=3 * BATCH, seed=SEED, run_dir=run_dir
+    )
+    assert max_rel_diff(trainable(model), trainable(reference)) < 1e-5
+    assert optimizer.global_clipnorm is None
+    for log in (run_dir / "logs").glob("worker-*.log"):  # TensorFlow's start-up notices stay out
+        assert "oneDNN" not in log.read_text() and "absl::InitializeLog" not in log.read_text()
+
+
+QUIET_IMPORT = """
+import os, sys
+from fabric_model import quiet_tensorflow
+with quiet_tensorflow():
+    os.write(2, b"a real error line\\n")
+    import tensorflow
+"""
+
+
+@pytest.mark.parametrize("level", ["2", "0"])
+def test_quiet_tensorflow_drops_only_the_start_up_notices(level):
+    """TensorFlow writes its oneDNN and absl notices to descriptor 2 whatever TF_CPP_MIN_LOG_LEVEL
+    says; quiet_tensorflow drops those lines and keeps any other, unless the user asks for them (0)."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": level}
+    done = subprocess.run([sys.executable, "-c", QUIET_IMPORT], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "a real error line" in done.stderr
+    assert ("oneDNN custom operations" in done.stderr) == (level == "0")
+
+
+def test_a_keras_model_built_under_mixed_bfloat16_trains_in_bfloat16(run_dir):
+    """What the `precision` error tells a Keras user to do instead: the dtype policy travels with
+    the model to the workers (float32 variables, bfloat16 compute), and training goes as usual."""
+    keras.mixed_precision.set_dtype_policy("mixed_bfloat16")
+    try:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((12,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(3, dtype="float32")]
+        )
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+    result = FabricModel(model, lambda: (DATA, None), LOSS, sgd()).train(
+        3, BATCH, 2, effective_batch_size=3 * BATCH, seed=SEED, run_dir=run_dir
+    )
+    assert model.layers[0].compute_dtype == "bfloat16" and model.layers[0].kernel.dtype == "float32"
+    assert result.history[-1]["loss"] < result.history[0]["loss"]

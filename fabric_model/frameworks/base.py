@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..data import Reader, is_batch_level
+from ..step_options import StepOptions
 
 if TYPE_CHECKING:  # annotations only: importing this module must not import torch
     import numpy as np
@@ -119,6 +120,7 @@ class UserObjects:
     fn_step_train: Callable[..., Any] | None = None  # torch only
     fn_test: Callable[..., Any] | None = None  # torch only
     fn_args: Any = None
+    step_options: StepOptions = StepOptions()  # precision=, gradient_clip_norm=
 
 
 class Framework(abc.ABC):

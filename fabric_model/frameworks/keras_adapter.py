@@ -77,6 +77,7 @@ class KerasAdapter(FrameworkAdapter):
         metrics: Sequence[Any] = (),
         custom_objects: dict[str, Any] | None = None,
         collate_fn: Callable[[Sequence[Any]], Any] | None = None,
+        clip_norm: float | None = None,
     ) -> None:
         self.model = model
         self.optimizer = resolve_optimizer(optimizer)
@@ -85,6 +86,7 @@ class KerasAdapter(FrameworkAdapter):
         self.metric_specs = [resolve_metric(m, i) for i, m in enumerate(metrics)]
         self.custom_objects = dict(custom_objects or {})
         self._collate_fn = collate_fn
+        self.clip_norm = clip_norm  # gradient_clip_norm=: the rebuilt optimizer's global_clipnorm
         taken: set[str] = set()
         # Labelled as given ("mae" stays "mae", as in Keras' compile), instances by their name.
         self.stat_names = ["loss"] + [metric_label(m, i, taken) for i, m in enumerate(metrics)]
@@ -128,6 +130,8 @@ class KerasAdapter(FrameworkAdapter):
         with tf.device(self._tf_device):
             self.model = model_from_bytes(shipped["model"], custom)
             self.optimizer = keras.optimizers.deserialize(shipped["optimizer"], custom_objects=custom)
+            if self.clip_norm is not None:  # Keras clips in optimizer.apply, which gets the reduced gradient
+                self.optimizer.global_clipnorm = self.clip_norm
             self.optimizer.build(self.model.trainable_variables)
             if shipped["optimizer_state"] is not None:
                 assign_all(self.optimizer.variables, shipped["optimizer_state"], "optimizer")

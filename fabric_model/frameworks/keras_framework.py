@@ -59,7 +59,13 @@ class KerasFramework(Framework):
         from .keras_adapter import KerasAdapter
 
         return KerasAdapter(
-            user.model, user.optimizer, user.loss_function, user.metrics, user.custom_objects, user.collate
+            user.model,
+            user.optimizer,
+            user.loss_function,
+            user.metrics,
+            user.custom_objects,
+            user.collate,
+            user.step_options.gradient_clip_norm,
         )
 
     def split_batch(self, batch: Any) -> tuple[Any, Any]:

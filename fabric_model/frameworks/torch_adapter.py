@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import importlib
-import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -12,17 +11,20 @@ from torch.utils.data import default_collate
 
 from ..data import Reader
 from ..step_layout import StepLayout, StepResult
+from ..step_options import StepOptions
 from ..tree import map_tree
 from .base import FrameworkAdapter, metric_name
 from .torch_batches import cpu_copy, scalar, split_batch, to_device
+from .torch_evaluation import TorchEvaluation
 from .torch_gather import tensor_reader
-from .torch_ibm import Eva, accuracy, forbidden_step, test_result
+from .torch_ibm import Eva, accuracy, forbidden_step
+from .torch_precision import GradientStep
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 MetricFn = Callable[[Any, Any], Any]
 
 
-class TorchAdapter(FrameworkAdapter):
+class TorchAdapter(TorchEvaluation, FrameworkAdapter):
     """Trains a ``torch.nn.Module`` micro-batch by micro-batch into one flat step buffer.
 
     Each parameter's ``.grad`` is a view into the step buffer, so backward accumulates
@@ -41,6 +43,7 @@ class TorchAdapter(FrameworkAdapter):
         step_fn: Callable[..., Any] | None = None,
         test_fn: Callable[..., Any] | None = None,
         fn_args: Any = None,
+        step_options: StepOptions | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -51,9 +54,13 @@ class TorchAdapter(FrameworkAdapter):
         self.metrics = list(metrics) or ([accuracy] if step_fn is None else [])
         self._collate_fn = collate_fn
         self.step_fn, self.test_fn, self.fn_args = step_fn, test_fn, fn_args
+        self.grad_step = GradientStep(step_options)  # precision=, gradient_clip_norm=
         self.eva = Eva(self.metrics)  # a custom step's third argument
         self.train_set: Any = None  # handed to a custom step as its ``train_loader``
         self._name_stats()
+        self.device = torch.device("cpu")
+        self._buf_start: list[torch.Tensor] = []
+        self._in_step = False
 
     def _name_stats(self) -> None:
         taken: set[str] = set()
@@ -67,9 +74,6 @@ class TorchAdapter(FrameworkAdapter):
         if self.default_accuracy and self.step_fn is None:
             self.metrics = []
             self._name_stats()
-        self.device = torch.device("cpu")
-        self._buf_start: list[torch.Tensor] = []
-        self._in_step = False
 
     # -- set-up ---------------------------------------------------------------------------
     def setup(self, device: str, num_threads: int) -> None:
@@ -219,8 +223,10 @@ class TorchAdapter(FrameworkAdapter):
         if self.step_fn is not None:
             self._custom_micro_batch(inputs, target, weight, num_samples)
             return
-        output = self.model(*inputs) if isinstance(inputs, tuple) else self.model(inputs)
-        loss = self.loss_function(output, target)
+        with self.grad_step.autocast(self.device):
+            output = self.model(*inputs) if isinstance(inputs, tuple) else self.model(inputs)
+            loss = self.loss_function(output, target)
+        weight *= self.grad_step.scale  # float16's loss scale (1 otherwise), divided out after the reduction
         if not self._direct:
             self._ensure_grad_views()
         # On this worker's last micro-batch, buckets go out while backward still runs.
@@ -261,7 +267,8 @@ class TorchAdapter(FrameworkAdapter):
         previous = vars(self.optimizer).get("step")
         self.optimizer.step = forbidden_step
         try:
-            metric, loss = self.step_fn(self.model, (inputs, target), self.eva, self.train_set, self.fn_args)
+            with self.grad_step.autocast(self.device):  # bf16-mixed (float16 is refused with a custom step)
+                metric, loss = self.step_fn(self.model, (inputs, target), self.eva, self.train_set, self.fn_args)
         finally:
             if shadowed:
                 self.optimizer.step = previous
@@ -336,63 +343,22 @@ class TorchAdapter(FrameworkAdapter):
             unused = [i for i, got in enumerate(self._got_grad.tolist()) if got == 0.0]
             for i in unused:
                 self._params[i].grad = None
-            self.optimizer.step()
+            if self.grad_step.plain:
+                self.optimizer.step()
+            else:  # float16's unscale and overflow check, then clipping, on the reduced gradient
+                self.grad_step.apply(self.optimizer, self._params)
             for i in unused:
                 self._params[i].grad = self._grad_views[i]
         self._in_step = False
         return self._layout.result(self._flat[self._layout.tail].tolist())
 
-    # -- evaluation and state -------------------------------------------------------------
-    def evaluate_batches(self, batches: Iterator[tuple[Any, Any]]) -> torch.Tensor:
-        """Stat sums over ``(indices, batch)`` pairs: the user's ``fn_test`` if given."""
-        if self.test_fn is None:
-            total = torch.zeros(self._layout.eval_size, dtype=torch.float64)
-            for indices, batch in batches:
-                total += self._evaluate_batch(batch, len(indices))
-            return total
-        first = next(batches, None)
-        if first is None:  # an empty test shard: no call (IBM's fn_test divides by its count); zero samples
-            return torch.zeros(self._layout.eval_size, dtype=torch.float64)
-        count = 0
-
-        def test_iter() -> Iterator[tuple[Any, Any]]:
-            nonlocal count
-            for indices, batch in itertools.chain([first], batches):
-                count += len(indices)
-                yield split_batch(to_device(batch, self.device))
-
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                result = self.test_fn(self.model, test_iter(), self.fn_args)
-        finally:
-            self.model.train()
-        values = [float(scalar(v, torch.device("cpu"))) for v in test_result(result)]
-        values = (values + [float("nan")] * len(self.stat_names))[: len(self.stat_names)]
-        return torch.tensor([v * count for v in values] + [count], dtype=torch.float64)
-
-    @torch.no_grad()
-    def _evaluate_batch(self, batch: Any, num_samples: int) -> torch.Tensor:
-        """Stat sums (loss, metrics...) and the sample count over one test batch, float64 on the CPU."""
-        self.model.eval()
-        try:
-            inputs, target = split_batch(to_device(batch, self.device))
-            output = self.model(*inputs) if isinstance(inputs, tuple) else self.model(inputs)
-            n = num_samples
-            metrics = [float(m(output, target)) for m in self.metrics]
-            if self.step_fn is not None:  # stats are (loss, metric): the first metric, if any, stands for it
-                metrics = metrics[:1] or [float("nan")]
-            values = [float(self.loss_function(output, target))] + metrics
-            return torch.tensor([v * n for v in values] + [n], dtype=torch.float64)
-        finally:
-            self.model.train()
-
+    # -- state ----------------------------------------------------------------------------
     def load_state(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
         self.model.load_state_dict(model_state)
-        self.optimizer.load_state_dict(optimizer_state)
+        self.optimizer.load_state_dict(self.grad_step.unpack(optimizer_state))
 
     def model_state(self) -> dict[str, Any]:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
     def optimizer_state(self) -> dict[str, Any]:
-        return map_tree(cpu_copy, self.optimizer.state_dict())
+        return self.grad_step.pack(map_tree(cpu_copy, self.optimizer.state_dict()))

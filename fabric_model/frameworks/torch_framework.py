@@ -68,12 +68,13 @@ class TorchFramework(Framework):
         from .torch_ibm import accuracy_applies
 
         model = adapter.model
-        check_parameter_dtypes(model)
+        check_parameter_dtypes(model, adapter.grad_step.options.precision)  # type: ignore[attr-defined]
         if getattr(adapter, "step_fn", None) is not None:  # a custom step uses the loss its own way
             return adapter
         device = next(model.parameters(), torch.zeros(0)).device
         inputs, target = self.split_batch(to_device(first_batch, device))
-        output = forward_first_batch(model, inputs)
+        with adapter.grad_step.autocast(device):  # type: ignore[attr-defined]
+            output = forward_first_batch(model, inputs)
         if getattr(adapter, "default_accuracy", False) and not accuracy_applies(output, target):
             adapter.drop_default_accuracy()  # type: ignore[attr-defined]
         check_loss_and_metrics(adapter.loss_function, adapter.metrics, output, target)  # type: ignore[attr-defined]
@@ -92,6 +93,7 @@ class TorchFramework(Framework):
             user.fn_step_train,
             user.fn_test,
             user.fn_args,
+            user.step_options,
         )
 
     def split_batch(self, batch: Any) -> tuple[Any, Any]:

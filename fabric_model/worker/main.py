@@ -29,6 +29,7 @@ from ..context import WorkerContext, _install
 from ..control import Channel
 from ..digest import state_digest
 from ..errors import encode_exception, user_traceback
+from ..frameworks.tf_quiet import quiet_tensorflow
 from ..job import Job
 from ..network import select_interfaces
 from ..remote_store import RemoteStore
@@ -80,13 +81,14 @@ def _join(loop: TrainingLoop, inbox: Inbox, channel: Channel, timeouts: Timeouts
 
 def _set_up(spec: p.JobSpec, worker_id: int, device: str | None, inbox: Inbox) -> tuple[Job, WorkerContext, str]:
     """Unpickle the job, install the worker context, place the model, call ``datasets_function``."""
-    job: Job = cloudpickle.loads(spec.payload)
-    device = device or spec.device or "cpu"
-    # Installed before any user code runs here, so datasets_function can ask where it is.
-    context = WorkerContext(worker_id)
-    context.pending_join = lambda: inbox.pending_generation > context.generation
-    _install(context)
-    job.adapter.setup(device, spec.threads)
+    with quiet_tensorflow():  # a Keras job loads TensorFlow here: its start-up notices stay out of the log
+        job: Job = cloudpickle.loads(spec.payload)
+        device = device or spec.device or "cpu"
+        # Installed before any user code runs here, so datasets_function can ask where it is.
+        context = WorkerContext(worker_id)
+        context.pending_join = lambda: inbox.pending_generation > context.generation
+        _install(context)
+        job.adapter.setup(device, spec.threads)
     return job, context, device
 
 

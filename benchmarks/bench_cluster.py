@@ -107,7 +107,7 @@ def run_local(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     fm = FabricModel(model, datasets, F.cross_entropy, opt, worker_logger_callback=injector)
     run_dir = tmp / "local"
     t_start = time.time()
-    fm.train(args.epochs, 32, 2, seed=0, run_dir=run_dir, checkpoint_freq=0, num_dataloader_threads=0)
+    fm.train(args.epochs, 32, 2, seed=0, run_dir=run_dir, checkpoint_freq=0, num_dataloader_threads=0, verbose=0)
     return summarize(run_dir, t_start, fired_at(marker, 0))
 
 
@@ -135,7 +135,15 @@ def run_ray(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         run_dir = tmp / "ray"
         t_start = time.time()
         fm.train(
-            args.epochs, 32, 2, seed=0, run_dir=run_dir, checkpoint_freq=0, num_dataloader_threads=0, cluster="ray"
+            args.epochs,
+            32,
+            2,
+            seed=0,
+            run_dir=run_dir,
+            checkpoint_freq=0,
+            num_dataloader_threads=0,
+            cluster="ray",
+            verbose=0,
         )
         return summarize(run_dir, t_start, trigger.fired_at)
     finally:

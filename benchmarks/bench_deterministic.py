@@ -76,7 +76,7 @@ def run(model_name: str, workers: int, deterministic: bool, steps: int, warmup: 
     os.environ[DETERMINISTIC_THREADS_ENV] = str(threads_per_worker(workers))
     try:
         fm = FabricModel(model, lambda: (data, None), F.cross_entropy, opt, driver_logger_callback=_Quiet())
-        fm.train(1, BATCH, workers, checkpoint_freq=0, seed=1, run_dir=run_dir, deterministic=deterministic)
+        fm.train(1, BATCH, workers, checkpoint_freq=0, seed=1, run_dir=run_dir, deterministic=deterministic, verbose=0)
         lines = (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()
         times = sorted(r["time"] for r in map(json.loads, lines) if r.get("type") == "train")
     finally:

@@ -93,7 +93,7 @@ def main() -> int:
         os.environ["EDT_REPLACE_WORKERS"] = "0"  # the join below is the only one
         t_start = time.time()
         try:
-            fm.train(args.epochs, batch, 3, seed=0, run_dir=run_dir, num_dataloader_threads=2)
+            fm.train(args.epochs, batch, 3, seed=0, run_dir=run_dir, num_dataloader_threads=2, verbose=0)
         finally:
             starter.close()
         killed = fired_at(tmp, 0)

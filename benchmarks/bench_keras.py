@@ -226,7 +226,7 @@ def bench_fabric(
         worker_logger_callback=ProfileWorker(profile) if profile else None,
     )
     extra = {} if dataloader_threads is None else {"num_dataloader_threads": dataloader_threads}
-    result = fm.train(epochs, batch_size, 1, run_dir=run_dir, seed=0, **extra)
+    result = fm.train(epochs, batch_size, 1, run_dir=run_dir, seed=0, verbose=0, **extra)
     if profile is not None:
         print_profile(profile)
     # One line per committed step, stamped by the driver when the step's reports arrive.

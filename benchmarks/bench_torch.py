@@ -172,7 +172,7 @@ def bench_fabric(
     model = make_model()
     fm = FabricModel(model, get_datasets, F.cross_entropy, make_optimizer(model), driver_logger_callback=Quiet())
     extra = {} if dataloader_threads is None else {"num_dataloader_threads": dataloader_threads}
-    result = fm.train(epochs, batch_size, engines, run_dir=run_dir, seed=0, **extra)
+    result = fm.train(epochs, batch_size, engines, run_dir=run_dir, seed=0, verbose=0, **extra)
     # One line per committed step, stamped by the driver when the step's reports arrive.
     records = [json.loads(line) for line in (result.run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
     steps = sorted((r["iteration"], r["time"]) for r in records if r.get("type") == "train")

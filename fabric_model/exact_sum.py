@@ -71,37 +71,60 @@ class ExactSum:
         self.device = device
         n = len(self.sizes)
         self.exponents = torch.full((n,), INITIAL_EXPONENT, dtype=torch.int64)
-        self.total = torch.zeros(sum(self.sizes), dtype=torch.float64, device=device)
+        self._total = torch.zeros(sum(self.sizes), dtype=torch.float64, device=device)
         self.maxima = torch.full((n,), NO_VALUE, dtype=torch.int64, device=device)
         self._index = torch.repeat_interleave(torch.arange(n, device=device), torch.tensor(self.sizes, device=device))
+        # Preallocated: a fresh multi-megabyte temporary per term costs more in page faults than the
+        # arithmetic (an implicit float32 -> float64 promotion in add_ tripled the cost of a term).
         self._scratch = torch.empty(sum(self.sizes), dtype=torch.float32, device=device)
+        self._scratch64 = torch.empty(sum(self.sizes), dtype=torch.float64, device=device)
+        self._terms = 0  # terms added since zero(); the first is copied, not added
         self.redos = 0  # steps redone, for the record
         self._set_scales()
 
     def _set_scales(self) -> None:
         self.exponents = self.exponents.clamp(min=MIN_EXPONENT)
-        shifts = (SUM_BITS - self.guard) - self.exponents  # quantum of tensor t: 2**-shift
-        self._scale = torch.pow(2.0, shifts.float()).to(self.device)[self._index]
-        self._unscale = torch.pow(2.0, (-shifts).double()).to(self.device)[self._index]
+        shifts = ((SUM_BITS - self.guard) - self.exponents).tolist()  # quantum of tensor t: 2**-shift
+        # Python floats: a per-tensor scalar multiply reads no per-element scale array.
+        self._scales = [2.0**shift for shift in shifts]
+        self._unscales = [2.0**-shift for shift in shifts]
 
     def zero(self) -> None:
         """Start a new sum (a step, or its redo)."""
-        self.total.zero_()
+        self._terms = 0
         self.maxima.fill_(NO_VALUE)
+
+    @property
+    def total(self) -> torch.Tensor:
+        """The sum so far, in float64 integers per tensor (what the collective reduces)."""
+        if self._terms == 0:
+            self._total.zero_()
+            self._terms = -1  # zeroed: the next add adds
+        return self._total
 
     @torch.no_grad()
     def add(self, region: torch.Tensor) -> None:
         """Round one term (a flat float32 tensor of all segments) onto the grid and add it."""
-        # One amax per tensor (a scatter-amax would be flagged by use_deterministic_algorithms on CUDA).
-        peaks = torch.stack([s.abs().amax() for s in region.split(self.sizes)])
+        segments = region.split(self.sizes)
+        # One aminmax per tensor: no |x| temporary, and a single pass (a scatter-amax would be
+        # flagged by use_deterministic_algorithms on CUDA; an inf-norm is ten times slower on CPU).
+        # NaN propagates through aminmax, so isfinite below sees it.
+        lows, highs = zip(*(torch.aminmax(s) for s in segments))
+        peaks = torch.maximum(torch.stack(highs), -torch.stack(lows))
         _, exponent = torch.frexp(peaks)  # peak = mantissa * 2**exponent, peak < 2**exponent
         exponent = exponent.to(torch.int64)
         exponent = torch.where(peaks == 0, NO_VALUE, exponent)
         exponent = torch.where(torch.isfinite(peaks), exponent, NON_FINITE)
         torch.maximum(self.maxima, exponent, out=self.maxima)
-        torch.mul(region, self._scale, out=self._scratch)  # exact: a power of two
+        for segment, scaled, scale in zip(segments, self._scratch.split(self.sizes), self._scales):
+            torch.mul(segment, scale, out=scaled)  # exact: a power of two
         self._scratch.round_()  # the one rounding of this term (half to even)
-        self.total.add_(self._scratch)  # exact: integers below 2**53
+        if self._terms == 0:  # exact: float32 integers are float64 integers
+            self._total.copy_(self._scratch)
+        else:
+            self._scratch64.copy_(self._scratch)
+            self._total.add_(self._scratch64)  # exact: integers below 2**53
+        self._terms = max(self._terms, 0) + 1
 
     def settle(self) -> bool:
         """After the totals and maxima were reduced: True if the sum stands, False to redo it.
@@ -114,7 +137,7 @@ class ExactSum:
         coarse = valid & ((SUM_BITS - self.guard) - (self.exponents - maxima) < PRECISION_BITS)
         coarse &= self.exponents != target  # at MIN_EXPONENT a redo would not help
         drifted = valid & (self.exponents - maxima > 2 * HEADROOM_BITS)
-        self._written_unscale = self._unscale  # the grid this step's total is on
+        self._written_unscales = self._unscales  # the grid this step's total is on
         if bool((overflow | coarse | drifted).any()):
             self.exponents = torch.where(overflow | coarse | drifted, target, self.exponents)
             self._set_scales()
@@ -127,7 +150,10 @@ class ExactSum:
     def write(self, region: torch.Tensor) -> None:
         """The exact total (after ``settle`` accepted it) back to float32 into ``region``, rounded once;
         NaN where a term was not finite."""
-        torch.mul(self.total, self._written_unscale, out=region)
+        # Rounding the integer to float32, then scaling by a power of two, is rounding the value
+        # once (no float32 underflow: MIN_EXPONENT keeps quanta far above 2**-126).
+        region.copy_(self.total)
+        torch._foreach_mul_(list(region.split(self.sizes)), self._written_unscales)
         bad = self.maxima == NON_FINITE
         if bool(bad.any()):
             region.masked_fill_(bad[self._index], float("nan"))

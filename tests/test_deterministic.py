@@ -101,7 +101,7 @@ def _sum(groups: list[list[torch.Tensor]]) -> torch.Tensor:
             exact.add(term)
     first = sums[0]
     for other in sums[1:]:
-        first.total += other.total
+        first.total.add_(other.total)  # in place, as the allreduce
         torch.maximum(first.maxima, other.maxima, out=first.maxima)
     assert first.settle()
     out = torch.empty(100)

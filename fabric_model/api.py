@@ -203,7 +203,7 @@ class FabricModel(InferenceMixin):
             tensorboard: write TensorBoard scalars to ``<run_dir>/tensorboard`` and one CSV row per
                 epoch to ``logs/metrics.csv``.
             deterministic: bitwise-identical weights, optimizer state and buffers for any worker count,
-                faults and resumes (torch; exact fixed-point step sums, one intra-op thread per CPU worker:
+                faults and resumes (exact fixed-point step sums, one intra-op thread per CPU worker:
                 README, "Deterministic training"). Default: equal to float32 rounding, faster.
         """
         from .display import check_verbose

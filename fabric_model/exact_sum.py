@@ -28,6 +28,7 @@ a tensor whose values are all below ``2**MIN_EXPONENT`` is kept to that absolute
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -79,6 +80,7 @@ class ExactSum:
         self._scratch = torch.empty(sum(self.sizes), dtype=torch.float32, device=device)
         self._scratch64 = torch.empty(sum(self.sizes), dtype=torch.float64, device=device)
         self._terms = 0  # terms added since zero(); the first is copied, not added
+        self._in_place = False  # the step's one term was rounded in its region (round_in_place)
         self.redos = 0  # steps redone, for the record
         self._set_scales()
 
@@ -91,7 +93,7 @@ class ExactSum:
 
     def zero(self) -> None:
         """Start a new sum (a step, or its redo)."""
-        self._terms = 0
+        self._terms, self._in_place = 0, False
         self.maxima.fill_(NO_VALUE)
 
     @property
@@ -106,6 +108,32 @@ class ExactSum:
     def add(self, region: torch.Tensor) -> None:
         """Round one term (a flat float32 tensor of all segments) onto the grid and add it."""
         segments = region.split(self.sizes)
+        self._record_maxima(segments)
+        for segment, scaled, scale in zip(segments, self._scratch.split(self.sizes), self._scales):
+            torch.mul(segment, scale, out=scaled)  # exact: a power of two
+        self._scratch.round_()  # the one rounding of this term (half to even)
+        if self._terms == 0:  # exact: float32 integers are float64 integers
+            self._total.copy_(self._scratch)
+        else:
+            self._scratch64.copy_(self._scratch)
+            self._total.add_(self._scratch64)  # exact: integers below 2**53
+        self._terms = max(self._terms, 0) + 1
+
+    @torch.no_grad()
+    def round_in_place(self, region: torch.Tensor) -> None:
+        """The whole sum when it has one term and no other replica (a lone worker's only
+        micro-batch): ``region`` is rounded onto the grid where it is, in float32, which holds one
+        term's integers exactly; ``write`` then leaves it as it is. Bitwise what ``add`` and
+        ``write`` give, without the float64 round trip."""
+        segments = list(region.split(self.sizes))
+        self._record_maxima(segments)
+        torch._foreach_mul_(segments, self._scales)  # exact: powers of two
+        region.round_()
+        torch._foreach_mul_(segments, self._unscales)  # exact, as in write
+        self._in_place = True
+
+    def _record_maxima(self, segments: Sequence[torch.Tensor]) -> None:
+        """Each tensor's largest binary exponent, into the step's maxima."""
         # One aminmax per tensor: no |x| temporary, and a single pass (a scatter-amax would be
         # flagged by use_deterministic_algorithms on CUDA; an inf-norm is ten times slower on CPU).
         # NaN propagates through aminmax, so isfinite below sees it.
@@ -116,15 +144,6 @@ class ExactSum:
         exponent = torch.where(peaks == 0, NO_VALUE, exponent)
         exponent = torch.where(torch.isfinite(peaks), exponent, NON_FINITE)
         torch.maximum(self.maxima, exponent, out=self.maxima)
-        for segment, scaled, scale in zip(segments, self._scratch.split(self.sizes), self._scales):
-            torch.mul(segment, scale, out=scaled)  # exact: a power of two
-        self._scratch.round_()  # the one rounding of this term (half to even)
-        if self._terms == 0:  # exact: float32 integers are float64 integers
-            self._total.copy_(self._scratch)
-        else:
-            self._scratch64.copy_(self._scratch)
-            self._total.add_(self._scratch64)  # exact: integers below 2**53
-        self._terms = max(self._terms, 0) + 1
 
     def settle(self) -> bool:
         """After the totals and maxima were reduced: True if the sum stands, False to redo it.
@@ -152,8 +171,9 @@ class ExactSum:
         NaN where a term was not finite."""
         # Rounding the integer to float32, then scaling by a power of two, is rounding the value
         # once (no float32 underflow: MIN_EXPONENT keeps quanta far above 2**-126).
-        region.copy_(self.total)
-        torch._foreach_mul_(list(region.split(self.sizes)), self._written_unscales)
+        if not self._in_place:
+            region.copy_(self.total)
+            torch._foreach_mul_(list(region.split(self.sizes)), self._written_unscales)
         bad = self.maxima == NON_FINITE
         if bool(bad.any()):
             region.masked_fill_(bad[self._index], float("nan"))

@@ -166,19 +166,16 @@ def worker_threads(deterministic: bool, ray_cluster: Any, gpus: int, max_workers
 
 
 def make_deterministic(framework: str, adapter: Any, max_micro_batches: int) -> Any:
-    """The adapter of ``deterministic=True``: exact step sums (torch only)."""
-    if framework != "torch":
-        raise ValueError(
-            f"deterministic=True is supported for torch models only. Received: deterministic=True with a {framework} "
-            "model. Bitwise-identical Keras training is not implemented yet (it needs TensorFlow's op determinism and "
-            "the fixed-point step sum in the Keras adapter). HINT: pass deterministic=False (training then agrees "
-            "with other worker counts to float32 rounding)."
-        )
-    if adapter.grad_step.options.scales_loss:
+    """The adapter of ``deterministic=True``: exact step sums."""
+    if framework == "torch" and adapter.grad_step.options.scales_loss:
         raise ValueError(
             "Expected `precision` to be '32' or 'bf16-mixed' with deterministic=True. Received: precision='16-mixed'. "
             "HINT: float16's loss scale can overflow the exact fixed-point sum; bf16-mixed needs no scale."
         )
+    if framework == "keras":
+        from .frameworks.keras_exact import ExactKerasAdapter
+
+        return ExactKerasAdapter.from_adapter(adapter, max_micro_batches)
     from .frameworks.torch_exact import ExactTorchAdapter
 
     return ExactTorchAdapter.from_adapter(adapter, max_micro_batches)

@@ -66,6 +66,7 @@ class ExactTorchAdapter(TorchAdapter):
 
     def begin_step(self, collective: Any = None) -> None:
         super().begin_step(collective)
+        self._lone = getattr(collective, "world_size", 0) == 1
         assert self._exact is not None
         self._exact.zero()
         self._replay: list[tuple[Any, int, int, int]] = []
@@ -73,25 +74,29 @@ class ExactTorchAdapter(TorchAdapter):
 
     def train_micro_batch(self, batch: Any, num_samples: int, step_samples: int, seed: int, last: bool = False) -> None:
         self._replay.append((batch, num_samples, step_samples, seed))
-        self._exact_micro_batch(batch, num_samples, step_samples, seed)
+        self._exact_micro_batch(batch, num_samples, step_samples, seed, alone=last and len(self._replay) == 1)
 
-    def _exact_micro_batch(self, batch: Any, num_samples: int, step_samples: int, seed: int) -> None:
+    def _exact_micro_batch(self, batch: Any, num_samples: int, step_samples: int, seed: int, alone: bool) -> None:
         assert self._exact is not None
         self._region.zero_()
         super().train_micro_batch(batch, num_samples, step_samples, seed, last=False)  # no overlap
-        self._exact.add(self._region)
+        if alone and self._lone:  # the step's only term: rounded where it is (ExactSum.round_in_place)
+            self._exact.round_in_place(self._region)
+        else:
+            self._exact.add(self._region)
 
     def all_reduce(self, collective: Any) -> None:
         """Sum the fixed-point totals and the float tail, max the exponents; redo the step on a new grid if asked."""
         assert self._exact is not None
         while True:
-            works = [
-                collective.all_reduce_start(self._exact.total),
-                collective.all_reduce_max_start(self._exact.maxima),
-                collective.all_reduce_start(self._flat[self._region.numel() :]),  # flags, stats, count, vote
-            ]
-            for work in works:
-                collective.wait(work)
+            if collective.world_size > 1:
+                works = [
+                    collective.all_reduce_start(self._exact.total),
+                    collective.all_reduce_max_start(self._exact.maxima),
+                    collective.all_reduce_start(self._flat[self._region.numel() :]),  # flags, stats, count, vote
+                ]
+                for work in works:
+                    collective.wait(work)
             if self._exact.settle():
                 self._exact.write(self._region)
                 return
@@ -108,7 +113,7 @@ class ExactTorchAdapter(TorchAdapter):
             for b, start in zip(self._buffers, self._buf_start):
                 b.copy_(start)
         for batch, num_samples, step_samples, seed in self._replay:
-            self._exact_micro_batch(batch, num_samples, step_samples, seed)
+            self._exact_micro_batch(batch, num_samples, step_samples, seed, alone=len(self._replay) == 1)
         self._flat[self._layout.vote] = vote
 
     def finish_step(self) -> StepResult:

@@ -1,0 +1,143 @@
+"""``deterministic=True`` for Keras: the step's gradients and variable deltas summed exactly.
+
+:class:`ExactKerasAdapter` is the :class:`~.keras_adapter.KerasAdapter` with the differences
+of :class:`~.torch_exact.ExactTorchAdapter` (docs/architecture.md, "Deterministic mode"):
+
+- each micro-batch's flat result (weighted gradients and forward-updated variable deltas, from
+  the same compiled function) is added to a fixed-point :class:`~fabric_model.exact_sum.ExactSum`
+  on its own, instead of to the previous micro-batches' in float32; its tail (flags, stat sums,
+  count) is summed in float, as metrics are logs;
+- the allreduce sums the fixed-point total, maxes the exponents, and every replica redoes the
+  step on a new grid when the agreed maxima ask for it; the total is then written, rounded once,
+  into the TensorFlow buffer that the apply function reads;
+- TensorFlow's op determinism is on (``tf.config.experimental.enable_op_determinism``), the
+  thread count is the one chosen in the caller, and the one-function solo step is off (its
+  gradient would skip the rounding that makes a lone worker agree with many).
+
+The grid's exponents travel in the optimizer state under
+:data:`~.torch_exact.EXPONENTS_KEY`, popped before Keras sees it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..exact_sum import INITIAL_EXPONENT, ExactSum
+from ..step_layout import StepResult
+from .keras_adapter import KerasAdapter
+from .keras_batches import split_keras_batch
+from .keras_runtime import torch_view
+from .torch_exact import EXPONENTS_KEY
+
+
+class ExactKerasAdapter(KerasAdapter):
+    """A :class:`KerasAdapter` whose step sums are bitwise independent of how micro-batches are divided."""
+
+    max_terms: int = 1  # micro-batches in a step, at most (set in the caller)
+
+    @classmethod
+    def from_adapter(cls, adapter: KerasAdapter, max_terms: int) -> ExactKerasAdapter:
+        """The same user objects, in deterministic mode."""
+        exact = cls.__new__(cls)
+        exact.__dict__.update(adapter.__dict__)
+        exact.max_terms = max_terms
+        return exact
+
+    def setup(self, device: str, num_threads: int) -> None:
+        super().setup(device, num_threads)
+        import tensorflow as tf
+
+        tf.config.experimental.enable_op_determinism()
+        sizes = [int(np.prod(v.shape)) for v in self._train_vars + self._fwd_vars]
+        self._region_size = sum(sizes)
+        self._exact = ExactSum(sizes, self.max_terms, torch.device("cuda" if device.startswith("cuda") else "cpu"))
+        self._step_exponents: torch.Tensor | None = None
+        self._replay: list[tuple[Any, int, int, int]] = []
+
+    def begin_step(self, collective: Any = None) -> None:
+        super().begin_step(collective)
+        self._solo_possible = False
+        self.step_buffer.zero_()  # a fresh TensorFlow buffer: the tail accumulates here, the total is written here
+        self._exact.zero()
+        self._replay = []
+        self._step_exponents = self._exact.exponents.clone()
+
+    def train_micro_batch(self, batch: Any, num_samples: int, step_samples: int, seed: int, last: bool = False) -> None:
+        self._replay.append((batch, num_samples, step_samples, seed))
+        self._exact_micro_batch(batch, num_samples, step_samples, seed)
+
+    def _exact_micro_batch(self, batch: Any, num_samples: int, step_samples: int, seed: int) -> None:
+        import tensorflow as tf
+
+        x, y = split_keras_batch(batch)
+        with tf.device(self._tf_device):
+            weight = None if num_samples == step_samples else tf.constant(num_samples / step_samples, tf.float32)
+            flat = self._tf_micro(x, y, weight, tf.constant(seed, tf.int64), None)
+        if flat.device.endswith("GPU:0"):
+            tf.test.experimental.sync_devices()
+        term = torch_view(flat)
+        self._exact.add(term[: self._region_size])
+        self.step_buffer[self._region_size :] += term[self._region_size :]  # flags, stats, count
+
+    def all_reduce(self, collective: Any) -> None:
+        """Sum the fixed-point totals and the float tail, max the exponents; redo the step on a new grid if asked."""
+        buffer = self.step_buffer
+        while True:
+            if collective.world_size > 1:
+                works = [
+                    collective.all_reduce_start(self._exact.total),
+                    collective.all_reduce_max_start(self._exact.maxima),
+                    collective.all_reduce_start(buffer[self._region_size :]),  # flags, stats, count, vote
+                ]
+                for work in works:
+                    collective.wait(work)
+            if self._exact.settle():
+                self._exact.write(buffer[: self._region_size])
+                if buffer.is_cuda:  # TensorFlow reads the buffer on its own stream next
+                    torch.cuda.current_stream(buffer.device).synchronize()
+                return
+            self._redo()
+
+    def _redo(self) -> None:
+        """Every replica decided alike (from agreed maxima): run this step's micro-batches again."""
+        tail = self.step_buffer[self._region_size :]
+        vote = float(self.step_buffer[self.step_layout.vote])  # reduced: > 0 exactly when some member voted
+        tail.zero_()
+        self._exact.zero()
+        for batch, num_samples, step_samples, seed in self._replay:
+            self._exact_micro_batch(batch, num_samples, step_samples, seed)  # each starts from the step's variables
+        self.step_buffer[self.step_layout.vote] = vote
+
+    def finish_step(self) -> StepResult:
+        self._replay, self._step_exponents = [], None
+        return super().finish_step()
+
+    def abort_step(self) -> None:
+        # A redo decided in the interrupted step may have moved the grid on some replicas only.
+        start = self._step_exponents
+        super().abort_step()
+        if start is not None:
+            self._set_exponents(start)
+        self._step_exponents, self._replay = None, []
+
+    def _set_exponents(self, exponents: torch.Tensor) -> None:
+        self._exact.exponents = exponents.clone().to(torch.int64)
+        self._exact._set_scales()
+
+    def load_state(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
+        optimizer_state = dict(optimizer_state)
+        exponents = optimizer_state.pop(EXPONENTS_KEY, None)
+        super().load_state(model_state, optimizer_state)
+        exact = getattr(self, "_exact", None)
+        if exact is not None:  # (the caller's copy has no step buffer)
+            self._set_exponents(torch.full_like(exact.exponents, INITIAL_EXPONENT) if exponents is None else exponents)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        state = super().optimizer_state()
+        exact = getattr(self, "_exact", None)
+        if exact is not None:
+            state[EXPONENTS_KEY] = exact.exponents.clone()
+        return state

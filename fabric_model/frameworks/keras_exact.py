@@ -14,8 +14,7 @@ of :class:`~.torch_exact.ExactTorchAdapter` (docs/architecture.md, "Deterministi
   thread count is the one chosen in the caller, and the one-function solo step is off (its
   gradient would skip the rounding that makes a lone worker agree with many).
 
-The grid's exponents travel in the optimizer state under
-:data:`~.torch_exact.EXPONENTS_KEY`, popped before Keras sees it.
+The grid's exponents travel in the optimizer state (:class:`~.exact_grid.ExactGrid`).
 """
 
 from __future__ import annotations
@@ -25,26 +24,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..exact_sum import INITIAL_EXPONENT, ExactSum
+from ..exact_sum import ExactSum
 from ..step_layout import StepResult
+from .exact_grid import ExactGrid
 from .keras_adapter import KerasAdapter
 from .keras_batches import split_keras_batch
 from .keras_runtime import torch_view
-from .torch_exact import EXPONENTS_KEY
 
 
-class ExactKerasAdapter(KerasAdapter):
+class ExactKerasAdapter(ExactGrid, KerasAdapter):
     """A :class:`KerasAdapter` whose step sums are bitwise independent of how micro-batches are divided."""
-
-    max_terms: int = 1  # micro-batches in a step, at most (set in the caller)
-
-    @classmethod
-    def from_adapter(cls, adapter: KerasAdapter, max_terms: int) -> ExactKerasAdapter:
-        """The same user objects, in deterministic mode."""
-        exact = cls.__new__(cls)
-        exact.__dict__.update(adapter.__dict__)
-        exact.max_terms = max_terms
-        return exact
 
     def setup(self, device: str, num_threads: int) -> None:
         super().setup(device, num_threads)
@@ -61,9 +50,9 @@ class ExactKerasAdapter(KerasAdapter):
         super().begin_step(collective)
         self._solo_possible = False
         self.step_buffer.zero_()  # a fresh TensorFlow buffer: the tail accumulates here, the total is written here
-        self._exact.zero()
+        self.exact_sum.zero()
         self._replay = []
-        self._step_exponents = self._exact.exponents.clone()
+        self._step_exponents = self.exact_sum.exponents.clone()
 
     def train_micro_batch(self, batch: Any, num_samples: int, step_samples: int, seed: int, last: bool = False) -> None:
         self._replay.append((batch, num_samples, step_samples, seed))
@@ -79,7 +68,7 @@ class ExactKerasAdapter(KerasAdapter):
         if flat.device.endswith("GPU:0"):
             tf.test.experimental.sync_devices()
         term = torch_view(flat)
-        self._exact.add(term[: self._region_size])
+        self.exact_sum.add(term[: self._region_size])
         self.step_buffer[self._region_size :] += term[self._region_size :]  # flags, stats, count
 
     def all_reduce(self, collective: Any) -> None:
@@ -88,14 +77,14 @@ class ExactKerasAdapter(KerasAdapter):
         while True:
             if collective.world_size > 1:
                 works = [
-                    collective.all_reduce_start(self._exact.total),
-                    collective.all_reduce_max_start(self._exact.maxima),
+                    collective.all_reduce_start(self.exact_sum.total),
+                    collective.all_reduce_max_start(self.exact_sum.maxima),
                     collective.all_reduce_start(buffer[self._region_size :]),  # flags, stats, count, vote
                 ]
                 for work in works:
                     collective.wait(work)
-            if self._exact.settle():
-                self._exact.write(buffer[: self._region_size])
+            if self.exact_sum.settle():
+                self.exact_sum.write(buffer[: self._region_size])
                 if buffer.is_cuda:  # TensorFlow reads the buffer on its own stream next
                     torch.cuda.current_stream(buffer.device).synchronize()
                 return
@@ -106,7 +95,7 @@ class ExactKerasAdapter(KerasAdapter):
         tail = self.step_buffer[self._region_size :]
         vote = float(self.step_buffer[self.step_layout.vote])  # reduced: > 0 exactly when some member voted
         tail.zero_()
-        self._exact.zero()
+        self.exact_sum.zero()
         for batch, num_samples, step_samples, seed in self._replay:
             self._exact_micro_batch(batch, num_samples, step_samples, seed)  # each starts from the step's variables
         self.step_buffer[self.step_layout.vote] = vote
@@ -116,28 +105,6 @@ class ExactKerasAdapter(KerasAdapter):
         return super().finish_step()
 
     def abort_step(self) -> None:
-        # A redo decided in the interrupted step may have moved the grid on some replicas only.
-        start = self._step_exponents
         super().abort_step()
-        if start is not None:
-            self._set_exponents(start)
-        self._step_exponents, self._replay = None, []
-
-    def _set_exponents(self, exponents: torch.Tensor) -> None:
-        self._exact.exponents = exponents.clone().to(torch.int64)
-        self._exact._set_scales()
-
-    def load_state(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
-        optimizer_state = dict(optimizer_state)
-        exponents = optimizer_state.pop(EXPONENTS_KEY, None)
-        super().load_state(model_state, optimizer_state)
-        exact = getattr(self, "_exact", None)
-        if exact is not None:  # (the caller's copy has no step buffer)
-            self._set_exponents(torch.full_like(exact.exponents, INITIAL_EXPONENT) if exponents is None else exponents)
-
-    def optimizer_state(self) -> dict[str, Any]:
-        state = super().optimizer_state()
-        exact = getattr(self, "_exact", None)
-        if exact is not None:
-            state[EXPONENTS_KEY] = exact.exponents.clone()
-        return state
+        self._restore_step_grid()
+        self._replay = []

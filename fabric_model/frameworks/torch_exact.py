@@ -12,8 +12,8 @@ docs/architecture.md, "Deterministic mode"):
   during backward: the reduction needs the whole step;
 - torch's deterministic algorithms are on; the intra-op thread count is chosen in the caller.
 
-The grid's exponents are state (a resumed or joined replica must round as the others do): they
-travel in the optimizer state under :data:`EXPONENTS_KEY`.
+The grid's exponents are state (a resumed or joined replica must round as the others do):
+:class:`~.exact_grid.ExactGrid` carries them in the optimizer state.
 """
 
 from __future__ import annotations
@@ -23,27 +23,16 @@ from typing import Any
 
 import torch
 
-from ..exact_sum import INITIAL_EXPONENT, ExactSum
+from ..exact_sum import ExactSum
 from ..step_layout import StepResult
+from .exact_grid import ExactGrid
 from .torch_adapter import TorchAdapter
 
-#: The optimizer state's extra entry holding the fixed-point exponents (popped before torch sees it).
-EXPONENTS_KEY = "fabric_model_exact_exponents"
 
-
-class ExactTorchAdapter(TorchAdapter):
+class ExactTorchAdapter(ExactGrid, TorchAdapter):
     """A :class:`TorchAdapter` whose step sums are bitwise independent of how micro-batches are divided."""
 
-    max_terms: int = 1  # micro-batches in a step, at most (set in the caller)
     lone_direct = False  # every micro-batch's gradient goes through the step buffer, even alone
-
-    @classmethod
-    def from_adapter(cls, adapter: TorchAdapter, max_terms: int) -> ExactTorchAdapter:
-        """The same user objects, in deterministic mode."""
-        exact = cls.__new__(cls)
-        exact.__dict__.update(adapter.__dict__)
-        exact.max_terms = max_terms
-        return exact
 
     def setup(self, device: str, num_threads: int) -> None:
         if device.startswith("cuda"):  # before cuBLAS starts: its deterministic workspace
@@ -121,32 +110,5 @@ class ExactTorchAdapter(TorchAdapter):
         return super().finish_step()
 
     def abort_step(self) -> None:
-        # A redo decided in the interrupted step may have moved the grid on some replicas only:
-        # the step is undone, so is its grid.
-        start = getattr(self, "_step_exponents", None)
-        super().abort_step()
-        if start is not None and self._exact is not None:
-            self._set_exponents(start)
-        self._step_exponents = None
-
-    def _set_exponents(self, exponents: torch.Tensor) -> None:
-        assert self._exact is not None
-        self._exact.exponents = exponents.clone().to(torch.int64)
-        self._exact._set_scales()
-
-    def load_state(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
-        optimizer_state = dict(optimizer_state)
-        exponents = optimizer_state.pop(EXPONENTS_KEY, None)
-        super().load_state(model_state, optimizer_state)
-        exact = getattr(self, "_exact", None)
-        if exact is not None:  # (the caller's copy has no step buffer)
-            # A state without a grid (the job's initial state, a run saved without
-            # deterministic=True) starts from the first step's grid, as a fresh run does.
-            self._set_exponents(torch.full_like(exact.exponents, INITIAL_EXPONENT) if exponents is None else exponents)
-
-    def optimizer_state(self) -> dict[str, Any]:
-        state = super().optimizer_state()
-        exact = getattr(self, "_exact", None)
-        if exact is not None:
-            state[EXPONENTS_KEY] = exact.exponents.clone()
-        return state
+        super().abort_step()  # (its fresh step buffer keeps the current grid: _allocate)
+        self._restore_step_grid()

@@ -43,6 +43,9 @@ MAX_DRAIN = 10_000
 #: Periodic checks (exited processes, heartbeats, deadlines) run at most this often (seconds):
 #: after every message they cost the driver ~50 us a step, on the cores the workers share.
 TICK_INTERVAL = 0.02
+#: Messages that can complete a generation change: the checks run at once after them, since the
+#: survivors wait for it (waiting for the next tick cost up to the 0.2 s receive timeout).
+MEMBERSHIP_MESSAGES = (p.LeftGeneration, p.Ready, p.WorkerFailed, p.ConnectionLost)
 #: Makes the launcher of a job from the control plane's address and the job's secret.
 LauncherFactory = Callable[[tuple[str, int], bytes], Launcher]
 
@@ -217,12 +220,14 @@ class Driver:
         """Handle every message that has arrived, then tick. Draining first matters: after the
         loop was held up (a slow launcher call), silence is judged only once every heartbeat
         that came meanwhile has been read."""
+        urgent = False
         try:
             worker_id, message = self._server.events.get(timeout=0.2)
         except queue.Empty:
             pass
         else:
             self.handle(worker_id, message)
+            urgent = isinstance(message, MEMBERSHIP_MESSAGES)
             for _ in range(MAX_DRAIN):
                 if self._final is not None:
                     break  # the run is over: what follows is the workers' goodbye
@@ -231,8 +236,9 @@ class Driver:
                 except queue.Empty:
                     break
                 self.handle(worker_id, message)
+                urgent = urgent or isinstance(message, MEMBERSHIP_MESSAGES)
         now = time.monotonic()
-        if now - self._ticked >= TICK_INTERVAL:
+        if urgent or now - self._ticked >= TICK_INTERVAL:
             self._ticked = now
             self.tick()
 

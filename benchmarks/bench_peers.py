@@ -21,8 +21,9 @@ and compare with an undisturbed run: kill -> next committed step, kill -> the re
 worker's first committed step, samples lost / doubled, the global batch kept, and the
 largest weight difference to the undisturbed run.
 
-Lightning Fabric is a peer here only: ``pip install -e '.[bench]'`` installs it; without it
-its column says so. torchft is not run (see the README, "Performance").
+Lightning Fabric and torchft are peers here only: ``pip install -e '.[bench]'`` installs them;
+without one, its column says so. torchft appears in the fault rows, the same workload on three
+replica groups with a lighthouse on loopback (``benchmarks/torchft_faults.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 WARMUP = {"mlp": 40, "cnn": 4}
@@ -95,6 +97,8 @@ def main() -> int:
     steps = {"mlp": args.mlp_steps, "cnn": args.cnn_steps}
     results: dict[tuple[str, str], list[dict]] = {}
     faults: list[dict] = []
+    torchft: list[dict] | None = [] if importlib.util.find_spec("torchft") else None
+    notes += [] if torchft is not None else ["torchft: not installed (pip install -e '.[bench]')"]
     print(f"{len(os.sched_getaffinity(0))} usable cores, load average {os.getloadavg()[0]:.2f}; "
           f"{args.rounds} rounds, rows {','.join(sorted(rows))}", flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
@@ -107,10 +111,13 @@ def main() -> int:
             if "faults" in rows:
                 result = run("faults", "mlp", 128, Path(tmp))
                 faults.extend([result] if result else [])
+                if torchft is not None:
+                    result = run("torchft", "mlp", 128, Path(tmp))
+                    torchft.extend([result] if result else [])
             print(f"round {r + 1}/{args.rounds} done, load average {os.getloadavg()[0]:.2f}", flush=True)
             if r + 1 < args.rounds:  # a long run shows where it stands
-                print_table(results, faults, workloads, rows, kinds_1)
-    print_table(results, faults, workloads, rows, kinds_1)
+                print_table(results, faults, workloads, rows, kinds_1, torchft)
+    print_table(results, faults, workloads, rows, kinds_1, torchft)
     for note in notes:
         print(f"note: {note}")
     return 0
@@ -123,7 +130,9 @@ def ratios(results: dict, kind: str, base: str, workload: str) -> list[float]:
     return [ours[r] / theirs[r] for r in ours if r in theirs]
 
 
-def print_table(results: dict, faults: list[dict], workloads: list[str], rows: set[str], kinds_1: list[str]) -> None:
+def print_table(
+    results: dict, faults: list[dict], workloads: list[str], rows: set[str], kinds_1: list[str], torchft: Any = None
+) -> None:
     header = ["", "plain loop", "Lightning Fabric", "fabric_model", "hand DDP (gloo)"]
     lines = [header, ["---"] * len(header)]
     names = {"mlp": "MLP 256-512-512-10, batch 64", "cnn": "small CNN 3x32x32, batch 64"}
@@ -150,18 +159,38 @@ def print_table(results: dict, faults: list[dict], workloads: list[str], rows: s
         ]
         lines.append(["  the same, ratio to the plain loop", "1.00", "", spread(ratio), ""])
     if faults:
-        lines.append(["SIGKILL mid-step -> next committed step (3 workers, s)", "", "",
-                      spread([f["kill_to_next"] for f in faults], "{:.3f}"), ""])  # fmt: skip
-        replaced = [f["kill_to_replacement"] for f in faults if f["kill_to_replacement"] is not None]
-        lines.append(["SIGKILL -> replacement training (s)", "", "", spread(replaced, "{:.1f}"), ""])
-        lost = f"{max(f['lost'] for f in faults)} / {max(f['doubled'] for f in faults)}"
-        kept = "yes" if all(f["batch_kept"] for f in faults) else "no"
-        diff = max(f["weights_max_diff"] for f in faults)
-        lines.append(["samples lost / doubled, global batch kept, largest weight difference to undisturbed", "", "",
-                      f"{lost}, {kept}, {diff:.1e}", ""])  # fmt: skip
+        peer = bool(torchft)
+        if peer:  # torchft appears in the fault rows only
+            for line in lines:
+                line.append("torchft 0.2.0" if line is header else "---" if line[0] == "---" else "")
+        for name, values in fault_rows(faults):
+            lines.append([name, "", "", values, ""] + ([dict(fault_rows(torchft))[name]] if peer else []))
     print()
     for line in lines:
         print("| " + " | ".join(line) + " |")
+
+
+def fault_rows(faults: list[dict]) -> list[tuple[str, str]]:
+    """The fault rows' cells for one framework's runs (a run no replica finished has no figures)."""
+    crashed = sum(f.get("crashed", 0) > 0 for f in faults)
+    note = f"; survivors crashed in {crashed} of {len(faults)} runs" if crashed else ""
+    faults = [f for f in faults if f.get("finished", True)]
+    if not faults:
+        return [(name, f"no run finished{note}") for name in FAULT_ROWS]
+    replaced = [f["kill_to_replacement"] for f in faults if f["kill_to_replacement"] is not None]
+    lost = f"{max(f['lost'] for f in faults)} / {max(f['doubled'] for f in faults)}"
+    kept = "yes" if all(f["batch_kept"] for f in faults) else "no"
+    diff = max(f["weights_max_diff"] for f in faults)
+    next_step = [f["kill_to_next"] for f in faults if f["kill_to_next"] is not None]
+    cells = [spread(next_step, "{:.3f}"), spread(replaced, "{:.1f}"), f"{lost}, {kept}, {diff:.1e}{note}"]
+    return list(zip(FAULT_ROWS, cells))
+
+
+FAULT_ROWS = (
+    "SIGKILL mid-step -> next committed step (3 workers, s)",
+    "SIGKILL -> replacement training (s)",
+    "samples lost / doubled, global batch kept, largest weight difference to undisturbed",
+)
 
 
 if __name__ == "__main__":

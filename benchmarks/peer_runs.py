@@ -218,6 +218,7 @@ def main(argv: list[str]) -> int:
         "fabric1": lambda: run_fabric(workload, steps, 1),
         "fabric2": lambda: run_fabric(workload, steps, 2),
         "faults": lambda: run_faults(steps),
+        "torchft": lambda: __import__("torchft_faults").faults(steps),
     }
     Path(out).write_text(json.dumps(runs[kind]()))
     return 0

@@ -69,6 +69,8 @@ class CheckpointBook:
         self._todo: queue.Queue[tuple[int, int, int, int, bytes] | None] = queue.Queue()
         self._done: queue.Queue[_Written] = queue.Queue()
         self._writer: threading.Thread | None = None
+        self._writing = 0  # checkpoints handed to the writer and not yet written
+        self._writing_lock = threading.Lock()
 
     def prepare(self, resumed: checkpoint.CheckpointInfo | None, iteration: int) -> None:
         """A fresh run starts with no checkpoint; a resumed one keeps those up to its own."""
@@ -90,8 +92,7 @@ class CheckpointBook:
         log.info("resuming from %s at unit %d (epoch %d done)", resumed.path.name, resumed.unit, resumed.epoch + 1)
 
     def newest_on_disk(self, limit: int) -> tuple[int, Path] | None:
-        """This run's newest complete checkpoint at or below unit ``limit``: complete files only
-        get a checkpoint's name, so a file on disk counts even before its write is recorded."""
+        """This run's newest recorded checkpoint at or below unit ``limit`` that is still on disk."""
         for unit, path in sorted(self.by_unit.items(), reverse=True):
             if unit <= limit and path.exists():
                 return unit, path
@@ -107,6 +108,8 @@ class CheckpointBook:
     def store(self, worker_id: int, generation: int, unit: int, data: bytes) -> None:
         """Write the checkpoint of ``unit`` that ``worker_id`` (rank 0 of ``generation``) uploaded."""
         self.accepted = max(self.accepted, unit)
+        with self._writing_lock:
+            self._writing += 1
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_loop, name="fabric-checkpoints", daemon=True)
             self._writer.start()
@@ -122,6 +125,16 @@ class CheckpointBook:
             except OSError as exc:
                 path, error = None, str(exc)
             self._done.put(_Written(unit, epoch, worker, generation, path, time.monotonic() - started, error))
+            with self._writing_lock:
+                self._writing -= 1
+
+    def finish_writes(self, timeout: float) -> None:
+        """Wait (bounded) for the checkpoints being written, and record them: a restore must see
+        the newest one a worker finished uploading even while the disk still writes it."""
+        deadline = time.monotonic() + timeout
+        while self._writing and time.monotonic() < deadline:
+            time.sleep(0.002)
+        self.poll()
 
     def poll(self) -> None:
         """Record the writes that finished (on the event loop's thread): metrics, pruning; and

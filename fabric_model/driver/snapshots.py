@@ -25,6 +25,9 @@ from .checkpoints import CheckpointBook
 from .commands import RestorePoint
 
 log = logging.getLogger(__name__)
+#: The longest a restore waits for a checkpoint still being written (seconds): the newest
+#: uploaded checkpoint is worth a short wait; a hung disk must not hold the job.
+WRITE_WAIT = 10.0
 
 
 @dataclasses.dataclass
@@ -123,6 +126,7 @@ class StateBook:
     def restore_point(self, limit: int) -> RestorePoint | None:
         """The newest state at or below unit ``limit``: in memory, or a checkpoint on disk."""
         in_memory = next((s for s in reversed(self.held) if s.unit <= limit), None)
+        self.checkpoints.finish_writes(WRITE_WAIT)
         on_disk = self.checkpoints.newest_on_disk(limit)
         if on_disk is not None and (in_memory is None or on_disk[0] > in_memory.unit):
             unit, path = on_disk

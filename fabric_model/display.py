@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import console
+from .frameworks.tf_quiet import notices_for_workers
 from .hooks import Hooks
 from .progress import ProgressBar
 from .run_record import RunRecorder
@@ -55,7 +56,8 @@ def run_with_display(
     detach = console.attach(verbose, run.logs / "driver.log")
     try:
         startup_lines(setup, run, tensorboard)
-        return start(hooks), hooks
+        with notices_for_workers(verbose == 2):  # TensorFlow's start-up notices in the worker logs
+            return start(hooks), hooks
     except KeyboardInterrupt:
         interrupted(run)
         raise

@@ -576,3 +576,12 @@ def test_a_keras_model_built_under_mixed_bfloat16_trains_in_bfloat16(run_dir):
     )
     assert model.layers[0].compute_dtype == "bfloat16" and model.layers[0].kernel.dtype == "float32"
     assert result.history[-1]["loss"] < result.history[0]["loss"]
+
+
+def test_verbose_2_shows_tensorflow_s_notices_in_the_worker_logs(run_dir):
+    """The default keeps them out (test_gradient_clip_norm_... checks that); verbose=2 lets them in."""
+    FabricModel(mlp(), lambda: (DATA, None), LOSS, sgd()).train(
+        1, BATCH, 1, effective_batch_size=3 * BATCH, seed=SEED, run_dir=run_dir, verbose=2
+    )
+    assert "oneDNN custom operations" in (run_dir / "logs" / "worker-0.log").read_text()
+    assert "FABRIC_MODEL_TF_NOTICES" not in os.environ  # the caller's environment is left as it was

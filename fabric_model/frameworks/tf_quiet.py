@@ -4,7 +4,8 @@ TensorFlow 2.18+ logs through absl before absl is initialised, so ``TF_CPP_MIN_L
 not reach its first lines ("oneDNN custom operations are on", the CPU-feature notice): they go
 straight to file descriptor 2. :func:`quiet_tensorflow` points descriptor 2 at a temporary file
 while TensorFlow loads, then writes back every line that is not one of those notices, so a real
-error still shows. ``TF_CPP_MIN_LOG_LEVEL=0`` or ``1`` set by the user turns it off.
+error still shows. ``TF_CPP_MIN_LOG_LEVEL=0`` or ``1`` set by the user turns it off, and so does
+``train(verbose=2)`` for the workers it starts (:data:`NOTICES_ENV`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator
+
+#: Set (to "1") in the environment of workers that should show TensorFlow's notices.
+NOTICES_ENV = "FABRIC_MODEL_TF_NOTICES"
 
 #: Fragments of the lines TensorFlow prints on every start, whatever the model.
 START_UP_NOTICES = (
@@ -35,7 +39,8 @@ def quiet_tensorflow() -> Iterator[None]:
             import keras
     """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    if "tensorflow" in sys.modules or os.environ["TF_CPP_MIN_LOG_LEVEL"] in ("0", "1"):
+    shown = os.environ["TF_CPP_MIN_LOG_LEVEL"] in ("0", "1") or os.environ.get(NOTICES_ENV) == "1"
+    if "tensorflow" in sys.modules or shown:
         yield
         return
     sys.stderr.flush()
@@ -54,3 +59,17 @@ def quiet_tensorflow() -> Iterator[None]:
             if kept:
                 sys.stderr.write(kept)
                 sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def notices_for_workers(show: bool) -> Iterator[None]:
+    """While the block runs, workers started by it show TensorFlow's start-up notices if ``show``
+    (``train(verbose=2)``): they read :data:`NOTICES_ENV` from the environment they inherit."""
+    if not show or NOTICES_ENV in os.environ:
+        yield
+        return
+    os.environ[NOTICES_ENV] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(NOTICES_ENV, None)

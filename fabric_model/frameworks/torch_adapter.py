@@ -343,10 +343,8 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
             unused = [i for i, got in enumerate(self._got_grad.tolist()) if got == 0.0]
             for i in unused:
                 self._params[i].grad = None
-            if self.grad_step.plain:
-                self.optimizer.step()
-            else:  # float16's unscale and overflow check, then clipping, on the reduced gradient
-                self.grad_step.apply(self.optimizer, self._params)
+            # float16's unscale and overflow check, then clipping, then the optimizer's step
+            self.grad_step.apply(self.optimizer, self._params)
             for i in unused:
                 self._params[i].grad = self._grad_views[i]
         self._in_step = False

@@ -46,11 +46,6 @@ class GradientStep:
         dtype = _DTYPES.get(self.options.precision)
         return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
-    @property
-    def plain(self) -> bool:
-        """Nothing between the reduced gradient and ``optimizer.step()``."""
-        return not self.options.scales_loss and self.options.gradient_clip_norm is None
-
     def apply(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> bool:
         """Unscale (float16), clip, step; False when an overflow skipped the step."""
         if self.options.scales_loss and not self._unscale([p.grad for p in params if p.grad is not None]):

@@ -11,13 +11,12 @@ import time
 import warnings
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import cloudpickle
-
 from . import compat
 from . import validation as v
 from .config import EngineSizing, Timeouts, TrainConfig, size_engines, threads_per_worker
 from .data import is_batch_level
 from .job import Job
+from .job import dumps as dump_job
 from .rundir import RunDirectory
 
 if TYPE_CHECKING:
@@ -98,7 +97,7 @@ def _check_batch_level(train_set: Any, batch_size: int) -> None:
 def serialize_job(job: Job) -> bytes:
     """The job every worker receives, cloudpickled once; a job that cannot travel fails here."""
     try:
-        payload = cloudpickle.dumps(job)
+        payload = dump_job(job)
     except Exception as exc:
         raise TypeError(
             "Could not serialize the job (model, optimizer, datasets_function, loss_function, metrics, loggers) "

@@ -100,9 +100,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
+    parser.add_argument("--workers", nargs="+", type=int, default=[1, 2])
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    configs = [(m, w) for m in MODELS for w in (1, 2)]
+    configs = [(m, w) for m in args.models for w in args.workers]
     times: dict[tuple[str, int, bool], list[float]] = {(m, w, d): [] for m, w in configs for d in (False, True)}
     for r in range(args.rounds):
         for m, w in configs:

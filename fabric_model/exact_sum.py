@@ -80,7 +80,7 @@ class ExactSum:
         self._scratch = torch.empty(sum(self.sizes), dtype=torch.float32, device=device)
         self._scratch64 = torch.empty(sum(self.sizes), dtype=torch.float64, device=device)
         self._terms = 0  # terms added since zero(); the first is copied, not added
-        self._in_place = False  # the step's one term was rounded in its region (round_in_place)
+        self._in_place: list[torch.Tensor] = []  # the step's one term, rounded where it is (round_in_place)
         self.redos = 0  # steps redone, for the record
         self._set_scales()
 
@@ -93,7 +93,7 @@ class ExactSum:
 
     def zero(self) -> None:
         """Start a new sum (a step, or its redo)."""
-        self._terms, self._in_place = 0, False
+        self._terms, self._in_place = 0, []
         self.maxima.fill_(NO_VALUE)
 
     @property
@@ -120,17 +120,18 @@ class ExactSum:
         self._terms = max(self._terms, 0) + 1
 
     @torch.no_grad()
-    def round_in_place(self, region: torch.Tensor) -> None:
+    def round_in_place(self, segments: Sequence[torch.Tensor]) -> None:
         """The whole sum when it has one term and no other replica (a lone worker's only
-        micro-batch): ``region`` is rounded onto the grid where it is, in float32, which holds one
-        term's integers exactly; ``write`` then leaves it as it is. Bitwise what ``add`` and
-        ``write`` give, without the float64 round trip."""
-        segments = list(region.split(self.sizes))
+        micro-batch): each tensor (one per size, any shape: the parameters' own gradients, say)
+        is rounded onto the grid where it is, in float32, which holds one term's integers
+        exactly; ``write`` then leaves them as they are. Bitwise what ``add`` and ``write`` give,
+        without the float64 round trip."""
+        segments = list(segments)
         self._record_maxima(segments)
         torch._foreach_mul_(segments, self._scales)  # exact: powers of two
-        region.round_()
+        _foreach_round_(segments)
         torch._foreach_mul_(segments, self._unscales)  # exact, as in write
-        self._in_place = True
+        self._in_place = segments
 
     def _record_maxima(self, segments: Sequence[torch.Tensor]) -> None:
         """Each tensor's largest binary exponent, into the step's maxima."""
@@ -171,9 +172,22 @@ class ExactSum:
         NaN where a term was not finite."""
         # Rounding the integer to float32, then scaling by a power of two, is rounding the value
         # once (no float32 underflow: MIN_EXPONENT keeps quanta far above 2**-126).
-        if not self._in_place:
-            region.copy_(self.total)
-            torch._foreach_mul_(list(region.split(self.sizes)), self._written_unscales)
         bad = self.maxima == NON_FINITE
+        if self._in_place:
+            for i in bad.nonzero().flatten().tolist():
+                self._in_place[i].fill_(float("nan"))
+            return
+        region.copy_(self.total)
+        torch._foreach_mul_(list(region.split(self.sizes)), self._written_unscales)
         if bool(bad.any()):
             region.masked_fill_(bad[self._index], float("nan"))
+
+
+def _foreach_round_(tensors: list[torch.Tensor]) -> None:
+    """Round half to even, in place (one fused call where this torch has it)."""
+    fused = getattr(torch, "_foreach_round_", None)
+    if fused is not None:
+        fused(tensors)
+    else:
+        for t in tensors:
+            t.round_()

@@ -46,20 +46,19 @@ def fresh() -> tuple[Net, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
-def train(run_dir, workers, faults=(), marker_dir=None, driver_logger=None, **kwargs):
+def train(run_dir, workers, faults=(), marker_dir=None, driver_logger=None, epochs=EPOCHS, data=DATA, **kwargs):
     model, opt = fresh()
     injector = FaultInjector(list(faults), marker_dir) if faults else None
     fm = FabricModel(
         model,
-        lambda: (DATA, None),
+        lambda: (data, None),
         F.cross_entropy,
         opt,
         worker_logger_callback=injector,
         driver_logger_callback=driver_logger,
     )
-    fm.train(
-        EPOCHS, BATCH, workers, effective_batch_size=GLOBAL, seed=SEED, run_dir=run_dir, deterministic=True, **kwargs
-    )
+    kwargs.setdefault("effective_batch_size", GLOBAL)
+    fm.train(epochs, BATCH, workers, seed=SEED, run_dir=run_dir, deterministic=True, **kwargs)
     return model, opt
 
 
@@ -131,7 +130,10 @@ def test_a_lone_term_rounded_in_place_is_bitwise_what_add_and_write_give():
         exact.exponents = torch.tensor([-2, -14, 7])
         exact._set_scales()
         region = term.clone()
-        exact.round_in_place(region) if in_place else exact.add(region)
+        if in_place:  # the tensors where they are, in their own shapes (a lone worker's own gradients)
+            exact.round_in_place([segment.view(-1, 10) for segment in region.split([50, 20, 30])])
+        else:
+            exact.add(region)
         assert exact.settle()
         exact.write(region)
         results.append(region)
@@ -169,6 +171,16 @@ def test_bitwise_equal_for_any_worker_count(workers, reference, run_dir):
     model, opt = train(run_dir, workers)
     assert_bitwise_equal(final_state(model, opt), reference)
     assert {r["workers"] for r in records(run_dir, "train")} == {workers}
+
+
+def test_a_step_of_one_micro_batch_is_bitwise_the_same_on_a_lone_worker(run_dir, tmp_path):
+    """Each epoch ends with a step of one micro-batch (72 = 32 + 32 + 8). A lone worker rounds
+    the parameters' fresh gradients where they are; of two workers, one adds that micro-batch
+    to its fixed-point total and both reduce it. A feature at 1e-9 puts gradients far below
+    their tensor's grid quantum: the rounding matters."""
+    data = [(torch.cat([x[:-1], x[-1:] * 1e-9]), y) for x, y in DATA]
+    lone = final_state(*train(run_dir, 1, epochs=4, data=data, effective_batch_size=32))
+    assert_bitwise_equal(final_state(*train(tmp_path / "two", 2, epochs=4, data=data, effective_batch_size=32)), lone)
 
 
 def test_bitwise_equal_after_a_kill_and_a_replacement(reference, run_dir, tmp_path):

@@ -67,10 +67,21 @@ class ExactTorchAdapter(ExactGrid, TorchAdapter):
 
     def _exact_micro_batch(self, batch: Any, num_samples: int, step_samples: int, seed: int, alone: bool) -> None:
         assert self._exact is not None
-        self._region.zero_()
+        # The step's only term (a lone worker, one micro-batch): backward writes fresh gradients,
+        # as in a plain loop, and they are rounded where they are (ExactSum.round_in_place).
+        self._direct = alone and self._lone and self.step_fn is None
+        if self._direct:
+            self._flat[self._layout.n_gradients : self._region.numel()].zero_()
+            for p in self._params:
+                p.grad = None
+        else:
+            self._region.zero_()
         super().train_micro_batch(batch, num_samples, step_samples, seed, last=False)  # no overlap
-        if alone and self._lone:  # the step's only term: rounded where it is (ExactSum.round_in_place)
-            self._exact.round_in_place(self._region)
+        if self._direct:
+            grads = [view.zero_() if p.grad is None else p.grad for p, view in zip(self._params, self._grad_views)]
+            self._exact.round_in_place(grads + list(self._buf_views))
+        elif alone and self._lone:
+            self._exact.round_in_place(self._region.split(self._exact.sizes))
         else:
             self._exact.add(self._region)
 

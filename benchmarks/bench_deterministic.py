@@ -12,8 +12,14 @@ get ``cores // workers`` intra-op threads (deterministic mode through
 ``FABRIC_MODEL_DETERMINISTIC_THREADS``; its default, 1 thread, is slower on a multi-core host
 with one worker).
 
+``--micro-batches M`` gives every step M micro-batches of 64 whatever the worker count, to
+measure the other sums: up to 2 a step the float32 allreduce is already the ordered sum, 3-4
+the terms are gathered and added in order, more take the fixed-point sum
+(docs/architecture.md, "Deterministic mode").
+
     PYTHONPATH=. python3 benchmarks/bench_deterministic.py                # about 4 minutes on 2 cores
     PYTHONPATH=. python3 benchmarks/bench_deterministic.py --rounds 1 --steps 30   # a smoke run
+    PYTHONPATH=. python3 benchmarks/bench_deterministic.py --models mlp --micro-batches 4
 """
 
 from __future__ import annotations
@@ -65,18 +71,29 @@ def datasets(shape: tuple[int, ...], n: int) -> TensorDataset:
     return TensorDataset(torch.randn(n, *shape, generator=g), torch.randint(0, 10, (n,), generator=g))
 
 
-def run(model_name: str, workers: int, deterministic: bool, steps: int, warmup: int) -> float:
-    """The median step time (s) of one run."""
+def run(model_name: str, workers: int, deterministic: bool, steps: int, warmup: int, micro_batches: int = 0) -> float:
+    """The median step time (s) of one run; ``micro_batches`` a step (0: one per worker)."""
     make, shape = MODELS[model_name]
     torch.manual_seed(0)
     model = make()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    data = datasets(shape, steps * BATCH * workers)
+    step_batch = BATCH * (micro_batches or workers)
+    data = datasets(shape, steps * step_batch)
     run_dir = Path(tempfile.mkdtemp(prefix="bench-det-"))
     os.environ[DETERMINISTIC_THREADS_ENV] = str(threads_per_worker(workers))
     try:
         fm = FabricModel(model, lambda: (data, None), F.cross_entropy, opt, driver_logger_callback=_Quiet())
-        fm.train(1, BATCH, workers, checkpoint_freq=0, seed=1, run_dir=run_dir, deterministic=deterministic, verbose=0)
+        fm.train(
+            1,
+            BATCH,
+            workers,
+            effective_batch_size=step_batch,
+            checkpoint_freq=0,
+            seed=1,
+            run_dir=run_dir,
+            deterministic=deterministic,
+            verbose=0,
+        )
         lines = (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()
         times = sorted(r["time"] for r in map(json.loads, lines) if r.get("type") == "train")
     finally:
@@ -102,6 +119,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     parser.add_argument("--workers", nargs="+", type=int, default=[1, 2])
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=0,
+        help="micro-batches of 64 a step (default: one per worker); up to 2 the allreduce is the ordered sum, "
+        "3-4 the terms are gathered, more takes the fixed-point sum",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     configs = [(m, w) for m in args.models for w in args.workers]
@@ -109,10 +133,12 @@ def main() -> None:
     for r in range(args.rounds):
         for m, w in configs:
             for d in (False, True):
-                times[(m, w, d)].append(run(m, w, d, args.steps, args.warmup))
+                times[(m, w, d)].append(run(m, w, d, args.steps, args.warmup, args.micro_batches))
                 print(f"  {m} workers={w} deterministic={d}: {times[(m, w, d)][-1] * 1e3:.3g} ms", flush=True)
         print(f"round {r + 1}/{args.rounds} done (load average {os.getloadavg()[0]:.1f})", flush=True)
-    print(f"\nCPU, {os.cpu_count()} cores; batch {BATCH} per worker; median step time [range] over rounds")
+    per_worker = f"batch {BATCH} per worker"
+    step = f"{args.micro_batches} micro-batches of {BATCH} a step" if args.micro_batches else per_worker
+    print(f"\nCPU, {os.cpu_count()} cores; {step}; median step time [range] over rounds")
     print(f"{'model':5} {'workers':>7} {'off (ms)':>22} {'deterministic (ms)':>22} {'ratio on/off':>24}")
     for m, w in configs:
         off, on = times[(m, w, False)], times[(m, w, True)]

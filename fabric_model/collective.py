@@ -111,6 +111,21 @@ class Collective:
             raise CollectiveError(f"allreduce of generation {self.generation} aborted by the driver")
         return self._group.allreduce([tensor]) if options is None else self._group.allreduce([tensor], options)
 
+    def all_gather_start(self, output: torch.Tensor, tensor: torch.Tensor) -> Any:
+        """Start gathering every rank's ``tensor`` into ``output[rank]`` (``output`` has one
+        row per rank), as ``all_reduce_start`` (deterministic mode's ordered sum).
+
+        A collective, not point to point: gloo's send/recv works cannot be polled, and a
+        wait on them that times out closes the connection, so they could not be waited on
+        in abortable slices."""
+        if self.world_size == 1:
+            output[0].copy_(tensor.view_as(output[0]))
+            return None
+        if self.should_abort(self.generation):
+            self._abandon()
+            raise CollectiveError(f"allgather of generation {self.generation} aborted by the driver")
+        return self._group._allgather_base(output.view(-1), tensor.view(-1))
+
     def wait(self, work: Any) -> None:
         """Wait for an operation from ``all_reduce_start`` (abortable, bounded)."""
         if work is not None:

@@ -165,7 +165,10 @@ def worker_threads(deterministic: bool, ray_cluster: Any, gpus: int, max_workers
 
 
 def make_deterministic(framework: str, adapter: Any, max_micro_batches: int) -> Any:
-    """The adapter of ``deterministic=True``: exact step sums."""
+    """The adapter of ``deterministic=True``: step sums that do not depend on who added what.
+
+    torch with at most ``MAX_TERMS`` micro-batches a step and no custom step: every term
+    gathered and added in micro-batch order; otherwise (and for Keras) the fixed-point sum."""
     if framework == "torch" and adapter.grad_step.options.scales_loss:
         raise ValueError(
             "Expected `precision` to be '32' or 'bf16-mixed' with deterministic=True. Received: precision='16-mixed'. "
@@ -175,6 +178,10 @@ def make_deterministic(framework: str, adapter: Any, max_micro_batches: int) -> 
         from .frameworks.keras_exact import ExactKerasAdapter
 
         return ExactKerasAdapter.from_adapter(adapter, max_micro_batches)
+    from .frameworks.torch_ordered import MAX_TERMS, OrderedTorchAdapter
+
+    if adapter.step_fn is None and max_micro_batches <= MAX_TERMS:  # the run's configuration, never its size
+        return OrderedTorchAdapter.from_adapter(adapter, max_micro_batches)
     from .frameworks.torch_exact import ExactTorchAdapter
 
     return ExactTorchAdapter.from_adapter(adapter, max_micro_batches)

@@ -203,7 +203,7 @@ class _InjectedFailure(RuntimeError):
 
 class _FaultyCollective:
     """The real collective, with the injector's ``before_allreduce`` faults fired as each
-    allreduce starts; everything else is the real one's."""
+    allreduce (or the ordered sum's gather) starts; everything else is the real one's."""
 
     def __init__(self, inner: Any, injector: FaultInjector) -> None:
         object.__setattr__(self, "_inner", inner)
@@ -225,6 +225,16 @@ class _FaultyCollective:
         except _InjectedFailure as exc:
             raise CollectiveError(str(exc)) from exc
         return self._inner.all_reduce_start(tensor)
+
+    def all_gather_start(self, output: Any, tensor: Any) -> Any:
+        """The step's first exchange when the ordered sum gathers (deterministic mode)."""
+        from .collective import CollectiveError
+
+        try:
+            self._injector._fire("before_allreduce")
+        except _InjectedFailure as exc:
+            raise CollectiveError(str(exc)) from exc
+        return self._inner.all_gather_start(output, tensor)
 
 
 class _FaultyStream:

@@ -17,11 +17,14 @@ import torch.nn.functional as F
 
 from fabric_model import FabricModel
 from fabric_model.exact_sum import HEADROOM_BITS, ExactSum
-from fabric_model.testing import FaultInjector, HoldForJoin, Kill
+from fabric_model.frameworks.torch_exact import ExactTorchAdapter
+from fabric_model.frameworks.torch_ordered import MAX_TERMS, OrderedTorchAdapter
+from fabric_model.run_setup import make_deterministic
+from fabric_model.testing import FaultInjector, Hang, HoldForJoin, Kill
 
 from .helpers import make_data, records
 
-SEED, EPOCHS, BATCH, GLOBAL = 5, 10, 8, 24  # 3 micro-batches a step, 3 steps an epoch, 30 steps
+SEED, EPOCHS, BATCH, GLOBAL = 5, 10, 8, 24  # 3 micro-batches a step (the ordered sum), 3 steps an epoch, 30 steps
 DATA = make_data(72)
 REPO = Path(__file__).resolve().parents[1]
 
@@ -173,21 +176,66 @@ def test_bitwise_equal_for_any_worker_count(workers, reference, run_dir):
     assert {r["workers"] for r in records(run_dir, "train")} == {workers}
 
 
-def test_a_step_of_one_micro_batch_is_bitwise_the_same_on_a_lone_worker(run_dir, tmp_path):
-    """Each epoch ends with a step of one micro-batch (72 = 32 + 32 + 8). A lone worker rounds
-    the parameters' fresh gradients where they are; of two workers, one adds that micro-batch
-    to its fixed-point total and both reduce it. A feature at 1e-9 puts gradients far below
-    their tensor's grid quantum: the rounding matters."""
-    data = [(torch.cat([x[:-1], x[-1:] * 1e-9]), y) for x, y in DATA]
-    lone = final_state(*train(run_dir, 1, epochs=4, data=data, effective_batch_size=32))
-    assert_bitwise_equal(final_state(*train(tmp_path / "two", 2, epochs=4, data=data, effective_batch_size=32)), lone)
+def test_fresh_terms_added_then_plus_zero_have_the_bits_of_terms_made_in_zeros():
+    """A lone worker's backward writes its first gradient fresh (it may hold -0.0) and adds the
+    rest to it; other workers make each term in zeros (0 + g, never -0.0). Adding +0.0 at the
+    end makes the two bitwise alike, signs of zero included (torch.equal would not see them)."""
+    g = torch.tensor([[-0.0, -0.0, 1.5, -0.0, 2.0], [-0.0, 0.0, -1.5, 3.0, -0.0], [-0.0, -0.0, 0.0, -0.0, -0.0]])
+    fresh = g[0].clone()
+    for term in g[1:]:
+        fresh += term
+    torch._foreach_add_([fresh], 0.0)
+    zeros = torch.zeros(5)
+    for term in g:
+        zeros += torch.zeros(5) + term  # each term made in zeros, then added in order
+    assert torch.equal(fresh.view(torch.int32), zeros.view(torch.int32))
+    assert not (g[0].clone() + g[1] + g[2]).view(torch.int32).equal(zeros.view(torch.int32))  # without the +0
 
 
-def test_bitwise_equal_after_a_kill_and_a_replacement(reference, run_dir, tmp_path):
-    model, opt = train(run_dir, 3, [Kill(1, 6), HoldForJoin(9)], tmp_path)
-    assert_bitwise_equal(final_state(model, opt), reference)
-    sizes = [g["workers"] for g in records(run_dir, "generation")]
+def test_two_micro_batches_a_step_are_summed_by_the_plain_allreduce_bitwise_alike(run_dir, tmp_path):
+    """2 micro-batches a step: a lone worker adds its two terms in order; 2 workers (one term each)
+    sum them with the float32 allreduce. Each epoch ends with a step of 8 + 4 samples
+    (76 = 4 * 16 + 12): terms weighted 2/3 and 1/3, whose rounding shows a fused multiply-add."""
+    data = make_data(76)
+    lone = final_state(*train(run_dir, 1, data=data, effective_batch_size=16))
+    assert_bitwise_equal(final_state(*train(tmp_path / "two", 2, data=data, effective_batch_size=16)), lone)
+
+
+def test_the_sum_is_chosen_by_the_runs_configuration_never_its_size():
+    """Up to MAX_TERMS micro-batches a step and no custom step: the ordered float32 sum; else fixed point."""
+    model, opt = fresh()
+    adapter = FabricModel(model, lambda: (DATA, None), F.cross_entropy, opt)._make_adapter()
+    assert isinstance(make_deterministic("torch", adapter, MAX_TERMS), OrderedTorchAdapter)
+    assert isinstance(make_deterministic("torch", adapter, MAX_TERMS + 1), ExactTorchAdapter)
+    adapter.step_fn = lambda *args: (0.0, 0.0)
+    assert isinstance(make_deterministic("torch", adapter, 2), ExactTorchAdapter)
+
+
+def test_the_fixed_point_sum_is_bitwise_equal_through_a_kill_and_a_join(run_dir, tmp_path):
+    """5 micro-batches a step (the fixed-point sum), and each epoch ends with a step of one
+    (88 = 40 + 40 + 8), which a lone worker rounds where its fresh gradients are. A feature at
+    1e-9 puts gradients far below their tensor's grid quantum: the rounding matters. 3 workers,
+    then 2 after a kill (the micro-batches divided anew), then 3 again."""
+    data = [(torch.cat([x[:-1], x[-1:] * 1e-9]), y) for x, y in make_data(88)]
+    lone = final_state(*train(run_dir, 1, data=data, effective_batch_size=40))
+    faults = [Kill(1, 4), HoldForJoin(7)]
+    three = tmp_path / "three"
+    state = final_state(*train(three, 3, faults, tmp_path, data=data, effective_batch_size=40))
+    assert_bitwise_equal(state, lone)
+    sizes = [g["workers"] for g in records(three, "generation")]
     assert sizes[:2] == [3, 2] and sizes[-1] == 3, sizes  # the kill happened, the replacement joined
+
+
+def test_bitwise_equal_after_a_kill_a_replacement_and_a_freeze(reference, run_dir, tmp_path, monkeypatch):
+    """Killed just before the step's exchange (the terms are gathered: 3 micro-batches a step),
+    replaced; later another worker freezes (SIGSTOP) there and is removed by its heartbeat."""
+    monkeypatch.setenv("EDT_HEARTBEAT_TIME_OUT", "3")
+    model, opt = train(run_dir, 3, [Kill(1, 6), HoldForJoin(9), Hang(2, 15)], tmp_path)
+    assert_bitwise_equal(final_state(model, opt), reference)
+    generations = records(run_dir, "generation")
+    sizes = [g["workers"] for g in generations]
+    assert sizes[:3] == [3, 2, 3], sizes  # the kill happened, the replacement joined
+    assert any("heartbeat" in g["reason"] for g in generations), generations  # the freeze was seen
 
 
 SCRIPT = textwrap.dedent("""

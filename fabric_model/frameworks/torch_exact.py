@@ -29,17 +29,22 @@ from .exact_grid import ExactGrid
 from .torch_adapter import TorchAdapter
 
 
+def deterministic_kernels(device: str) -> None:
+    """torch's deterministic algorithms (and cuDNN's and cuBLAS's on a GPU), before any kernel runs."""
+    if device.startswith("cuda"):  # before cuBLAS starts: its deterministic workspace
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True)
+
+
 class ExactTorchAdapter(ExactGrid, TorchAdapter):
     """A :class:`TorchAdapter` whose step sums are bitwise independent of how micro-batches are divided."""
 
     lone_direct = False  # every micro-batch's gradient goes through the step buffer, even alone
 
     def setup(self, device: str, num_threads: int) -> None:
-        if device.startswith("cuda"):  # before cuBLAS starts: its deterministic workspace
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.backends.cudnn.deterministic = True
-            torch.backends.cudnn.benchmark = False
-        torch.use_deterministic_algorithms(True)
+        deterministic_kernels(device)
         self._exact: ExactSum | None = None
         self._loaded_exponents: torch.Tensor | None = None
         super().setup(device, num_threads)

@@ -15,10 +15,10 @@ from .helpers import records
 with quiet_tensorflow():
     import keras
 
-SEED, EPOCHS, BATCH, GLOBAL = 3, 4, 16, 48  # 3 micro-batches a step, 6 steps an epoch
+SEED, EPOCHS, BATCH, GLOBAL = 3, 10, 16, 48  # 3 micro-batches a step, 3 steps an epoch, 30 steps
 
 
-def samples(n: int = 288) -> list[tuple[np.ndarray, int]]:
+def samples(n: int = 144) -> list[tuple[np.ndarray, int]]:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(n, 12)).astype(np.float32)
     y = (x @ rng.normal(size=(12, 3))).argmax(1)

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from . import protocol as p
 
@@ -127,6 +127,10 @@ class ControlServer:
         self._listener = Listener((host, port), family="AF_INET", backlog=64)
         self.events: queue.Queue[tuple[int, Any]] = queue.Queue()
         self.channels: dict[int, Channel] = {}
+        # Workers whose reader is still reading (their every message may not be queued yet),
+        # and those whose connection ended (its ConnectionLost follows all they sent).
+        self._reading: set[int] = set()
+        self._ended: set[int] = set()
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._accept_loop, name="fabric-accept", daemon=True)
@@ -188,6 +192,7 @@ class ControlServer:
                 worker_id = int(hello.worker_id)
             with self._lock:
                 self.channels[worker_id] = channel
+                self._reading.add(worker_id)
             self.events.put((worker_id, hello))
             while True:
                 self.events.put((worker_id, channel.recv()))
@@ -196,6 +201,19 @@ class ControlServer:
                 self.events.put((worker_id, p.ConnectionLost(repr(exc))))
         finally:
             channel.close()
+            with self._lock:
+                self._reading.discard(worker_id)
+                if worker_id >= 0:
+                    self._ended.add(worker_id)
+
+    def connection(self, worker_id: int) -> Literal["none", "open", "ended"]:
+        """``worker_id``'s connection: never made, ``open`` (being read: a message it sent may
+        not be on the queue yet), or ``ended`` (its :class:`~fabric_model.protocol.ConnectionLost`
+        is on the queue after everything it sent)."""
+        with self._lock:
+            if worker_id in self._reading:
+                return "open"
+            return "ended" if worker_id in self._ended else "none"
 
     def send(self, worker_id: int, message: Any) -> bool:
         """Send a message to a worker; False when it is gone."""

@@ -21,7 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fabric_model import FabricModel
+from fabric_model import FabricModel, control
+from fabric_model import protocol as p
 from fabric_model.checkpoint import (
     FORMAT,
     checkpoint_due,
@@ -359,14 +360,29 @@ def test_full_disk_keeps_training_and_resume_uses_the_last_good_checkpoint(run_d
     assert len(result.history) == EPOCHS and len(result.test_history) == EPOCHS
 
 
-def test_losing_every_worker_right_after_a_checkpoint_goes_on_from_it(run_dir, tmp_path, reference):
-    # The only worker dies in the first step after epoch 0's checkpoint; its replacement loads it.
+def test_losing_every_worker_right_after_a_checkpoint_goes_on_from_it(run_dir, tmp_path, reference, monkeypatch):
+    """The only worker dies a few steps after epoch 0's checkpoint (its upload, from a thread,
+    is sent by then); its replacement loads that checkpoint. The driver reads step reports
+    slowly here, as a driver starved of CPU does: the worker's last reports and the
+    checkpoint are still unread when its exit is seen, and still count (CI once rolled back
+    to unit 0 when the exit was acted on first)."""
+    recv = control.Channel.recv
+
+    def slow_recv(self, timeout=None):
+        message = recv(self, timeout)
+        if isinstance(message, p.StepDone):
+            time.sleep(0.01)  # in the driver's reader thread only: workers never receive StepDone
+        return message
+
+    monkeypatch.setattr(control.Channel, "recv", slow_recv)
     model, opt = fresh_model_and_optimizer()
-    faults = FaultInjector([Kill(0, PLAN.steps_per_epoch)], tmp_path)
+    killed_at = PLAN.steps_per_epoch + 4
+    faults = FaultInjector([Kill(0, killed_at)], tmp_path)
     fm = FabricModel(model, lambda: (DATA, TEST), F.cross_entropy, opt, worker_logger_callback=faults)
     result = fm.train(EPOCHS, BATCH, 1, effective_batch_size=GLOBAL, seed=SEED, run_dir=run_dir)
     last = records(run_dir, "generation")[-1]
     assert (last["checkpoint"], last["resume_unit"]) == (checkpoint_name(ckpt_unit(0)), ckpt_unit(0))
+    assert last["rolled_back_from"] == SCHEDULE.unit(1, 4)  # every step before the kill was committed
     assert max_rel_diff(model.state_dict(), reference) < 1e-5
     assert len(result.history) == EPOCHS
 

@@ -46,6 +46,9 @@ TICK_INTERVAL = 0.02
 #: Messages that can complete a generation change: the checks run at once after them, since the
 #: survivors wait for it (waiting for the next tick cost up to the 0.2 s receive timeout).
 MEMBERSHIP_MESSAGES = (p.LeftGeneration, p.Ready, p.WorkerFailed, p.ConnectionLost)
+#: How long an ended process's connection may stay open (a child holding the socket, a host
+#: gone without a FIN) before the exit is acted on without reading what it sent last (seconds).
+EXIT_DRAIN = 1.0
 #: Makes the launcher of a job from the control plane's address and the job's secret.
 LauncherFactory = Callable[[tuple[str, int], bytes], Launcher]
 
@@ -149,6 +152,7 @@ class Driver:
         self._hosts: dict[int, str] = {}  # worker id -> where it runs (its Hello, or the launcher's word)
         self._final: FinalState | None = None
         self._ticked = 0.0  # when tick() last ran
+        self._exits: dict[int, float] = {}  # ended processes whose last messages are awaited: since when
         self._handlers: dict[type, Callable[[int, Any], None]] = {
             p.Hello: self._on_hello,
             p.Ready: lambda w, m: self._execute(self.membership.ready(w, m.attempt, time.monotonic())),
@@ -160,7 +164,7 @@ class Driver:
             p.Finished: self._on_finished,
             p.FinalState: self._on_final,
             p.WorkerFailed: self._on_failed,
-            p.ConnectionLost: lambda w, m: self._lose(w, f"connection lost ({m.reason})"),
+            p.ConnectionLost: self._on_connection_lost,
         }
 
     @property
@@ -254,9 +258,25 @@ class Driver:
         now = time.monotonic()
         self.membership.placement(self._launcher.pending(), now)
         for worker_id, code in self._launcher.exited().items():
-            self._execute(self.membership.process_exited(worker_id, code, now))
+            if self._drained(worker_id, now):
+                self._execute(self.membership.process_exited(worker_id, code, now))
         self._execute(self.membership.tick(now))
         self.checkpoints.poll()
+
+    def _drained(self, worker_id: int, now: float) -> bool:
+        """Whether an ended process's exit can be acted on: everything it sent has been handled.
+
+        What a worker sent just before it died still counts (its committed steps, a checkpoint's
+        last chunk): acting on the exit first would drop them and roll back further than the
+        steps that completed (docs/architecture.md, "Elasticity"). Its connection's end, queued
+        after them, acts on the exit instead (:meth:`_on_connection_lost`)."""
+        state = self._server.connection(worker_id)
+        if state == "none":
+            return True  # never connected: nothing to read
+        if state == "ended":
+            return False  # its ConnectionLost is queued behind its last messages
+        since = self._exits.setdefault(worker_id, now)
+        return now - since >= EXIT_DRAIN
 
     # -- handlers ---------------------------------------------------------------------------
     def _on_hello(self, worker_id: int, message: p.Hello) -> None:
@@ -295,6 +315,14 @@ class Driver:
         lines = message.traceback.strip().splitlines()
         signature = lines[-1] if lines else repr(exc)
         self._execute(self.membership.user_error(worker_id, exc, signature, time.monotonic()))
+
+    def _on_connection_lost(self, worker_id: int, message: p.ConnectionLost) -> None:
+        self._exits.pop(worker_id, None)
+        code = self._launcher.exited().get(worker_id)
+        if code is not None:  # the process's exit says more than its connection's end
+            self._execute(self.membership.process_exited(worker_id, code, time.monotonic()))
+        else:
+            self._lose(worker_id, f"connection lost ({message.reason})")
 
     def _lose(self, worker_id: int, reason: str) -> None:
         self._execute(self.membership.lost(worker_id, reason, time.monotonic()))

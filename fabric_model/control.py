@@ -14,6 +14,7 @@ import pickle
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
@@ -27,20 +28,56 @@ log = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT = 10.0
 
 
+def _dumps(message: Any) -> bytes:
+    # Plain pickle, not Connection.send's ForkingPickler: with torch loaded that one ships
+    # tensors as shared-memory file descriptors, which only work between local processes.
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 class Channel:
-    """One end of a driver/worker connection; ``send`` may be called from several threads."""
+    """One end of a driver/worker connection; ``send`` may be called from several threads.
+
+    Messages go out in the order they are given, held ones (:meth:`send_soon`) included."""
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
         self._lock = threading.Lock()
+        self._held: list[Any] = []  # messages waiting for the next frame (send_soon)
+        self._written = 0.0  # time.monotonic() of the last frame sent
 
     def send(self, message: Any) -> None:
-        """Send one message of :mod:`fabric_model.protocol`."""
-        # Plain pickle, not Connection.send's ForkingPickler: with torch loaded that one ships
-        # tensors as shared-memory file descriptors, which only work between local processes.
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        """Send one message of :mod:`fabric_model.protocol`, after any held ones."""
+        data = _dumps(message)  # outside the lock: a 4 MiB state chunk does not hold up the others
         with self._lock:
+            self._write_held()
             self._conn.send_bytes(data)
+            self._written = time.monotonic()
+
+    def send_soon(self, message: Any, within: float) -> None:
+        """Send ``message`` now if no frame went out in the last ``within`` seconds, else hold it
+        for the next frame (any :meth:`send`, or :meth:`flush`).
+
+        A fast step's report then shares a frame, and the driver one wake-up, with the next
+        ones (docs/architecture.md, "What a step costs beyond the math"). Held messages die
+        with the process; only step reports are held, which the driver can do without."""
+        with self._lock:
+            self._held.append(message)
+            if time.monotonic() - self._written >= within:
+                self._write_held()
+
+    def flush(self, older_than: float = 0.0) -> None:
+        """Send the held messages if the last frame went out ``older_than`` seconds ago or more."""
+        with self._lock:
+            if self._held and time.monotonic() - self._written >= older_than:
+                self._write_held()
+
+    def _write_held(self) -> None:
+        """Under the lock: the held messages, as one frame."""
+        if not self._held:
+            return
+        held, self._held = self._held, []
+        self._conn.send_bytes(_dumps(held[0] if len(held) == 1 else p.Batch(tuple(held))))
+        self._written = time.monotonic()
 
     def recv(self, timeout: float | None = None) -> Any:
         """Next message; raises ``TimeoutError`` after ``timeout`` seconds, ``EOFError`` on close."""
@@ -195,7 +232,9 @@ class ControlServer:
                 self._reading.add(worker_id)
             self.events.put((worker_id, hello))
             while True:
-                self.events.put((worker_id, channel.recv()))
+                message = channel.recv()
+                for one in message.messages if isinstance(message, p.Batch) else (message,):
+                    self.events.put((worker_id, one))
         except (EOFError, OSError, TimeoutError, ValueError, KeyError, TypeError) as exc:
             if worker_id >= 0:
                 self.events.put((worker_id, p.ConnectionLost(repr(exc))))

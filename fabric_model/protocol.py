@@ -101,6 +101,14 @@ class StepDone:
 
 
 @dataclasses.dataclass(frozen=True)
+class Batch:
+    """Messages sent in one frame, in order: a worker's step reports of fast steps, held back
+    briefly so that the driver is woken once for several (``Channel.send_soon``)."""
+
+    messages: tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class EvalDone:
     """A validation's reduced stat sums (loss, metrics..., count)."""
 

@@ -370,8 +370,8 @@ def test_losing_every_worker_right_after_a_checkpoint_goes_on_from_it(run_dir, t
 
     def slow_recv(self, timeout=None):
         message = recv(self, timeout)
-        if isinstance(message, p.StepDone):
-            time.sleep(0.01)  # in the driver's reader thread only: workers never receive StepDone
+        if isinstance(message, (p.StepDone, p.Batch)):
+            time.sleep(0.1)  # in the driver's reader thread only: workers never receive these
         return message
 
     monkeypatch.setattr(control.Channel, "recv", slow_recv)
@@ -382,7 +382,9 @@ def test_losing_every_worker_right_after_a_checkpoint_goes_on_from_it(run_dir, t
     result = fm.train(EPOCHS, BATCH, 1, effective_batch_size=GLOBAL, seed=SEED, run_dir=run_dir)
     last = records(run_dir, "generation")[-1]
     assert (last["checkpoint"], last["resume_unit"]) == (checkpoint_name(ckpt_unit(0)), ckpt_unit(0))
-    assert last["rolled_back_from"] == SCHEDULE.unit(1, 4)  # every step before the kill was committed
+    # Rolled back from no further than the kill: the reports a lone worker holds back for a few
+    # ms (docs/architecture.md, "What a step costs beyond the math") die with it.
+    assert ckpt_unit(0) <= last.get("rolled_back_from", ckpt_unit(0)) <= SCHEDULE.unit(1, 4)
     assert max_rel_diff(model.state_dict(), reference) < 1e-5
     assert len(result.history) == EPOCHS
 

@@ -101,3 +101,40 @@ def test_a_silent_peer_is_cut_off_after_the_handshake_bound(monkeypatch, tmp_pat
             assert time.monotonic() - started < 2.5 and received  # cut off, not left hanging
     finally:
         srv.close()
+
+
+def _step(step: int) -> p.StepDone:
+    return p.StepDone(0, 0, step, 0, 1, (0,), (1.0, 8.0))
+
+
+def test_held_step_reports_arrive_in_order_before_the_next_message_and_the_end(server):
+    """A lone worker's reports share frames (``send_soon``); the driver still gets every one, in
+    order, before anything sent after them, and a connection's end follows all it sent."""
+    channel, _ = _register(server)
+    assert server.connection(7) == "open"
+    channel.send_soon(_step(0), within=60.0)  # Hello went out just now: held
+    channel.send_soon(_step(1), within=60.0)
+    with pytest.raises(queue.Empty):
+        server.events.get(timeout=0.3)  # both held
+    channel.send(p.EvalDone(0, (1.0, 8.0)))  # one frame with the two, then this one
+    channel.send_soon(_step(2), within=60.0)
+    channel.flush()  # what the heartbeat thread does
+    channel.send_soon(_step(3), within=60.0)  # held, then lost with the process
+    channel.close()
+    got = [server.events.get(timeout=5) for _ in range(5)]
+    assert [type(m).__name__ for _, m in got] == ["StepDone", "StepDone", "EvalDone", "StepDone", "ConnectionLost"]
+    assert [m.step for _, m in got if isinstance(m, p.StepDone)] == [0, 1, 2]
+    assert {w for w, _ in got} == {7}
+    deadline = time.monotonic() + 5
+    while server.connection(7) != "ended" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.connection(7) == "ended" and server.connection(8) == "none"
+
+
+def test_a_report_goes_out_at_once_after_a_quiet_spell(server):
+    channel, _ = _register(server)
+    time.sleep(0.05)
+    channel.send_soon(_step(0), within=0.02)  # nothing went out for 50 ms: sent now
+    _, message = server.events.get(timeout=5)
+    assert isinstance(message, p.StepDone) and message.step == 0
+    channel.close()

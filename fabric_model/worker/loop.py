@@ -41,7 +41,7 @@ from ..job import Job
 from ..loop_state import LoopState
 from ..metrics import stat_means
 from ..plan import Plan, Schedule, assigned_micro_batches, epoch_permutation, eval_batches, micro_batch_seed
-from .inbox import Inbox
+from .inbox import REPORT_WITHIN, Inbox
 from .snapshots import StateUploader
 from .state_transfer import broadcast_state
 
@@ -261,11 +261,17 @@ class TrainingLoop:
         stats, switch = result.stats, result.switch
         self.extras.step_done(epoch, stats)
         self.iterations += 1
-        self.channel.send(
-            p.StepDone(
-                collective.generation, epoch, step, collective.rank, collective.world_size, tuple(mine), tuple(stats)
-            )
+        report = p.StepDone(
+            collective.generation, epoch, step, collective.rank, collective.world_size, tuple(mine), tuple(stats)
         )
+        if collective.world_size == 1:
+            # A lone worker's fast steps share frames (docs/architecture.md, "What a step costs
+            # beyond the math"). Held reports go out before any state this worker uploads, so
+            # the driver never holds a state past the steps it knows of: losing them at a
+            # SIGKILL costs their records only, which a rollback redoes.
+            self.channel.send_soon(report, within=REPORT_WITHIN)
+        else:
+            self.channel.send(report)
         if self._logs_train:
             metrics = stat_means(adapter.stat_names, stats)
             self.hooks.log_train_metrics(metrics, self.iterations, epoch, collective.world_size)

@@ -43,6 +43,7 @@ class Channel:
         self._conn = conn
         self._lock = threading.Lock()
         self._held: list[Any] = []  # messages waiting for the next frame (send_soon)
+        self.holding = threading.Event()  # set while _held is not empty (the heartbeat thread waits on it)
         self._written = 0.0  # time.monotonic() of the last frame sent
 
     def send(self, message: Any) -> None:
@@ -64,6 +65,8 @@ class Channel:
             self._held.append(message)
             if time.monotonic() - self._written >= within:
                 self._write_held()
+            else:
+                self.holding.set()
 
     def flush(self, older_than: float = 0.0) -> None:
         """Send the held messages if the last frame went out ``older_than`` seconds ago or more."""
@@ -76,6 +79,7 @@ class Channel:
         if not self._held:
             return
         held, self._held = self._held, []
+        self.holding.clear()
         self._conn.send_bytes(_dumps(held[0] if len(held) == 1 else p.Batch(tuple(held))))
         self._written = time.monotonic()
 

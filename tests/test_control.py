@@ -17,6 +17,7 @@ import pytest
 
 from fabric_model import control
 from fabric_model import protocol as p
+from fabric_model.worker.inbox import Heartbeat
 
 SECRET = b"s" * 32
 
@@ -114,9 +115,11 @@ def test_held_step_reports_arrive_in_order_before_the_next_message_and_the_end(s
     assert server.connection(7) == "open"
     channel.send_soon(_step(0), within=60.0)  # Hello went out just now: held
     channel.send_soon(_step(1), within=60.0)
+    assert channel.holding.is_set()
     with pytest.raises(queue.Empty):
         server.events.get(timeout=0.3)  # both held
     channel.send(p.EvalDone(0, (1.0, 8.0)))  # one frame with the two, then this one
+    assert not channel.holding.is_set()
     channel.send_soon(_step(2), within=60.0)
     channel.flush()  # what the heartbeat thread does
     channel.send_soon(_step(3), within=60.0)  # held, then lost with the process
@@ -137,4 +140,15 @@ def test_a_report_goes_out_at_once_after_a_quiet_spell(server):
     channel.send_soon(_step(0), within=0.02)  # nothing went out for 50 ms: sent now
     _, message = server.events.get(timeout=5)
     assert isinstance(message, p.StepDone) and message.step == 0
+    channel.close()
+
+
+def test_the_heartbeat_thread_sends_held_reports_long_before_its_next_beat(server):
+    """A lone worker whose fast steps stop (a long validation, the end of its work) still gets
+    its last reports to the driver within ~REPORT_WITHIN, not at the next heartbeat."""
+    channel, _ = _register(server)
+    Heartbeat(channel, interval=30.0)  # its first beat is 30 s away
+    channel.send_soon(_step(0), within=60.0)  # Hello went out just now: held
+    _, message = server.events.get(timeout=5)  # well before the beat
+    assert isinstance(message, p.StepDone)
     channel.close()

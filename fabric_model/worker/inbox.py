@@ -94,7 +94,10 @@ class Heartbeat:
     def _run(self) -> None:
         beat = time.monotonic()
         while True:
-            time.sleep(min(self.interval, REPORT_WITHIN))
+            # Asleep until the next beat unless reports are held: no wake-ups while none are
+            # (a generation of several, slow steps).
+            if self.channel.holding.wait(max(0.0, beat + self.interval - time.monotonic())):
+                time.sleep(REPORT_WITHIN)
             try:
                 if time.monotonic() - beat >= self.interval:
                     self.channel.send(p.Heartbeat())  # sends the held reports first

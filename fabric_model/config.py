@@ -27,8 +27,13 @@ TIMEOUT_DEFAULTS: dict[str, float] = {
 
 
 #: How often rank 0 sends the driver a snapshot of the state: every N committed steps, or once
-#: T seconds have passed since the last one, whichever comes first (0 turns either off).
-SNAPSHOT_DEFAULTS: dict[str, int] = {"FABRIC_MODEL_SNAPSHOT_STEPS": 100, "FABRIC_MODEL_SNAPSHOT_SECONDS": 30}
+#: T seconds have passed since the last one, whichever comes first (0 turns either off); the
+#: steps' rule waits while snapshots would take more than SHARE of the time (0: never waits).
+SNAPSHOT_DEFAULTS: dict[str, float] = {
+    "FABRIC_MODEL_SNAPSHOT_STEPS": 100,
+    "FABRIC_MODEL_SNAPSHOT_SECONDS": 30,
+    "FABRIC_MODEL_SNAPSHOT_SHARE": 0.01,
+}
 
 
 def snapshot_setting(name: str) -> float:
@@ -36,14 +41,15 @@ def snapshot_setting(name: str) -> float:
     raw = os.environ.get(name)
     if raw is None:
         return float(SNAPSHOT_DEFAULTS[name])
-    steps = name.endswith("STEPS")
+    steps, share = name.endswith("STEPS"), name.endswith("SHARE")
     try:
         value = int(raw) if steps else float(raw)
     except ValueError:
         value = -1
-    if value < 0:
-        what = "a whole number of steps" if steps else "a number of seconds"
-        raise ValueError(f"Expected the environment variable {name} to be {what}, 0 or more. Received: {name}={raw!r}")
+    if value < 0 or (share and value >= 1) or value != value:
+        what = "a whole number of steps, 0 or more" if steps else "a number of seconds, 0 or more"
+        what = "a fraction of the training time, 0 or more and below 1" if share else what
+        raise ValueError(f"Expected the environment variable {name} to be {what}. Received: {name}={raw!r}")
     return float(value)
 
 
@@ -73,8 +79,9 @@ class Timeouts:
     pull_failed_limit: int
     replace_workers: bool
     # The in-memory snapshot rank 0 uploads to the driver (docs/architecture.md, "Elasticity").
-    snapshot_steps: int = SNAPSHOT_DEFAULTS["FABRIC_MODEL_SNAPSHOT_STEPS"]
+    snapshot_steps: int = int(SNAPSHOT_DEFAULTS["FABRIC_MODEL_SNAPSHOT_STEPS"])
     snapshot_seconds: float = SNAPSHOT_DEFAULTS["FABRIC_MODEL_SNAPSHOT_SECONDS"]
+    snapshot_share: float = SNAPSHOT_DEFAULTS["FABRIC_MODEL_SNAPSHOT_SHARE"]
 
     @classmethod
     def from_environment(cls) -> Timeouts:
@@ -94,6 +101,7 @@ class Timeouts:
             replace_workers=os.environ.get("EDT_REPLACE_WORKERS", "1") != "0",
             snapshot_steps=int(snapshot_setting("FABRIC_MODEL_SNAPSHOT_STEPS")),
             snapshot_seconds=snapshot_setting("FABRIC_MODEL_SNAPSHOT_SECONDS"),
+            snapshot_share=snapshot_setting("FABRIC_MODEL_SNAPSHOT_SHARE"),
         )
 
 

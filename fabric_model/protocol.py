@@ -47,6 +47,8 @@ CUDA_VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 SNAPSHOT_STEPS_ENV = "FABRIC_MODEL_SNAPSHOT_STEPS"
 #: ... or once this many seconds have passed since the last one (0: not by time).
 SNAPSHOT_SECONDS_ENV = "FABRIC_MODEL_SNAPSHOT_SECONDS"
+#: The steps' rule waits while snapshots would take more than this share of the time (0: never).
+SNAPSHOT_SHARE_ENV = "FABRIC_MODEL_SNAPSHOT_SHARE"
 #: ``0``: local workers start as fresh interpreters, not as forks of the warm process.
 WARM_START_ENV = "FABRIC_MODEL_WARM_START"
 

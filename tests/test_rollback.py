@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from fabric_model import FabricModel
 from fabric_model import protocol as p
 from fabric_model.checkpoint import checkpoint_name, decode_state, encode_state, state_record
+from fabric_model.config import Timeouts
 from fabric_model.driver.checkpoints import CheckpointBook
 from fabric_model.driver.snapshots import StateBook
 from fabric_model.plan import Plan, Schedule
@@ -91,6 +92,7 @@ def test_every_worker_killed_at_once_mid_epoch(
 ):
     monkeypatch.setenv("FABRIC_MODEL_SNAPSHOT_STEPS", snapshot_steps)
     monkeypatch.setenv("FABRIC_MODEL_SNAPSHOT_SECONDS", "0")
+    monkeypatch.setenv("FABRIC_MODEL_SNAPSHOT_SHARE", "0")  # every 4 steps exactly, however fast the steps
     killed_at = SCHEDULE.unit(1, 5)  # every worker dies in the allreduce of epoch 1, step 5
     # 2 workers accumulating the 3 micro-batches of a step: fewer processes to start, same steps.
     model, result = train(run_dir, tmp_path, [Kill(w, 15) for w in range(2)], 2, checkpoint_freq)
@@ -174,7 +176,7 @@ def test_the_newest_state_at_or_below_the_committed_unit_is_restored(tmp_path):
 
 
 def test_rank_0_uploads_due_checkpoints_and_snapshots_every_n_steps():
-    timeouts = types.SimpleNamespace(snapshot_steps=4, snapshot_seconds=0)
+    timeouts = types.SimpleNamespace(snapshot_steps=4, snapshot_seconds=0, snapshot_share=0)
     config = types.SimpleNamespace(checkpoint_freq=1, batch_size=BATCH, timeouts=timeouts)
     uploads = StateUploader(channel=None, schedule=SCHEDULE, config=config)  # type: ignore[arg-type]
     uploads.entered(p.CheckpointSettings("", "torch", written=-1), resume_unit=0)
@@ -196,3 +198,31 @@ def test_rank_0_uploads_due_checkpoints_and_snapshots_every_n_steps():
         30: "snapshot",
         32: "checkpoint",
     }
+
+
+def test_snapshots_by_steps_wait_while_they_would_cost_more_than_their_share():
+    timeouts = types.SimpleNamespace(snapshot_steps=4, snapshot_seconds=0, snapshot_share=0.01)
+    config = types.SimpleNamespace(checkpoint_freq=1, batch_size=BATCH, timeouts=timeouts)
+    uploads = StateUploader(channel=None, schedule=SCHEDULE, config=config)  # type: ignore[arg-type]
+    uploads.entered(p.CheckpointSettings("", "torch", written=-1), resume_unit=0)
+    uploads.cost = 10.0  # the last upload took 10 s: at 1%, the next waits 1000 s
+    due = {}
+    for unit in range(SCHEDULE.total_units):
+        kind = uploads.kind_due(unit, rank=0)
+        if kind:
+            due[unit] = kind
+            uploads.mark(kind, unit)
+    assert due == {10: "checkpoint", 21: "checkpoint", 32: "checkpoint"}  # checkpoints never wait
+    uploads.entered(p.CheckpointSettings("", "torch", written=32), resume_unit=SCHEDULE.unit(2, 0))
+    assert uploads.kind_due(SCHEDULE.unit(2, 4), rank=0) is None  # 4 steps on, still too dear
+    uploads.cost = 0.0  # a cheap state: every 4 steps again
+    assert uploads.kind_due(SCHEDULE.unit(2, 4), rank=0) == "snapshot"
+
+
+@pytest.mark.parametrize("raw", ["1", "-0.1", "nan", "a lot"])
+def test_a_bad_snapshot_share_is_refused_naming_the_variable(monkeypatch, raw):
+    monkeypatch.setenv("FABRIC_MODEL_SNAPSHOT_SHARE", raw)
+    with pytest.raises(ValueError, match=r"FABRIC_MODEL_SNAPSHOT_SHARE.*fraction.*below 1.*Received"):
+        Timeouts.from_environment()
+    monkeypatch.setenv("FABRIC_MODEL_SNAPSHOT_SHARE", "0.05")
+    assert Timeouts.from_environment().snapshot_share == 0.05

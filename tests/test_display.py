@@ -249,6 +249,7 @@ def test_the_event_file_framing_uses_crc32c():
 
     assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
     assert crc32c(b"") == 0
+    assert crc32c(b"56789", crc32c(b"1234")) == 0xE3069283  # continued from the bytes before
 
 
 def test_a_resumed_run_s_csv_has_each_epoch_once(tmp_path):

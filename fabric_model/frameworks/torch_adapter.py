@@ -128,6 +128,10 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         self._got_grad = self._flat[layout.flags]
         self._stats = self._flat[layout.stat_sums]
         self._count = self._flat[layout.count]  # a 0-d view: += writes into the buffer
+        # The stat sums and the count, adjacent: a micro-batch adds [loss, metrics..., 1] * n in
+        # one operation instead of three tiny ones per value (0.1 ms of a 2 ms step on CPU).
+        self._stats_and_count = self._flat[layout.stat_sums.start : layout.count + 1]
+        self._one = torch.ones((), device=self.device)
         self._scratch: torch.Tensor | None = None
         for p, view in zip(self._params, self._grad_views):
             p.grad = view
@@ -235,16 +239,19 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
             (loss if weight == 1.0 else loss * weight).backward()  # x * 1.0 == x: one op less
         finally:
             self._overlap = False
-        self._got_grad.copy_(torch.tensor(self._got))
+        if not self._direct:  # a lone worker's finish_step reads the flags off .grad itself
+            self._got_grad.copy_(torch.tensor(self._got))
         n = num_samples
         with torch.no_grad():
             self._add_buffer_deltas(weight)
-            self._stats[0] += loss.detach().float() * n
-            for i, metric in enumerate(self.metrics, start=1):
-                self._stats[i] += (
-                    torch.as_tensor(metric(output.detach(), target), dtype=torch.float32, device=self.device) * n
-                )
-            self._count += n
+            values = [loss.detach().float()]
+            values += [
+                torch.as_tensor(metric(output.detach(), target), dtype=torch.float32, device=self.device)
+                for metric in self.metrics
+            ]
+            values.append(self._one)
+            # Multiply, then add, as value by value before: the same two roundings per sum.
+            self._stats_and_count += torch.stack(values) * n
 
     def _seed(self, seed: int) -> None:
         # torch.manual_seed also seeds every lazy accelerator backend, formatting stack
@@ -340,7 +347,10 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
                 b.copy_(start + (view if b.is_floating_point() else view.round().to(b.dtype)))
             # A parameter no worker produced a gradient for keeps .grad None through the step,
             # as after zero_grad() on one device: weight decay and momentum leave it alone.
-            unused = [i for i, got in enumerate(self._got_grad.tolist()) if got == 0.0]
+            if self._direct:  # backward gave fresh gradients: None where it produced none
+                unused = [i for i, p in enumerate(self._params) if p.grad is None]
+            else:
+                unused = [i for i, got in enumerate(self._got_grad.tolist()) if got == 0.0]
             for i in unused:
                 self._params[i].grad = None
             # float16's unscale and overflow check, then clipping, then the optimizer's step

@@ -21,6 +21,8 @@ from .run_summary import short_reason
 
 #: Seconds between the plain progress lines written when the stream is not a terminal.
 PLAIN_INTERVAL = 10.0
+#: The bar's text (metrics, rate) is remade at most this often (seconds), as tqdm redraws.
+BAR_TEXT_INTERVAL = 0.1
 _BAR_FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]"
 
 
@@ -47,6 +49,7 @@ class ProgressBar:
         self._bar: Any = None
         self._start: tuple[float, int] | None = None
         self._last_plain = 0.0
+        self._bar_text = 0.0  # time.monotonic() the bar's text was last remade
         self.workers = 0
 
     @property
@@ -67,6 +70,17 @@ class ProgressBar:
         now, self.workers = time.monotonic(), workers
         if self._start is None:
             self._start = (now, iteration)
+        # Called for every committed step, on the cores the workers compute on: the text is
+        # made only when something shows it (the bar's redraw, a plain line, the epoch's line).
+        if self._bar is not None and now - self._bar_text < BAR_TEXT_INTERVAL and iteration < self.total:
+            if iteration != (epoch + 1) * self.steps_per_epoch:
+                self._bar.update(iteration - self._bar.n)
+                return
+        elif self._bar is None and not (self.tty and self.verbose == 1):
+            plain_due = self.verbose == 1 and (now - self._last_plain >= PLAIN_INTERVAL or iteration == self.total)
+            if not plain_due and iteration != (epoch + 1) * self.steps_per_epoch:
+                return
+        self._bar_text = now
         rate = self._rate(now, iteration)
         values = " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
         speed = f"{rate:,.0f} samples/s" if rate is not None else "- samples/s"

@@ -7,6 +7,8 @@ import os
 import warnings
 from datetime import timedelta
 
+from .protocol import SNAPSHOT_SECONDS_ENV, SNAPSHOT_SHARE_ENV, SNAPSHOT_STEPS_ENV
+
 #: Environment variables that bound every blocking wait, in seconds. Each has a default here
 #: and is read once, in the caller (:meth:`Timeouts.from_environment`), and sent to every
 #: worker with the job, so that all workers of a job share the same bounds.
@@ -30,9 +32,9 @@ TIMEOUT_DEFAULTS: dict[str, float] = {
 #: T seconds have passed since the last one, whichever comes first (0 turns either off); the
 #: steps' rule waits while snapshots would take more than SHARE of the time (0: never waits).
 SNAPSHOT_DEFAULTS: dict[str, float] = {
-    "FABRIC_MODEL_SNAPSHOT_STEPS": 100,
-    "FABRIC_MODEL_SNAPSHOT_SECONDS": 30,
-    "FABRIC_MODEL_SNAPSHOT_SHARE": 0.01,
+    SNAPSHOT_STEPS_ENV: 100,
+    SNAPSHOT_SECONDS_ENV: 30,
+    SNAPSHOT_SHARE_ENV: 0.01,
 }
 
 
@@ -79,9 +81,9 @@ class Timeouts:
     pull_failed_limit: int
     replace_workers: bool
     # The in-memory snapshot rank 0 uploads to the driver (docs/architecture.md, "Elasticity").
-    snapshot_steps: int = int(SNAPSHOT_DEFAULTS["FABRIC_MODEL_SNAPSHOT_STEPS"])
-    snapshot_seconds: float = SNAPSHOT_DEFAULTS["FABRIC_MODEL_SNAPSHOT_SECONDS"]
-    snapshot_share: float = SNAPSHOT_DEFAULTS["FABRIC_MODEL_SNAPSHOT_SHARE"]
+    snapshot_steps: int = int(SNAPSHOT_DEFAULTS[SNAPSHOT_STEPS_ENV])
+    snapshot_seconds: float = SNAPSHOT_DEFAULTS[SNAPSHOT_SECONDS_ENV]
+    snapshot_share: float = SNAPSHOT_DEFAULTS[SNAPSHOT_SHARE_ENV]
 
     @classmethod
     def from_environment(cls) -> Timeouts:
@@ -99,9 +101,9 @@ class Timeouts:
             recovery=seconds("EDT_RECOVERY_TIME_OUT"),
             pull_failed_limit=pull_failed_limit(),
             replace_workers=os.environ.get("EDT_REPLACE_WORKERS", "1") != "0",
-            snapshot_steps=int(snapshot_setting("FABRIC_MODEL_SNAPSHOT_STEPS")),
-            snapshot_seconds=snapshot_setting("FABRIC_MODEL_SNAPSHOT_SECONDS"),
-            snapshot_share=snapshot_setting("FABRIC_MODEL_SNAPSHOT_SHARE"),
+            snapshot_steps=int(snapshot_setting(SNAPSHOT_STEPS_ENV)),
+            snapshot_seconds=snapshot_setting(SNAPSHOT_SECONDS_ENV),
+            snapshot_share=snapshot_setting(SNAPSHOT_SHARE_ENV),
         )
 
 

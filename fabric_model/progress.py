@@ -72,14 +72,17 @@ class ProgressBar:
             self._start = (now, iteration)
         # Called for every committed step, on the cores the workers compute on: the text is
         # made only when something shows it (the bar's redraw, a plain line, the epoch's line).
-        if self._bar is not None and now - self._bar_text < BAR_TEXT_INTERVAL and iteration < self.total:
-            if iteration != (epoch + 1) * self.steps_per_epoch:
+        shown = iteration == (epoch + 1) * self.steps_per_epoch or iteration == self.total  # a line of its own
+        if self._bar is not None:
+            shown = shown or now - self._bar_text >= BAR_TEXT_INTERVAL
+        elif not (self.tty and self.verbose == 1):  # plain lines (no bar will be made)
+            shown = shown or (self.verbose == 1 and now - self._last_plain >= PLAIN_INTERVAL)
+        else:
+            shown = True  # the bar is made now
+        if not shown:
+            if self._bar is not None:
                 self._bar.update(iteration - self._bar.n)
-                return
-        elif self._bar is None and not (self.tty and self.verbose == 1):
-            plain_due = self.verbose == 1 and (now - self._last_plain >= PLAIN_INTERVAL or iteration == self.total)
-            if not plain_due and iteration != (epoch + 1) * self.steps_per_epoch:
-                return
+            return
         self._bar_text = now
         rate = self._rate(now, iteration)
         values = " ".join(f"{k}={v:.4f}" for k, v in metrics.items())

@@ -84,11 +84,6 @@ def _scalar_prefix(tag: str) -> bytes:
     return _varint(5 << 3 | 2) + _varint(len(summary) + 4) + summary  # Event: its summary (field 5)
 
 
-def scalar_event(tag: str, value: float, step: int, wall_time: float) -> bytes:
-    """One ``Event`` protobuf holding one scalar (its summary first, then time and step)."""
-    return _scalar_prefix(tag) + struct.pack("<f", float(value)) + _event(wall_time, step, b"")
-
-
 class EventWriter:
     """Appends scalars to a new ``events.out.tfevents.*`` file in ``directory``.
 
@@ -116,9 +111,11 @@ class EventWriter:
         self._file.write(header + data + struct.pack("<I", _mask(crc)))
 
     def scalar(self, tag: str, value: float, step: int, wall_time: float | None = None) -> None:
+        """One ``Event`` holding one scalar: its summary first, then its value, time and step."""
         prefix = self._prefixes.get(tag)
         if prefix is None:
-            prefix = self._prefixes[tag] = (_scalar_prefix(tag), crc32c(_scalar_prefix(tag)))
+            summary = _scalar_prefix(tag)
+            prefix = self._prefixes[tag] = (summary, crc32c(summary))
         rest = struct.pack("<f", float(value)) + _event(time.time() if wall_time is None else wall_time, step, b"")
         self._write(prefix[0] + rest, crc32c(rest, prefix[1]))
 

@@ -36,6 +36,7 @@ from typing import IO, Any, Literal
 
 from .context import worker_context
 from .hooks import Hooks
+from .launchers.base import module_command
 from .rundir import RunDirectory
 
 
@@ -292,7 +293,7 @@ class WorkerStarter:
         run = RunDirectory(self.run_dir)
         info = json.loads(run.join_json.read_text())
         env = dict(os.environ, FABRIC_MODEL_SECRET=info["secret"], PYTHONPATH=os.pathsep.join(sys.path))
-        cmd = [sys.executable, "-m", "fabric_model", "worker", "--driver", info["driver"]]
+        cmd = module_command("fabric_model", "worker", "--driver", info["driver"])
         if device:
             cmd += ["--device", device]
         log = open(run.joined_log(len(self.processes)), "ab")

@@ -84,6 +84,24 @@ def test_start_deadline_goes_with_the_ready_workers_or_fails_with_their_logs():
     assert formed(commands).members == (0,) and m.members == [0]
 
 
+def test_workers_dying_before_they_are_ready_fail_the_start_with_the_last_ones_output():
+    """A worker that cannot even start (a broken environment) is no reason to retry for ever."""
+    m = machine(2)
+    m.start(0.0)
+    now, deaths = 0.0, 0
+    with pytest.raises(
+        JobError,
+        match=r"(?s)died before it was ready \(6 starts; the last: process exited with code 1.*logs of \[\d+\]",
+    ):
+        while deaths < 10:
+            for w in m.alive():
+                deaths += 1
+                m.process_exited(w, 1, now)
+            now += 60.0  # past any backoff: the replacements start
+            m.tick(now)
+    assert deaths == 6
+
+
 def test_a_pending_worker_does_not_hold_back_the_first_generation():
     m = machine(3)
     m.start(0.0)

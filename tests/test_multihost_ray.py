@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 import psutil
 import pytest
@@ -101,15 +102,18 @@ def start_ray_node(net: netns.Network, host: netns.Host, head: netns.Host) -> su
         return host.popen(argv, env=ray_env(net), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
 
-def worker_process(host: netns.Host) -> tuple[int, Path]:
-    """The fabric-model worker running in ``host`` (started by its Ray actor): pid and log file."""
+def worker_process(host: netns.Host) -> tuple[int, BinaryIO]:
+    """The fabric-model worker running in ``host`` (started by its Ray actor): pid and its output.
+
+    The actor's copy of the output has no name (it dies with the actor), so the test opens it
+    through the worker's stdout and can read it after both are gone."""
     for pid in host.pids():
         try:
             cmd = " ".join(psutil.Process(pid).cmdline())
         except psutil.Error:
             continue
         if "fabric_model worker" in cmd:
-            return pid, Path(os.readlink(f"/proc/{pid}/fd/1"))
+            return pid, open(f"/proc/{pid}/fd/1", "rb")
     raise AssertionError(f"no worker process in {host.name}")
 
 
@@ -193,12 +197,13 @@ def test_a_ray_job_across_hosts_survives_a_node_crash_a_new_node_and_a_healed_pa
     cut = time.monotonic()
     wait("C's worker removed", lambda: hosts_now() == {d.address})
     removed_after = time.monotonic() - cut
-    said_before_heal = zombie_log.stat().st_size
+    said_before_heal = os.fstat(zombie_log.fileno()).st_size
     network.heal(c)
     healed = time.monotonic()
     fenced = wait_gone(zombie, 60.0)
     gone_after = time.monotonic() - healed
-    zombie_said = zombie_log.read_text(errors="replace") if zombie_log.exists() else "(its log is gone)"
+    zombie_said = zombie_log.read().decode(errors="replace")
+    zombie_log.close()
     flag.unlink()  # let the run finish
     driver.wait(timeout=120)
     seen = watch.stop()

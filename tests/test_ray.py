@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -88,8 +89,14 @@ def test_a_ray_job_trains_to_the_reference_weights(two_nodes, undisturbed, run_d
 
 
 @pytest.mark.timeout(150)
+def worker_log_files() -> set[Path]:
+    """The actors' copies of their workers' output that have a name (none should)."""
+    return set(Path(tempfile.gettempdir()).glob("fabric-model-worker-*.log"))
+
+
 def test_a_lost_node_leaves_and_a_new_node_joins(two_nodes, undisturbed, run_dir, tmp_path):
     cluster = two_nodes
+    logs_before = worker_log_files()
     doomed = sorted(cluster.worker_nodes, key=lambda n: n.unique_id)[0]
 
     def replace_node():
@@ -109,6 +116,7 @@ def test_a_lost_node_leaves_and_a_new_node_joins(two_nodes, undisturbed, run_dir
     assert {r["workers"] for r in train_records} == {1, 2}
     assert len(set(result.replica_digests.values())) == 1
     assert not our_processes()
+    assert worker_log_files() <= logs_before  # the lost node's actor had no close(): nothing left behind
 
 
 @pytest.mark.timeout(120)

@@ -3,6 +3,7 @@ outlives the job (the caller killed or interrupted: tests/test_failures.py)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -49,6 +50,7 @@ class Inspect:
             "launched": os.environ.get(LAUNCHED_ENV),
             "sigint_ignored": signal.getsignal(signal.SIGINT) is signal.SIG_IGN,
             "tensorflow": "tensorflow" in sys.modules,
+            "package": sys.modules["fabric_model"].__file__,
         }
         path.write_text(json.dumps(facts))
 
@@ -67,14 +69,34 @@ class KillWarmProcess:
                     child.kill()
 
 
-def test_workers_are_forks_of_the_warm_process_with_a_fresh_workers_environment(run_dir, tmp_path):
+def shadowing_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Work in a folder holding another ``fabric_model``: workers must import the caller's."""
+    shadow = tmp_path / "cwd" / "fabric_model"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('the working directory shadowed the package')\n")
+    monkeypatch.chdir(shadow.parent)
+
+
+SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []
+
+
+def test_workers_are_forks_of_the_warm_process_with_a_fresh_workers_environment(run_dir, tmp_path, monkeypatch):
+    shadowing_package(monkeypatch, tmp_path)
+    # An interactive caller (python -c, a notebook) imports from its working directory ("" on
+    # sys.path, last here so the caller's fabric_model stays first): so must its workers.
+    (tmp_path / "cwd" / "cwd_datasets.py").write_text(
+        "from tests.helpers import make_data\n\ndef datasets():\n    return make_data(128), None\n"
+    )
+    monkeypatch.setattr(sys, "path", [*sys.path, ""])
+    datasets = importlib.import_module("cwd_datasets").datasets
     model, opt = fresh_model_and_optimizer()
-    fm = FabricModel(model, lambda: (DATA, None), F.cross_entropy, opt, worker_logger_callback=Inspect(tmp_path))
+    fm = FabricModel(model, datasets, F.cross_entropy, opt, worker_logger_callback=Inspect(tmp_path))
     fm.train(1, 16, 2, run_dir=run_dir)
     facts = {int(p.stem): json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
     assert len(facts) == 2
     for fact in facts.values():
-        assert fact["parent"][1:] == ["-m", WARM, "torch"]
+        assert fact["parent"][1:] == [*SAFE_PATH, "-m", WARM, "torch"]
+        assert fact["package"] == sys.modules["fabric_model"].__file__
         assert fact["threads"] == threads_per_worker(2)
         assert fact["omp"] == os.environ.get("OMP_NUM_THREADS", str(threads_per_worker(2)))
         assert fact["launched"] == "1" and fact["sigint_ignored"] and not fact["tensorflow"]
@@ -82,7 +104,8 @@ def test_workers_are_forks_of_the_warm_process_with_a_fresh_workers_environment(
     assert all(f"worker output {pid}" in logs for pid in facts)
 
 
-def test_a_killed_warm_process_takes_its_workers_and_fresh_ones_finish_the_job(run_dir, tmp_path):
+def test_a_killed_warm_process_takes_its_workers_and_fresh_ones_finish_the_job(run_dir, tmp_path, monkeypatch):
+    shadowing_package(monkeypatch, tmp_path)
     (tmp_path / "facts").mkdir()
     paced = FaultInjector([], tmp_path, inner=Inspect(tmp_path / "facts"), step_delay=0.05)  # no fault, slower steps
     model, opt = fresh_model_and_optimizer()
@@ -99,6 +122,8 @@ def test_a_killed_warm_process_takes_its_workers_and_fresh_ones_finish_the_job(r
     parents = [json.loads(p.read_text())["parent"] for p in (tmp_path / "facts").glob("*.json")]
     assert any(WARM in cmd for cmd in parents)  # the first workers, forked
     assert any(WARM not in cmd for cmd in parents)  # then fresh interpreters
+    packages = {json.loads(p.read_text())["package"] for p in (tmp_path / "facts").glob("*.json")}
+    assert packages == {sys.modules["fabric_model"].__file__}
 
 
 @pytest.fixture

@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 
 #: Same user error at the same unit this many times: the job fails with it (no crash loop).
 USER_ERROR_LIMIT = 3
+#: Before the first generation, this many process deaths per slot with no worker ever ready
+#: fail the job (a broken environment: the worker cannot even start), with the last one's output.
+START_CRASH_LIMIT = 3
 #: Committed steps after which a worker counts as training steadily: its slot's backoff resets.
 STEADY_STEPS = 20
 
@@ -87,6 +90,7 @@ class Membership:
         self._user_errors: collections.Counter[tuple[str, int]] = collections.Counter()
         self._last_user_error: BaseException | None = None
         self._slot_failures: collections.Counter[int] = collections.Counter()
+        self._start_crashes = 0  # processes that died before being ready, before the first generation
         self._replacements: list[tuple[float, int]] = []  # (when, slot)
         self._next_id = limits.max_workers
         self._id_lock = threading.Lock()  # the control server's reader threads assign ids too
@@ -228,6 +232,13 @@ class Membership:
         if record.state is WorkerState.GONE:
             return []
         was_member = record.state in (WorkerState.MEMBER, WorkerState.DONE) and worker_id in self.members
+        if crashed and self.generation < 0 and record.state is WorkerState.STARTING:
+            self._start_crashes += 1
+            if self._start_crashes >= START_CRASH_LIMIT * self.limits.max_workers and not self._in(WorkerState.READY):
+                raise JobError(
+                    f"every worker process died before it was ready ({self._start_crashes} starts; the last: "
+                    f"{reason}). The last one's output:\n" + self._log_tail([worker_id])
+                )
         record.state = WorkerState.GONE
         log.warning("worker %d lost: %s", worker_id, reason)
         commands: list[Command] = [Kill(worker_id, f"removed from the job: {reason}")]

@@ -8,7 +8,20 @@ docs/architecture.md, "Processes".
 from __future__ import annotations
 
 import abc
+import sys
 from collections.abc import Mapping
+
+
+def module_command(module: str, *args: str) -> list[str]:
+    """``python -m module args`` with the caller's interpreter, importing what the caller imports.
+
+    A worker's ``sys.path`` is the caller's (``PYTHONPATH``, launchers/local.py), but ``-m`` would
+    put the working directory before it: a ``fabric_model`` folder (or a module named like one
+    of the user's) there would be what the worker imports. ``-P`` (Python 3.11+) leaves it out;
+    unlike ``PYTHONSAFEPATH``, it is not inherited by the user's own subprocesses.
+    """
+    safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+    return [sys.executable, *safe_path, "-m", module, *args]
 
 
 class Launcher(abc.ABC):

@@ -26,7 +26,7 @@ from typing import IO
 
 from ..devices import cuda_visible_for_workers
 from ..protocol import CUDA_VISIBLE_ENV, LAUNCHED_ENV, SECRET_ENV, WARM_START_ENV
-from .base import Launcher
+from .base import Launcher, module_command
 from .warm_client import ForkedWorker, WarmProcess
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class LocalLauncher(Launcher):
         if proc is None:
             logfile = open(path, "ab")
             proc = subprocess.Popen(
-                [sys.executable, "-m", "fabric_model", *argv],
+                module_command("fabric_model", *argv),
                 env=self._environment(),
                 stdout=logfile,
                 stderr=subprocess.STDOUT,
@@ -149,8 +149,9 @@ def worker_environment(threads: int, host: str) -> dict[str, str]:
         if cuda_visible is not None:
             env[CUDA_VISIBLE_ENV] = cuda_visible
     env.pop(SECRET_ENV, None)
-    # The worker must import what the caller could import (modules next to the script).
-    paths = [p for p in sys.path if p and os.path.isdir(p)]
+    # The worker must import what the caller could import (modules next to the script; "" is
+    # the working directory of an interactive caller, which the worker's -P leaves out).
+    paths = [os.path.abspath(p or os.curdir) for p in sys.path if os.path.isdir(p or os.curdir)]
     env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("OMP_NUM_THREADS", str(threads))
     if host.startswith("127.") or host == "localhost":

@@ -22,6 +22,8 @@ import sys
 import tempfile
 import threading
 
+from .base import module_command
+
 #: Most log bytes one ``read_log`` call returns.
 LOG_CHUNK = 1 << 20
 
@@ -34,8 +36,10 @@ class WorkerHost:
         self._code: int | None = None
         self._started = threading.Event()
         self._done = threading.Event()
-        fd, self._log_path = tempfile.mkstemp(prefix="fabric-model-worker-", suffix=".log")
-        os.close(fd)
+        # The worker's output goes to a file that has no name: it lives as long as this actor
+        # holds it, so no exit path (a killed actor, a lost node) leaves a log behind.
+        self._log_fd, path = tempfile.mkstemp(prefix="fabric-model-worker-", suffix=".log")
+        os.unlink(path)
 
     def start(self, args: list[str], secret_hex: str, env: dict[str, str]) -> dict[str, str]:
         """Start ``python -m fabric_model worker <args>``; returns where it runs (node IP, host
@@ -45,23 +49,22 @@ class WorkerHost:
         child_env = dict(os.environ)
         child_env.update(env)
         child_env["FABRIC_MODEL_SECRET"] = secret_hex
-        # The child imports what this actor can: the job's working_dir and py_modules come first.
-        paths = [p for p in sys.path if p and os.path.isdir(p)]
+        # The child imports what this actor can: the job's working_dir (this actor's working
+        # directory, which module_command's -P leaves out) and py_modules come first.
+        paths = [os.getcwd(), *(p for p in sys.path if p and os.path.isdir(p))]
         child_env["PYTHONPATH"] = os.pathsep.join([*paths, child_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        cmd = [sys.executable, "-m", "fabric_model", "worker", *args]
+        cmd = module_command("fabric_model", "worker", *args)
         threading.Thread(target=self._run, args=(cmd, child_env), name="fabric-worker", daemon=True).start()
         self._started.wait()
         return {"ip": ray.util.get_node_ip_address(), "hostname": socket.gethostname(), "pid": str(os.getpid())}
 
     def _run(self, cmd: list[str], env: dict[str, str]) -> None:
         try:
-            with open(self._log_path, "ab") as log:
-                self._proc = subprocess.Popen(
-                    cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-                )
+            self._proc = subprocess.Popen(
+                cmd, env=env, stdout=self._log_fd, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
         except OSError as exc:
-            with open(self._log_path, "ab") as log:
-                log.write(f"fabric-model: could not start the worker: {exc}\n".encode())
+            os.write(self._log_fd, f"fabric-model: could not start the worker: {exc}\n".encode())
             self._code = 127
             self._started.set()
             self._done.set()
@@ -78,10 +81,10 @@ class WorkerHost:
 
     def read_log(self, offset: int) -> bytes:
         """The worker's output from byte ``offset`` on (at most :data:`LOG_CHUNK` bytes)."""
+        if self._log_fd < 0:  # closed: the driver has copied it
+            return b""
         try:
-            with open(self._log_path, "rb") as f:
-                f.seek(offset)
-                return f.read(LOG_CHUNK)
+            return os.pread(self._log_fd, LOG_CHUNK, offset)  # the child's writes keep their own offset
         except OSError:
             return b""
 
@@ -91,14 +94,13 @@ class WorkerHost:
             self._proc.send_signal(sig)
 
     def close(self) -> None:
-        """Kill the worker if it still runs and remove its log (the driver has copied it)."""
+        """Kill the worker if it still runs and free its log (the driver has copied it)."""
         self.kill_child()
         if self._proc is not None:
             try:
                 self._proc.wait(timeout=5.0)
             except subprocess.TimeoutExpired:
                 pass
-        try:
-            os.unlink(self._log_path)
-        except OSError:
-            pass
+        fd, self._log_fd = self._log_fd, -1
+        if fd >= 0:
+            os.close(fd)

@@ -14,11 +14,12 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import IO, Any
+
+from .base import module_command
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class WarmProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log: IO[bytes] = open(log_path, "ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "fabric_model.launchers.warm", framework],
+            module_command("fabric_model.launchers.warm", framework),
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

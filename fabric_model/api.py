@@ -75,6 +75,7 @@ class FabricModel(InferenceMixin):
         optimizer: an optimizer over ``model``'s parameters (Keras: an instance or a name).
         metrics: torch: callables ``metric(output, target)`` returning a batch mean. Keras:
             names ("accuracy"), ``keras.metrics.Metric`` instances or ``metric(y_true, y_pred)``.
+            None (the default): an accuracy, as IBM's EDT showed; ``[]``: the loss alone.
         worker_logger_callback: a logger run in every worker (see :mod:`fabric_model.callbacks`).
         driver_logger_callback: a logger run in the caller, or a list of them; they are added to
             the default progress display and run recorder (``train(verbose=0, tensorboard=False)``

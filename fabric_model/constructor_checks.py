@@ -11,7 +11,9 @@ if TYPE_CHECKING:
     from .api import FabricModel
 
 
-def check_constructor_arguments(self: FabricModel, metrics: Any, user_callback: Any) -> tuple[list[Any], list[Any]]:
+def check_constructor_arguments(
+    self: FabricModel, metrics: Any, user_callback: Any
+) -> tuple[list[Any] | None, list[Any]]:
     """Check the constructor's arguments (messages name the argument); return the metrics and callbacks."""
     framework = self._framework
     framework.check_options(

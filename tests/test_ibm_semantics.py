@@ -140,6 +140,15 @@ def test_regression_output_shows_no_default_accuracy(run_dir):
     assert set(result.history[-1]) == {"epoch", "loss"} or "accuracy" not in result.history[-1]
 
 
+def test_an_empty_metrics_list_shows_the_loss_alone(run_dir):
+    """metrics=None is IBM's default accuracy; metrics=[] asks for none (as Keras' metrics=[])."""
+    model, opt = fresh_model_and_optimizer()
+    result = FabricModel(model, lambda: (DATA, None), F.cross_entropy, opt, metrics=[]).train(
+        1, 8, 1, seed=3, run_dir=run_dir
+    )
+    assert set(result.history[-1]) == {"epoch", "loss"}
+
+
 def test_engines_number_is_capped_by_the_cores(run_dir, monkeypatch, capfd):
     """A script's default of 16 starts at most one worker per usable core on a CPU-only host."""
     monkeypatch.delenv("FABRIC_MODEL_CPU_WORKERS", raising=False)

@@ -1,7 +1,8 @@
 """The per-step path's shortcuts change nothing a user relies on (no processes: the pieces alone).
 
-- a lone worker's gradients are fresh tensors, not views into the step buffer: the weights
-  come out bit-identical to the buffer path's;
+- a lone worker's gradients are fresh tensors, not views into the step buffer, and its stat
+  sums are added in Python: the weights and the reported sums come out bit-identical to the
+  buffer path's;
 - a ``TensorDataset`` is read in one gather, a dataset with ``__getitems__`` in one call:
   the batches are the ones item-by-item reading and ``default_collate`` give;
 """
@@ -48,34 +49,60 @@ class WithUnused(nn.Module):
         return self.body(x)
 
 
-def train(collective: object, micro_batches: int) -> dict[str, torch.Tensor]:
+def float64_error(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A metric in float64 (rounded to float32 once, on either path)."""
+    return (output.double().softmax(1).max(1).values - 1 / 3).mean()
+
+
+def python_number(output: torch.Tensor, target: torch.Tensor) -> float:
+    return float(target.sum()) / 7
+
+
+def train(collective: object, micro_batches: int) -> tuple[dict[str, torch.Tensor], list[list[float]]]:
     torch.manual_seed(0)
     model = WithUnused()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
-    adapter = TorchAdapter(model, optimizer, F.cross_entropy)
+    metrics = [lambda o, t: (o.argmax(1) == t).float().mean(), float64_error, python_number]
+    adapter = TorchAdapter(model, optimizer, F.cross_entropy, metrics)
     adapter.setup("cpu", 1)
     g = torch.Generator().manual_seed(1)
+    reported = []
     for step in range(4):
         adapter.begin_step(collective)
         for j in range(micro_batches):
-            batch = (torch.randn(5, 8, generator=g), torch.randint(0, 3, (5,), generator=g))
-            adapter.train_micro_batch(batch, 5, 5 * micro_batches, seed=step * 10 + j, last=j == micro_batches - 1)
+            n = 5 + j  # uneven micro-batches: sums of products that are not exact in float32
+            batch = (torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g))
+            adapter.train_micro_batch(batch, n, 6 * micro_batches, seed=step * 10 + j, last=j == micro_batches - 1)
         adapter.all_reduce(collective)
-        adapter.finish_step()
-    return {k: v.clone() for k, v in model.state_dict().items()}
+        reported.append(adapter.finish_step().stats)
+    return {k: v.clone() for k, v in model.state_dict().items()}, reported
 
 
 @pytest.mark.parametrize("micro_batches", [1, 3])
-def test_a_lone_worker_takes_the_buffer_paths_weights_bit_for_bit(micro_batches: int) -> None:
-    alone, reduced = train(Alone(), micro_batches), train(OneOfTwo(), micro_batches)
+def test_a_lone_worker_takes_the_buffer_paths_weights_and_sums_bit_for_bit(micro_batches: int) -> None:
+    (alone, alone_sums), (reduced, reduced_sums) = train(Alone(), micro_batches), train(OneOfTwo(), micro_batches)
     torch.manual_seed(0)
     assert torch.equal(alone["unused.weight"], WithUnused().unused.weight)  # untouched by decay and momentum
     for name in reduced:
         assert torch.equal(alone[name], reduced[name]), name
+    assert alone_sums == reduced_sums  # loss, three metrics, sample count: the same floats
+    assert len(alone_sums[0]) == 5 and alone_sums[0][-1] == sum(5 + j for j in range(micro_batches))
 
 
-def test_a_tensor_dataset_is_read_in_one_gather_as_item_by_item() -> None:
-    data = TensorDataset(torch.randn(50, 3, 4), torch.randint(0, 9, (50,)))
+TENSOR_DATASETS = {
+    "float32 and int64": lambda: (torch.randn(50, 3, 4), torch.randint(0, 9, (50,))),
+    "strided, float64, bool": lambda: (torch.randn(4, 3, 50).permute(2, 1, 0), torch.rand(50).double() > 0.5),
+    "uint8, bfloat16 (torch's gather)": lambda: (
+        torch.randint(0, 255, (50, 6), dtype=torch.uint8),
+        torch.randn(50).bfloat16(),
+    ),
+}
+
+
+@pytest.mark.parametrize("tensors", TENSOR_DATASETS.values(), ids=TENSOR_DATASETS.keys())
+def test_a_tensor_dataset_is_read_in_one_gather_as_item_by_item(tensors) -> None:  # type: ignore[no-untyped-def]
+    data = TensorDataset(*tensors())
+    original = [t.clone() for t in data.tensors]
     adapter = TorchAdapter(nn.Linear(4, 2), torch.optim.SGD(nn.Linear(4, 2).parameters(), lr=0.1), F.mse_loss)
     reader = adapter.reader(data)
     assert reader is not None and reads_at_once(data, reader)
@@ -83,7 +110,9 @@ def test_a_tensor_dataset_is_read_in_one_gather_as_item_by_item() -> None:
     gathered, collated = reader(indices), default_collate([data[int(i)] for i in indices])
     assert len(gathered) == len(collated) == 2
     for a, b in zip(gathered, collated):
-        assert a.dtype == b.dtype and torch.equal(a, b)
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        a.zero_()  # a batch is a copy: training code may write into it
+    assert all(torch.equal(t, u) for t, u in zip(data.tensors, original))
     # A user's collate, or a subclass that may override __getitem__, is read item by item.
     assert TorchAdapter(nn.Linear(4, 2), adapter.optimizer, F.mse_loss, collate_fn=default_collate).reader(data) is None
 

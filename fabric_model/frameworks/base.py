@@ -114,7 +114,7 @@ class UserObjects:
     model: Any
     optimizer: Any
     loss_function: Any
-    metrics: Sequence[Any]
+    metrics: Sequence[Any] | None  # None: the framework's default (IBM's accuracy)
     collate: Callable[[Sequence[Any]], Any] | None = None
     custom_objects: dict[str, Any] | None = None  # Keras only
     fn_step_train: Callable[..., Any] | None = None  # torch only
@@ -144,8 +144,8 @@ class Framework(abc.ABC):
         """Raise when ``loss_function`` is no loss this framework can use."""
 
     @abc.abstractmethod
-    def check_metrics(self, metrics: Any) -> list[Any]:
-        """Check ``metrics``; return them as a list (empty for None)."""
+    def check_metrics(self, metrics: Any) -> list[Any] | None:
+        """Check ``metrics``; return them as a list, or None where the adapter picks the default."""
 
     @abc.abstractmethod
     def check_optimizer(self, model: Any, optimizer: Any) -> None:

@@ -62,7 +62,7 @@ class KerasFramework(Framework):
             user.model,
             user.optimizer,
             user.loss_function,
-            user.metrics,
+            user.metrics or [],  # check_metrics gave a list (None became ["accuracy"])
             user.custom_objects,
             user.collate,
             user.step_options.gradient_clip_norm,

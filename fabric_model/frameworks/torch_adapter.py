@@ -6,6 +6,7 @@ import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import default_collate
 
@@ -38,7 +39,7 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         loss_function: LossFn,
-        metrics: Sequence[MetricFn] = (),
+        metrics: Sequence[MetricFn] | None = None,
         collate_fn: Callable[[Sequence[Any]], Any] | None = None,
         step_fn: Callable[..., Any] | None = None,
         test_fn: Callable[..., Any] | None = None,
@@ -48,10 +49,10 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         self.model = model
         self.optimizer = optimizer
         self.loss_function = loss_function
-        # No metrics: IBM's default accuracy (torch_accuracy.py); prepare_for_shipping drops it
-        # for outputs it cannot apply to.
-        self.default_accuracy = not metrics
-        self.metrics = list(metrics) or ([accuracy] if step_fn is None else [])
+        # metrics None: IBM's default accuracy (torch_ibm.py), dropped for outputs it cannot apply
+        # to (drop_default_accuracy); an empty list: the loss alone, as Keras' metrics=[].
+        self.default_accuracy = metrics is None and step_fn is None
+        self.metrics = [accuracy] if self.default_accuracy else list(metrics or ())
         self._collate_fn = collate_fn
         self.step_fn, self.test_fn, self.fn_args = step_fn, test_fn, fn_args
         self.grad_step = GradientStep(step_options)  # precision=, gradient_clip_norm=
@@ -61,6 +62,8 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         self.device = torch.device("cpu")
         self._buf_start: list[torch.Tensor] = []
         self._in_step = False
+        self._on_cpu = True
+        self._py_sums: list[np.float32] | None = None
 
     def _name_stats(self) -> None:
         taken: set[str] = set()
@@ -78,6 +81,7 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
     # -- set-up ---------------------------------------------------------------------------
     def setup(self, device: str, num_threads: int) -> None:
         self.device = torch.device(device)
+        self._on_cpu = self.device.type == "cpu"
         if self.device.type == "cpu":
             torch.set_num_threads(num_threads)
         else:
@@ -126,6 +130,8 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
             self._buf_views.append(self._flat[offset : offset + b.numel()].view(b.shape))
             offset += b.numel()
         self._got_grad = self._flat[layout.flags]
+        self._after_gradients = self._flat[layout.n_gradients :]  # views made once: slicing is an operation
+        self._tail = self._flat[layout.tail]
         self._stats = self._flat[layout.stat_sums]
         self._count = self._flat[layout.count]  # a 0-d view: += writes into the buffer
         # The stat sums and the count, adjacent: a micro-batch adds [loss, metrics..., 1] * n in
@@ -210,7 +216,10 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         # A lone worker reduces nothing: backward writes fresh gradients, as in a plain loop,
         # instead of adding into a zeroed buffer (docs/architecture.md, "The step").
         self._direct = self.lone_direct and getattr(collective, "world_size", 0) == 1 and self.step_fn is None
-        self._flat[self._layout.n_gradients if self._direct else 0 :].zero_()
+        (self._after_gradients if self._direct else self._flat).zero_()
+        # A lone CPU worker adds its stat sums in Python (numpy float32: the same roundings as
+        # the tensor path) instead of in three tensor operations; the step reduces nothing.
+        self._py_sums = [np.float32(0.0)] * (self._layout.n_stats + 1) if self._direct and self._on_cpu else None
         for p, view in zip(self._params, self._grad_views):
             p.grad = None if self._direct else view
         self._buf_start = [b.detach().clone() for b in self._buffers]
@@ -227,9 +236,11 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         if self.step_fn is not None:
             self._custom_micro_batch(inputs, target, weight, num_samples)
             return
-        with self.grad_step.autocast(self.device):
-            output = self.model(*inputs) if isinstance(inputs, tuple) else self.model(inputs)
-            loss = self.loss_function(output, target)
+        if self.grad_step.mixed:
+            with self.grad_step.autocast(self.device):
+                output, loss = self._forward(inputs, target)
+        else:  # no context to enter: a step's every extra call is paid cold (docs/architecture.md)
+            output, loss = self._forward(inputs, target)
         weight *= self.grad_step.scale  # float16's loss scale (1 otherwise), divided out after the reduction
         if not self._direct:
             self._ensure_grad_views()
@@ -242,16 +253,36 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         if not self._direct:  # a lone worker's finish_step reads the flags off .grad itself
             self._got_grad.copy_(torch.tensor(self._got))
         n = num_samples
-        with torch.no_grad():
-            self._add_buffer_deltas(weight)
-            values = [loss.detach().float()]
-            values += [
-                torch.as_tensor(metric(output.detach(), target), dtype=torch.float32, device=self.device)
-                for metric in self.metrics
-            ]
-            values.append(self._one)
-            # Multiply, then add, as value by value before: the same two roundings per sum.
-            self._stats_and_count += torch.stack(values) * n
+        # No torch.no_grad() here or in finish_step: every operand is detached or a buffer, so
+        # nothing is recorded, and entering the context costs ~20 us after a backward.
+        self._add_buffer_deltas(weight)
+        output = output.detach()
+        if self._py_sums is not None:
+            self._add_stats_in_python(loss, output, target, n)
+            return
+        values = [loss.detach().float()]
+        values += [
+            torch.as_tensor(metric(output, target), dtype=torch.float32, device=self.device) for metric in self.metrics
+        ]
+        values.append(self._one)
+        # Multiply, then add, as value by value before: the same two roundings per sum.
+        self._stats_and_count += torch.stack(values) * n
+
+    def _forward(self, inputs: Any, target: Any) -> tuple[Any, torch.Tensor]:
+        output = self.model(*inputs) if isinstance(inputs, tuple) else self.model(inputs)
+        return output, self.loss_function(output, target)
+
+    def _add_stats_in_python(self, loss: torch.Tensor, output: Any, target: Any, n: int) -> None:
+        """The tensor path's ``sums += stack([loss, metrics..., 1]) * n`` in numpy float32 scalars.
+
+        Each value is rounded to float32 once, as ``torch.as_tensor(v, dtype=float32)`` does,
+        then multiplied and added in float32 (IEEE operations, correctly rounded): the same bits,
+        without the tensor operations that cost 10-20 us each inside a step on CPU (cold caches).
+        """
+        assert self._py_sums is not None
+        n32 = np.float32(n)
+        values = [loss.item(), *(float(metric(output, target)) for metric in self.metrics), 1.0]
+        self._py_sums = [s + np.float32(v) * n32 for s, v in zip(self._py_sums, values)]
 
     def _seed(self, seed: int) -> None:
         # torch.manual_seed also seeds every lazy accelerator backend, formatting stack
@@ -302,12 +333,15 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         if self._deferred_error is not None:
             error, self._deferred_error = self._deferred_error, None
             raise error
+        if collective.world_size == 1:  # a group of one sums nothing: one call, not one per bucket
+            collective.wait(collective.all_reduce_start(self._after_gradients))  # (still a fault seam)
+            return
         while self._launched < len(self._buckets):
             start, end = self._buckets[self._launched]
             self._works.append(collective.all_reduce_start(self._flat[start:end]))
             self._launched += 1
         # The rest (buffer deltas, flags, stats, count, vote) in one piece, after the gradients.
-        self._works.append(collective.all_reduce_start(self._flat[self._layout.n_gradients :]))
+        self._works.append(collective.all_reduce_start(self._after_gradients))
         for work in self._works:
             collective.wait(work)
         self._works = []
@@ -340,25 +374,29 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
             view.add_((b - start).to(torch.float32), alpha=weight)
 
     def finish_step(self) -> StepResult:
-        with torch.no_grad():
-            if not self._direct:
-                self._ensure_grad_views()
-            for b, start, view in zip(self._buffers, self._buf_start, self._buf_views):
-                b.copy_(start + (view if b.is_floating_point() else view.round().to(b.dtype)))
-            # A parameter no worker produced a gradient for keeps .grad None through the step,
-            # as after zero_grad() on one device: weight decay and momentum leave it alone.
-            if self._direct:  # backward gave fresh gradients: None where it produced none
-                unused = [i for i, p in enumerate(self._params) if p.grad is None]
-            else:
-                unused = [i for i, got in enumerate(self._got_grad.tolist()) if got == 0.0]
-            for i in unused:
-                self._params[i].grad = None
-            # float16's unscale and overflow check, then clipping, then the optimizer's step
-            self.grad_step.apply(self.optimizer, self._params)
-            for i in unused:
-                self._params[i].grad = self._grad_views[i]
+        # Outside torch.no_grad(), as in a plain loop: the optimizer's step and clipping set
+        # their own grad mode, and the buffers and gradients written here record nothing.
+        if not self._direct:
+            self._ensure_grad_views()
+        for b, start, view in zip(self._buffers, self._buf_start, self._buf_views):
+            b.copy_(start + (view if b.is_floating_point() else view.round().to(b.dtype)))
+        # A parameter no worker produced a gradient for keeps .grad None through the step,
+        # as after zero_grad() on one device: weight decay and momentum leave it alone.
+        if self._direct:  # backward gave fresh gradients: None where it produced none
+            unused = [i for i, p in enumerate(self._params) if p.grad is None]
+        else:
+            unused = [i for i, got in enumerate(self._got_grad.tolist()) if got == 0.0]
+        for i in unused:
+            self._params[i].grad = None
+        # float16's unscale and overflow check, then clipping, then the optimizer's step
+        self.grad_step.apply(self.optimizer, self._params)
+        for i in unused:
+            self._params[i].grad = self._grad_views[i]
         self._in_step = False
-        return self._layout.result(self._flat[self._layout.tail].tolist())
+        tail = self._tail.tolist()
+        if self._py_sums is not None:
+            tail[: len(self._py_sums)] = [float(s) for s in self._py_sums]
+        return self._layout.result(tail)
 
     # -- state ----------------------------------------------------------------------------
     def load_state(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:

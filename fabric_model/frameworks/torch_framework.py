@@ -29,9 +29,9 @@ class TorchFramework(Framework):
             hint=" HINT: pass e.g. torch.nn.functional.cross_entropy or torch.nn.CrossEntropyLoss().",
         )
 
-    def check_metrics(self, metrics: Any) -> list[Any]:
-        """Metrics are callables ``metric(output, target)``."""
-        return v.check_metrics(metrics)
+    def check_metrics(self, metrics: Any) -> list[Any] | None:
+        """Metrics are callables ``metric(output, target)``; None keeps IBM's default accuracy, [] shows none."""
+        return None if metrics is None else v.check_metrics(metrics)
 
     def check_optimizer(self, model: Any, optimizer: Any) -> None:
         """A ``torch.optim.Optimizer`` over the model's own parameters."""

@@ -40,6 +40,7 @@ class GradientStep:
         self.options = options or StepOptions()
         self.scale = self.INITIAL_SCALE if self.options.scales_loss else 1.0
         self.growth_tracker = 0  # finite steps since the scale last changed
+        self.mixed = _DTYPES.get(self.options.precision) is not None  # whether the forward runs in autocast
 
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
         """The context the forward pass and the loss run in."""

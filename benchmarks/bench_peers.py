@@ -15,6 +15,9 @@ Workloads, 64 samples per process and step, SGD with momentum, synthetic data: a
 256-512-512-10 (a ~2 ms step on 2 cores) and a small CNN on 3x32x32 (two conv layers, ~40 ms).
 Threads: one process gets all usable cores; two processes one share each (gloo, 1 thread on
 2 cores), as FabricModel gives its workers. Throughput counts the steps after a warm-up.
+Every loop does the same work: it reads the loss each step, and FabricModel runs with
+``metrics=[]``. One more MLP row adds an accuracy each step on both sides: FabricModel's
+default (``metrics=None``, IBM's) against a plain loop that computes it as a tutorial does.
 
 The fault rows run 3 FabricModel workers (paced, 20 ms a step), SIGKILL one inside a step
 and compare with an undisturbed run: kill -> next committed step, kill -> the replacement
@@ -44,6 +47,7 @@ HERE = Path(__file__).resolve().parent
 WARMUP = {"mlp": 40, "cnn": 4}
 KINDS_1 = ("plain", "lightning", "fabric1")
 KINDS_2 = ("ddp", "fabric2")
+KINDS_ACC = ("plain_acc", "fabric1_acc")  # the MLP with an accuracy each step
 
 
 def run(kind: str, workload: str, steps: int, tmp: Path) -> dict | None:
@@ -104,7 +108,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for workload in workloads:
-                for kind in [*kinds_1, *KINDS_2]:
+                for kind in [*kinds_1, *KINDS_2, *(KINDS_ACC if workload == "mlp" else ())]:
                     result = run(kind, workload, steps[workload], Path(tmp))
                     if result is not None:
                         results.setdefault((kind, workload), []).append({**result, "round": r})
@@ -140,6 +144,9 @@ def print_table(
         light = spread(ratios(results, "lightning", "plain", workload)) if "lightning" in kinds_1 else "not installed"
         fm1 = spread(ratios(results, "fabric1", "plain", workload))
         lines.append([f"1 process, {names[workload]}", "1.00", light, fm1, ""])
+        if workload == "mlp":
+            fm1_acc = spread(ratios(results, "fabric1_acc", "plain_acc", workload))
+            lines.append(["  the same, with an accuracy each step (FabricModel's default)", "1.00", "", fm1_acc, ""])
         fm2 = spread(ratios(results, "fabric2", "ddp", workload))
         lines.append([f"2 processes x 1 thread, {names[workload]}", "", "", fm2, "1.00"])
     if "start" in rows:

@@ -2,7 +2,9 @@
 
     python benchmarks/peer_runs.py KIND WORKLOAD STEPS OUT_JSON
 
-KIND: plain | lightning | fabric1 | ddp | fabric2, or faults (see ``run_faults``). Every run
+KIND: plain | lightning | fabric1 | ddp | fabric2, or faults (see ``run_faults``); plain_acc
+and fabric1_acc also compute an accuracy each step (FabricModel's default, ``metrics=None``;
+the others read the loss alone, FabricModel with ``metrics=[]``). Every run
 trains WORKLOAD (mlp | cnn) for STEPS steps of 64 samples per process on synthetic data, and writes to OUT_JSON the
 wall-clock time (``time.time()``) at the end of each step (rank 0's, for two processes) and
 ``first``, when its first step was committed (FabricModel: the driver's record of it). The
@@ -53,24 +55,28 @@ def cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def train_loop(model, optimizer, loader, backward=None) -> list[float]:
-    """The textbook loop; the loss is read each step, as FabricModel reports it every step."""
+def train_loop(model, optimizer, loader, backward=None, accuracy: bool = False) -> list[float]:
+    """The textbook loop; the loss is read each step, as FabricModel reports it every step (and
+    with ``accuracy``, the batch's accuracy too, as a tutorial's loop shows it)."""
     times = []
     for x, y in loader:
         optimizer.zero_grad()
-        loss = F.cross_entropy(model(x), y)
+        output = model(x)
+        loss = F.cross_entropy(output, y)
         backward(loss) if backward is not None else loss.backward()
         optimizer.step()
         loss.item()
+        if accuracy:
+            (output.argmax(1) == y).float().mean().item()
         times.append(time.time())
     return times
 
 
-def run_plain(workload: str, steps: int) -> dict:
+def run_plain(workload: str, steps: int, accuracy: bool = False) -> dict:
     torch.set_num_threads(cores())
     model = make_model(workload)
     loader = DataLoader(dataset(workload, steps * BATCH), batch_size=BATCH, shuffle=True)
-    times = train_loop(model, make_optimizer(model), loader)
+    times = train_loop(model, make_optimizer(model), loader, accuracy=accuracy)
     return {"times": times, "first": times[0]}
 
 
@@ -139,7 +145,7 @@ class Quiet:
         pass
 
 
-def run_fabric(workload: str, steps: int, engines: int) -> dict:
+def run_fabric(workload: str, steps: int, engines: int, accuracy: bool = False) -> dict:
     import logging
 
     from fabric_model import FabricModel
@@ -152,7 +158,7 @@ def run_fabric(workload: str, steps: int, engines: int) -> dict:
         clock = step_clock(times)
         fm = FabricModel(
             model, lambda: (dataset(workload, samples), None), F.cross_entropy, make_optimizer(model),
-            driver_logger_callback=Quiet(), user_callback=[clock],
+            metrics=None if accuracy else [], driver_logger_callback=Quiet(), user_callback=[clock],
         )  # fmt: skip
         fm.train(1, BATCH, engines, run_dir=os.path.join(tmp, "run"), seed=0)
         log = Path(tmp, "run", "logs", "metrics.jsonl").read_text().splitlines()
@@ -214,6 +220,8 @@ def main(argv: list[str]) -> int:
         return 0
     runs = {
         "plain": lambda: run_plain(workload, steps),
+        "plain_acc": lambda: run_plain(workload, steps, accuracy=True),
+        "fabric1_acc": lambda: run_fabric(workload, steps, 1, accuracy=True),
         "lightning": lambda: run_lightning(workload, steps),
         "fabric1": lambda: run_fabric(workload, steps, 1),
         "fabric2": lambda: run_fabric(workload, steps, 2),

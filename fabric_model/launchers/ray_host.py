@@ -84,7 +84,7 @@ class WorkerHost:
         if self._log_fd < 0:  # closed: the driver has copied it
             return b""
         try:
-            return os.pread(self._log_fd, LOG_CHUNK, offset)  # the child's writes keep their own offset
+            return os.pread(self._log_fd, LOG_CHUNK, offset)  # moves no offset: the child writes on at its own
         except OSError:
             return b""
 

@@ -3,7 +3,8 @@
     PYTHONPATH=. python benchmarks/bench_memory.py               # MLP 256->512->512->10, 3 rounds
     PYTHONPATH=. python benchmarks/bench_memory.py --wide        # the 8.4M-parameter MLP of bench_elastic
 
-Each round runs, in turn, 2 FabricModel workers forked from the warm process, 2 FabricModel
+Each round runs, in turn, 2 FabricModel workers forked from the warm process (here a fork of
+the script, which runs no torch operation before ``FabricModel``), 2 FabricModel
 workers as fresh interpreters (``FABRIC_MODEL_WARM_START=0``), and 2 DDP ranks on gloo
 (``torch.multiprocessing.spawn``). Every worker measures itself with psutil after step 20:
 RSS (resident pages, shared ones counted in full by each process), PSS (shared pages divided
@@ -54,13 +55,13 @@ class Data:
         return self.x[i], self.y[i]
 class Measure:
     def __init__(self, out):
-        self.out, self.done = out, False
+        self.out, self.done, self.caller = out, False, os.getpid()
     def log_train_metrics(self, metrics, iteration, epoch, workers):
         if iteration == STEP and not self.done:
             self.done = True
             measure(self.out, iteration)
             parent = psutil.Process(os.getppid())
-            if "fabric_model.launchers.warm" in parent.cmdline():  # the warm process's own share, once
+            if parent.pid != self.caller:  # forked from the warm process: its own share, once
                 m = parent.memory_full_info()
                 with open(os.path.join(self.out, f"warm-{parent.pid}.jsonw"), "w") as f:
                     json.dump({"rss": m.rss, "pss": m.pss, "uss": m.uss}, f)

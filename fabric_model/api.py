@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,7 @@ from .step_options import check_step_options
 if TYPE_CHECKING:
     from .driver.driver import DriverSetup
     from .frameworks.base import Framework, FrameworkAdapter
+    from .launchers.warm_client import WarmProcess
 
 log = logging.getLogger(__name__)
 
@@ -130,22 +132,33 @@ class FabricModel(InferenceMixin):
             "worker_logger_callback", worker_logger_callback, "worker_logger", worker_logger
         )
         save_to_onnx = compat.pick("save_to_onnx", save_to_onnx or None, "enable_onnx", enable_onnx) or save_to_onnx
-        from .frameworks import detect_framework
+        from .frameworks import framework_name, framework_named
+        from .launchers.local import prestart_warm_process
 
-        self._framework: Framework = detect_framework(model)  # chosen once; only it knows the framework
-        self.framework = self._framework.name  # as run records and checkpoints spell it
-        self.model, self.datasets_function = model, datasets_function
-        self.loss_function, self.optimizer = loss_function, optimizer
-        self.worker_logger_callback = worker_logger_callback
-        self.driver_logger_callback = driver_logger_callback
-        self.save_to_onnx = save_to_onnx
-        self.keras_custom_objects = keras_custom_objects
-        self.fn_batch_collate = fn_batch_collate
-        self.fn_step_train, self.fn_test, self.fn_args = fn_step_train, fn_test, fn_args
-        self.metrics, self.user_callbacks = check_constructor_arguments(self, metrics, user_callback)
-        self.lr_scheduling = check_lr_scheduler(lr_scheduler, optimizer, self.framework)
-        custom_step = fn_step_train is not None
-        self.step_options = check_step_options(precision, gradient_clip_norm, self.framework, custom_step, optimizer)
+        self.framework = framework_name(model)  # as run records and checkpoints spell it
+        # The job's warm process imports from now on, beside this constructor and train()'s
+        # checks: it is what bounds start-up (docs/architecture.md, "Start-up").
+        self._warm = prestart_warm_process(self.framework)
+        self._warm_finalizer = weakref.finalize(self, self._warm.discard) if self._warm is not None else None
+        try:
+            self._framework: Framework = framework_named(self.framework)  # chosen once; only it knows the framework
+            self.model, self.datasets_function = model, datasets_function
+            self.loss_function, self.optimizer = loss_function, optimizer
+            self.worker_logger_callback = worker_logger_callback
+            self.driver_logger_callback = driver_logger_callback
+            self.save_to_onnx = save_to_onnx
+            self.keras_custom_objects = keras_custom_objects
+            self.fn_batch_collate = fn_batch_collate
+            self.fn_step_train, self.fn_test, self.fn_args = fn_step_train, fn_test, fn_args
+            self.metrics, self.user_callbacks = check_constructor_arguments(self, metrics, user_callback)
+            self.lr_scheduling = check_lr_scheduler(lr_scheduler, optimizer, self.framework)
+            custom_step = fn_step_train is not None
+            self.step_options = check_step_options(
+                precision, gradient_clip_norm, self.framework, custom_step, optimizer
+            )
+        except BaseException:
+            self._drop_warm()
+            raise
         self.run_dir: Path | None = None
 
     def train(
@@ -209,10 +222,14 @@ class FabricModel(InferenceMixin):
         """
         from .display import check_verbose
 
-        verbose = check_verbose(verbose)
-        v.check_bool("tensorboard", tensorboard)
-        host = chosen_bind_address(bind_address)  # checked before anything starts
-        ray_cluster = open_cluster(check_cluster(cluster))  # a bad value fails here, before anything starts
+        try:
+            verbose = check_verbose(verbose)
+            v.check_bool("tensorboard", tensorboard)
+            host = chosen_bind_address(bind_address)  # checked before anything starts
+            ray_cluster = open_cluster(check_cluster(cluster))  # a bad value fails here, before anything starts
+        except BaseException:
+            self._drop_warm()  # a train() that fails leaves no process behind (the next starts its own)
+            raise
         try:
             loop = LoopOptions(
                 num_dataloader_threads, validation_freq, checkpoint_freq, keep_checkpoints, deterministic
@@ -223,6 +240,9 @@ class FabricModel(InferenceMixin):
             # Unless told otherwise, a Ray job listens on the node's IP, a local one on loopback.
             setup = dataclasses.replace(setup, bind_address=host or (ray_cluster.host if ray_cluster else LOOPBACK))
             return self._run(setup, adapter, train_set, open_run(run_dir, setup), ray_cluster, (verbose, tensorboard))
+        except BaseException:
+            self._drop_warm()
+            raise
         finally:
             if ray_cluster is not None:
                 ray_cluster.close()
@@ -239,10 +259,11 @@ class FabricModel(InferenceMixin):
         """Train with the driver (workers local or on ``ray_cluster``), then hand the result over."""
         from .display import run_with_display
         from .driver.driver import Driver  # torch.distributed is imported only once training starts
-        from .launchers.local import local_launcher_factory, start_warm_process
+        from .launchers.local import local_launcher_factory
 
-        # Local workers fork from a warm process that imports torch while the driver starts.
-        warm = None if ray_cluster else start_warm_process(setup.framework, setup.threads, setup.bind_address, run.logs)
+        # Local workers fork from the job's warm process (docs/architecture.md, "Start-up").
+        warm = None if ray_cluster else self._take_warm(run)
+        self._drop_warm()  # a Ray job's has nothing to do
         launcher = (
             ray_cluster.launcher_factory(run.worker_log)
             if ray_cluster
@@ -271,6 +292,36 @@ class FabricModel(InferenceMixin):
         return TrainResult(
             run.path, driver.train_history, driver.test_history, plan.seed, driver.replica_digests, onnx_diff
         )
+
+    def _take_warm(self, run: RunDirectory) -> WarmProcess | None:
+        """The warm process started with this object, where it suits the job (it is alive and has
+        the environment workers get now); else a new one. Either way it is this job's alone."""
+        from .launchers.local import start_warm_process, warm_environment
+
+        warm, self._warm = self._warm, None
+        if self._warm_finalizer is not None:
+            self._warm_finalizer.detach()
+        if warm is not None and warm.alive and warm.env == warm_environment():
+            warm.move_log(run.logs / "warm.log")
+            return warm
+        if warm is not None:
+            warm.discard()
+        return start_warm_process(self.framework, run.logs / "warm.log")
+
+    def _drop_warm(self) -> None:
+        """End the warm process started with this object, if no job has taken it."""
+        warm, finalizer = getattr(self, "_warm", None), getattr(self, "_warm_finalizer", None)
+        self._warm = self._warm_finalizer = None
+        if finalizer is not None:
+            finalizer.detach()
+        if warm is not None:
+            warm.discard()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy has no warm process (it is this object's, and a process is not data)."""
+        state = self.__dict__.copy()
+        state["_warm"] = state["_warm_finalizer"] = None
+        return state
 
     def _finish(
         self, final: Any, adapter: FrameworkAdapter, train_set: Any, run: RunDirectory, hooks: Hooks

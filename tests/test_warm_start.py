@@ -3,13 +3,16 @@ outlives the job (the caller killed or interrupted: tests/test_failures.py)."""
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 
 from fabric_model import FabricModel
 from fabric_model.config import threads_per_worker
+from fabric_model.launchers.fork_safety import fork_blockers
 from fabric_model.launchers.local import worker_environment
 from fabric_model.launchers.warm_client import WarmProcess
 from fabric_model.protocol import LAUNCHED_ENV, SECRET_ENV
@@ -43,8 +47,11 @@ class Inspect:
         if path.exists():
             return
         print(f"worker output {os.getpid()}")  # must reach this worker's log file
+        parent = psutil.Process(os.getppid())
         facts = {
-            "parent": psutil.Process(os.getppid()).cmdline(),
+            "parent": parent.cmdline(),
+            "parent_pid": parent.pid,
+            "grandparent_pid": parent.ppid(),
             "omp": os.environ.get("OMP_NUM_THREADS"),
             "threads": torch.get_num_threads(),
             "launched": os.environ.get(LAUNCHED_ENV),
@@ -65,7 +72,7 @@ class KillWarmProcess:
         if iteration == self.iteration and self.iteration > 0:
             self.iteration = 0  # once: after the roll back, iteration 3 comes again
             for child in psutil.Process().children():
-                if WARM in child.cmdline():
+                if child.children():  # the warm process, whose children are the workers
                     child.kill()
 
 
@@ -81,6 +88,7 @@ SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []
 
 
 def test_workers_are_forks_of_the_warm_process_with_a_fresh_workers_environment(run_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("FABRIC_MODEL_WARM_START", "fresh")  # a fork of the caller: see tests below
     shadowing_package(monkeypatch, tmp_path)
     # An interactive caller (python -c, a notebook) imports from its working directory ("" on
     # sys.path, last here so the caller's fabric_model stays first): so must its workers.
@@ -119,16 +127,16 @@ def test_a_killed_warm_process_takes_its_workers_and_fresh_ones_finish_the_job(r
     )
     result = fm.train(3, 16, 2, run_dir=run_dir)
     assert len(result.history) == 3 and len(set(result.replica_digests.values())) == 1
-    parents = [json.loads(p.read_text())["parent"] for p in (tmp_path / "facts").glob("*.json")]
-    assert any(WARM in cmd for cmd in parents)  # the first workers, forked
-    assert any(WARM not in cmd for cmd in parents)  # then fresh interpreters
+    facts = [json.loads(p.read_text()) for p in (tmp_path / "facts").glob("*.json")]
+    assert any(f["grandparent_pid"] == os.getpid() for f in facts)  # the first workers, forked
+    assert any(f["parent_pid"] == os.getpid() for f in facts)  # then fresh interpreters
     packages = {json.loads(p.read_text())["package"] for p in (tmp_path / "facts").glob("*.json")}
     assert packages == {sys.modules["fabric_model"].__file__}
 
 
 @pytest.fixture
 def warm(tmp_path):
-    process = WarmProcess(worker_environment(1, "127.0.0.1"), tmp_path / "warm.log", "torch")
+    process = WarmProcess(worker_environment(1, "127.0.0.1"), "torch", tmp_path / "warm.log")
     yield process
     process.close()
 
@@ -166,3 +174,105 @@ def test_a_forked_workers_exit_code_output_and_kill_are_a_fresh_ones(warm, tmp_p
         assert left.wait(timeout=10) == -signal.SIGKILL
         assert not psutil.pid_exists(left.pid) or psutil.Process(left.pid).status() == psutil.STATUS_ZOMBIE
     assert warm.fork(4, ["worker"], _env(), tmp_path / "w4.log") is None  # gone: the launcher starts a fresh one
+
+
+def run_warm_job(tmp_path: Path, *flags: str, mode: str | None = None) -> tuple[dict, list[dict], Path]:
+    """tests/warm_job.py in its own process: its record, its workers' and its run directory."""
+    out, run = tmp_path / "out", tmp_path / "run"
+    out.mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if k != "FABRIC_MODEL_WARM_START"}
+    if mode is not None:
+        env["FABRIC_MODEL_WARM_START"] = mode
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.warm_job", str(out), str(run), *flags],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    workers = [json.loads(p.read_text()) for p in out.glob("worker-*.json")]
+    return json.loads((out / "job.json").read_text()), workers, run
+
+
+def test_a_caller_without_thread_pools_is_forked_into_the_warm_process_and_trains_as_a_fresh_one(tmp_path):
+    job, workers, run = run_warm_job(tmp_path / "fork")
+    assert len(job["warm"]) == 1 and job["warm"][0]["cmdline"] == job["cmdline"]  # a fork of the script
+    assert len(workers) == 2
+    for worker in workers:
+        assert worker["parent"] == job["warm"][0]["pid"]
+        # Nothing of what the script set up before FabricModel(...) reaches a worker.
+        assert worker["package_level"] == logging.INFO and worker["root_handlers"] == ["StreamHandler"]
+        assert worker["sigterm_default"] and worker["grad"] and not worker["caller_file_open"]
+        assert worker["threads"] == threads_per_worker(2)
+        assert worker["omp"] == os.environ.get("OMP_NUM_THREADS", str(threads_per_worker(2)))
+    assert "inspected worker" in "".join(p.read_text() for p in (run / "logs").glob("worker-*.log"))
+    assert "inspected worker" not in (tmp_path / "fork" / "out" / "caller.log").read_text()
+    fresh, _, _ = run_warm_job(tmp_path / "fresh", mode="fresh")
+    assert fresh["warm"][0]["cmdline"][-3:] == ["-m", WARM, "torch"]
+    assert job["digests"] == fresh["digests"] and len(job["digests"]) == 1  # the same training, bit for bit
+
+
+def test_a_caller_whose_openmp_threads_have_started_gets_a_fresh_warm_process(tmp_path):
+    job, workers, _ = run_warm_job(tmp_path, "--forward")
+    assert job["warm"][0]["cmdline"][-3:] == ["-m", WARM, "torch"]
+    assert len(workers) == 2 and all(w["parent"] == job["warm"][0]["pid"] for w in workers)
+
+
+def test_a_fork_in_which_openmp_would_hang_becomes_a_fresh_warm_process_in_place(tmp_path):
+    # Forced to fork after OpenMP ran: the warm process's probe must catch the hang.
+    job, workers, run = run_warm_job(tmp_path, "--forward", mode="fork")
+    assert job["warm"][0]["cmdline"] == job["cmdline"]
+    assert len(workers) == 2 and all(w["parent"] == job["warm"][0]["pid"] for w in workers)  # exec kept the pid
+    assert "OpenMP hangs in a fork of the caller" in (run / "logs" / "warm.log").read_text()
+
+
+def test_fork_blockers_name_what_makes_a_fork_unsafe():
+    script = (
+        "import threading, torch\n"
+        "from fabric_model.launchers.fork_safety import fork_blockers\n"
+        "print(fork_blockers())\n"
+        "torch.nn.Linear(12, 32)(torch.randn(4096, 12)); import time; time.sleep(0.5)\n"
+        "print(fork_blockers())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    before, after = done.stdout.splitlines()
+    assert before == "[]" and "OpenMP" in after
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        assert any("Python threads" in reason for reason in fork_blockers())
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_a_warm_process_no_job_takes_ends_with_its_fabric_model(monkeypatch):
+    model, opt = fresh_model_and_optimizer()
+    before = {p.pid for p in psutil.Process().children()}
+    fm = FabricModel(model, lambda: (DATA, None), F.cross_entropy, opt)
+    (warm,) = [p for p in psutil.Process().children() if p.pid not in before]
+    del fm
+    gc.collect()
+    assert not warm.is_running()
+    # A constructor that fails after the warm process started ends it too.
+    with pytest.raises(TypeError, match="metrics"):
+        FabricModel(model, lambda: (DATA, None), F.cross_entropy, opt, metrics=[42])
+    assert not {p.pid for p in psutil.Process().children()} - before
+    monkeypatch.setenv("FABRIC_MODEL_WARM_START", "sometimes")
+    with pytest.raises(ValueError, match="FABRIC_MODEL_WARM_START.*'fresh'.*'sometimes'"):
+        FabricModel(model, lambda: (DATA, None), F.cross_entropy, opt)
+
+
+def test_a_warm_process_started_for_another_path_is_replaced_by_one_the_workers_can_use(run_dir, tmp_path, monkeypatch):
+    model, opt = fresh_model_and_optimizer()
+    fm = FabricModel(model, lambda: (importlib.import_module("late_datasets").make(), None), F.cross_entropy, opt)
+    # A module the script can import only from a folder added after FabricModel(...) was built.
+    (tmp_path / "late").mkdir()
+    (tmp_path / "late" / "late_datasets.py").write_text(
+        "from tests.helpers import make_data\nmake = lambda: make_data(64)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "late"))
+    result = fm.train(1, 16, 2, run_dir=run_dir)
+    assert len(result.history) == 1

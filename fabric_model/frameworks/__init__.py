@@ -34,15 +34,21 @@ def resolve_framework(framework: str | Framework) -> Framework:
     return framework_named(framework) if isinstance(framework, str) else framework
 
 
-def detect_framework(model: Any) -> Framework:
-    """The framework of ``model``, recognised by the modules of its classes; raises TypeError for anything else."""
+def framework_name(model: Any) -> str:
+    """The name of ``model``'s framework, from the modules of its classes (importing nothing);
+    raises TypeError for anything else."""
     for cls in type(model).__mro__:
         module = cls.__module__ or ""
         if module.startswith("torch.nn"):
-            return framework_named("torch")
+            return "torch"
         if module.startswith(("keras", "tensorflow", "tf_keras")):
-            return framework_named("keras")
+            return "keras"
     raise TypeError(
         "Expected `model` to be a torch.nn.Module or a tf.keras.Model. "
         f"Received: model of type {type(model).__module__}.{type(model).__qualname__}"
     )
+
+
+def detect_framework(model: Any) -> Framework:
+    """The framework of ``model`` (see :func:`framework_name`)."""
+    return framework_named(framework_name(model))

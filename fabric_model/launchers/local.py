@@ -1,8 +1,9 @@
 """Local worker processes: the default launcher.
 
 Workers run ``python -m fabric_model worker``: forks of the job's warm process
-(:mod:`fabric_model.launchers.warm`, a clean interpreter that has imported torch), else fresh
-interpreters; never a fork of the caller (CUDA and TensorFlow break under it). Unlike
+(:mod:`fabric_model.launchers.warm`, which has imported torch: a fork of the caller taken
+before it had thread pools, CUDA or TensorFlow, or a fresh interpreter), else fresh
+interpreters. Unlike
 ``multiprocessing``'s spawn, this does not re-import the user's main script in the child, so a
 script without an
 ``if __name__ == "__main__":`` guard, or a notebook, works unchanged.
@@ -24,9 +25,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+from ..cluster import check_cluster
 from ..devices import cuda_visible_for_workers
 from ..protocol import CUDA_VISIBLE_ENV, LAUNCHED_ENV, SECRET_ENV, WARM_START_ENV
 from .base import Launcher, module_command
+from .fork_safety import fork_blockers
 from .warm_client import ForkedWorker, WarmProcess
 
 log = logging.getLogger(__name__)
@@ -140,8 +143,9 @@ class LocalLauncher(Launcher):
         return "\n".join(text.splitlines()[-lines:])
 
 
-def worker_environment(threads: int, host: str) -> dict[str, str]:
-    """A local worker's environment, but for the job's secret (the warm process gets this too)."""
+def warm_environment() -> dict[str, str]:
+    """The environment of the job's warm process: a local worker's, but for what is per job
+    (threads, interface) or secret."""
     env = dict(os.environ)
     changed, cuda_visible = cuda_visible_for_workers()
     if changed:  # the script's own choice for the driver, not the job's allocation
@@ -153,23 +157,59 @@ def worker_environment(threads: int, host: str) -> dict[str, str]:
     # the working directory of an interactive caller, which the worker's -P leaves out).
     paths = [os.path.abspath(p or os.curdir) for p in sys.path if os.path.isdir(p or os.curdir)]
     env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.setdefault("OMP_NUM_THREADS", str(threads))
-    if host.startswith("127.") or host == "localhost":
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep gloo on loopback with the driver
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
-def start_warm_process(framework: str, threads: int, host: str, logs: Path) -> WarmProcess | None:
-    """The job's warm process, importing from now on (its output in ``logs/warm.log``); None where
-    workers start fresh instead (``FABRIC_MODEL_WARM_START=0``, or not Linux)."""
-    if os.environ.get(WARM_START_ENV, "1") == "0" or not sys.platform.startswith("linux"):
+def worker_environment(threads: int, host: str) -> dict[str, str]:
+    """A local worker's environment, but for the job's secret."""
+    env = warm_environment()
+    env.setdefault("OMP_NUM_THREADS", str(threads))  # torch's threads are set by the worker too
+    if host.startswith("127.") or host == "localhost":
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep gloo on loopback with the driver
+    return env
+
+
+#: ``FABRIC_MODEL_WARM_START``'s values: no warm process; a fork of the caller where it is fit
+#: for one, else a fresh interpreter (the default); always a fresh interpreter; always a fork
+#: (its OpenMP probe the only check: for diagnosis).
+WARM_STARTS = ("0", "1", "fresh", "fork")
+
+
+def warm_start_mode() -> str:
+    """``$FABRIC_MODEL_WARM_START``, checked: one of :data:`WARM_STARTS`."""
+    mode = os.environ.get(WARM_START_ENV, "1").strip().lower()
+    if mode not in WARM_STARTS:
+        accepted = ", ".join(repr(m) for m in WARM_STARTS)
+        raise ValueError(f"Expected `{WARM_START_ENV}` to be one of {accepted}. Received: {WARM_START_ENV}={mode!r}")
+    return mode
+
+
+def start_warm_process(framework: str, log_path: Path | None = None) -> WarmProcess | None:
+    """A warm process for a job of ``framework``, importing from now on (its output in
+    ``log_path``, else an unnamed file until the job names one); None where workers start fresh
+    instead (``FABRIC_MODEL_WARM_START=0``, or not Linux)."""
+    mode = warm_start_mode()
+    if mode == "0" or not sys.platform.startswith("linux"):
         return None
+    blockers = [] if mode == "fork" else ["asked for a fresh interpreter"] if mode == "fresh" else fork_blockers()
+    log.debug("warm process: %s", "; ".join(blockers) or "a fork of the caller")
     try:
-        return WarmProcess(worker_environment(threads, host), logs / "warm.log", framework)
+        return WarmProcess(warm_environment(), framework, log_path, fork=not blockers)
     except OSError as exc:  # the workers start as fresh interpreters, as they would without it
         log.warning("could not start the warm process (%s): workers start as fresh interpreters", exc)
         return None
+
+
+def prestart_warm_process(framework: str) -> WarmProcess | None:
+    """The warm process of a job yet to be trained (``FabricModel`` is being built): None where
+    the job's workers will not be local (``$FABRIC_MODEL_CLUSTER``) or start fresh."""
+    try:
+        if check_cluster(None) != "local":
+            return None
+    except (ValueError, ImportError):
+        return None  # train() says what is wrong with it
+    return start_warm_process(framework)
 
 
 def local_launcher_factory(

@@ -1,18 +1,21 @@
-"""The warm process: a clean interpreter that has imported torch once and forks local workers.
+"""The warm process: an interpreter that has imported torch once and forks local workers.
 
 A fresh worker interpreter spends seconds importing torch (and ``torch._dynamo``, which the
-optimizer pulls in) after the caller has already paid the same. The local launcher therefore
-starts this process once per ``train()`` (``python -m fabric_model.launchers.warm``, a fresh
-interpreter: the caller, which may hold a CUDA context or thread pools, is never forked), and
-each worker is a ``fork`` of it that then runs the ordinary worker command line. The warm
-process itself never runs a torch operation, creates no CUDA context and no thread pool, and
-imports no TensorFlow; see docs/architecture.md, "Processes".
+optimizer pulls in) after the caller has already paid the same. So each job has this process,
+started when ``FabricModel`` is built, and each local worker is a ``fork`` of it that then runs
+the ordinary worker command line. It is either a fork of the caller itself, taken while the
+caller has no thread pool, CUDA context or TensorFlow (:mod:`.fork_safety`; it starts with
+torch imported: :func:`from_fork`), or a fresh interpreter (``python -m
+fabric_model.launchers.warm``: :func:`main`). Either way it never runs a torch operation,
+creates no CUDA context and no thread pool, and imports no TensorFlow; see
+docs/architecture.md, "Start-up".
 
 Protocol (JSON lines; the caller's side is :mod:`fabric_model.launchers.warm_client`):
 
 - on stdin: ``{"op": "start", "id", "argv", "env", "log", "cwd"}`` forks worker ``id``;
-  ``{"op": "signal", "id", "sig"}`` signals it; end of input: every worker is SIGKILLed and
-  reaped, then the process exits.
+  ``{"op": "signal", "id", "sig"}`` signals it; ``{"op": "log", "path"}`` appends what this
+  process has written so far to ``path`` and writes there from now on; end of input: every
+  worker is SIGKILLed and reaped, then the process exits.
 - on stdout: ``{"ev": "ready"}`` once imported, ``{"ev": "started", "id", "pid"}``,
   ``{"ev": "exited", "id", "code"}`` (a ``Popen.returncode``: ``-N`` for signal ``N``).
 
@@ -23,15 +26,21 @@ with it (``PR_SET_PDEATHSIG`` again), so no process outlives the caller on any p
 from __future__ import annotations
 
 import ctypes
+import faulthandler
+import gc
 import importlib
 import io
 import json
+import logging
 import os
 import select
 import signal
 import sys
+import threading
+import time
 import traceback
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 #: What every worker imports before its first step; ``torch`` jobs add their adapter.
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "numpy", "cloudpickle", "fabric_model.worker.main")
@@ -108,6 +117,8 @@ class Server:
             target = self.children.get(request["id"])
             if target is not None:  # not reaped yet, so the pid is still this worker's
                 os.kill(target, request["sig"])
+        elif request["op"] == "log":
+            move_log(request["path"])
 
     def reap(self) -> None:
         for worker_id, pid in list(self.children.items()):
@@ -158,14 +169,33 @@ def become_worker(request: dict[str, Any], server_fds: tuple[int, ...]) -> None:
     os._exit(main(request["argv"]))
 
 
-def main() -> int:
+def move_log(path: str) -> None:
+    """Append what this process has written so far (its output is an unnamed file until the job
+    has a run directory) to ``path``, and write there from now on."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    offset = 0
+    try:
+        while chunk := os.pread(2, 1 << 16, offset):
+            offset += len(chunk)
+            while chunk:
+                chunk = chunk[os.write(fd, chunk) :]
+    except OSError:
+        pass  # not a file (a terminal, a pipe): nothing to copy
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def serve(framework: str, before_ready: Callable[[int], None] = lambda out: None) -> int:
+    """Import what workers need, say ready, serve requests until stdin ends; ``before_ready``
+    gets the events' descriptor first."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the caller decides
     out = os.dup(1)  # events only; whatever an import prints goes to the log, not into the protocol
     os.dup2(2, 1)
-    framework = sys.argv[1] if len(sys.argv) > 1 else "torch"
     for name in PRELOAD + PRELOAD_BY_FRAMEWORK.get(framework, ()):
         importlib.import_module(name)
+    before_ready(out)
     server = Server(out)
     server.send(ev="ready")
     try:
@@ -173,6 +203,130 @@ def main() -> int:
     finally:
         server.kill_all()
     return 0
+
+
+def main() -> int:
+    """A fresh interpreter's warm process (``python -m fabric_model.launchers.warm <framework>``)."""
+    return serve(sys.argv[1] if len(sys.argv) > 1 else "torch")
+
+
+#: The caller's objects this fork replaced: kept, so that no finalizer of theirs runs here (it
+#: would close a descriptor of the caller's, or one reused since).
+_INHERITED: list[Any] = []
+
+#: How long the OpenMP probe may take once the imports are done; it takes milliseconds.
+PROBE_TIMEOUT = 5.0
+
+
+def from_fork(env: dict[str, str], framework: str, fresh_command: list[str]) -> NoReturn:
+    """The warm process in a fork of the caller whose descriptors 0, 1 and 2 are already the
+    requests, the events and the log: what the caller set up is reset to what a fresh
+    interpreter has, then it serves as :func:`main` does. Should OpenMP hang in this fork (the
+    caller's threads checked out, but a runtime kept state for threads a fork does not have), it
+    becomes a fresh warm process in place: ``fresh_command`` by exec, with ``env``."""
+    code = 70
+    try:
+        reset_inherited(env)
+        probe = start_openmp_probe()
+
+        def check_openmp(out: int) -> None:
+            if not probe_passed(probe, PROBE_TIMEOUT):
+                print("warm process: OpenMP hangs in a fork of the caller; starting afresh", file=sys.stderr)
+                os.dup2(out, 1)
+                os.execve(fresh_command[0], fresh_command, env)
+
+        code = serve(framework, check_openmp)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def reset_inherited(env: dict[str, str]) -> None:
+    """What a fork of the caller inherited beyond its modules, set as a fresh interpreter has it:
+    signal handlers, tracing, descriptors (those exec would close), standard streams, the
+    package's loggers, the environment and torch's grad mode."""
+    gc.freeze()  # the caller's objects stay as they are: never collected, never finalized here
+    signal.set_wakeup_fd(-1)
+    for sig in signal.valid_signals():
+        try:
+            if callable(signal.getsignal(sig)):
+                signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass
+    sys.settrace(None)
+    sys.setprofile(None)
+    threading.settrace(None)
+    threading.setprofile(None)
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        try:
+            if fd > 2 and not os.get_inheritable(fd):
+                os.close(fd)
+        except OSError:
+            pass  # the listing's own descriptor, closed by now
+    # The caller's may be a test's capture or a notebook's; sys.__stderr__ & co. write to 0, 1 and 2.
+    _INHERITED.extend([sys.stdin, sys.stdout, sys.stderr])
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
+    if faulthandler.is_enabled():
+        faulthandler.enable(sys.stderr)
+    _reset_logging()
+    os.environ.clear()
+    os.environ.update(env)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_grad_enabled(True)
+    sys.argv = [__file__]
+
+
+def _reset_logging() -> None:
+    """No handler of the caller's, and the package's loggers as they are before any set-up."""
+    root = logging.getLogger()
+    _INHERITED.append(root.handlers[:])
+    for handler in root.handlers[:]:
+        root.removeHandler(handler)
+    root.setLevel(logging.WARNING)
+    logging.disable(logging.NOTSET)
+    for name, logger in list(logging.Logger.manager.loggerDict.items()):
+        if isinstance(logger, logging.Logger) and (name == "fabric_model" or name.startswith("fabric_model.")):
+            _INHERITED.append(logger.handlers[:])
+            logger.handlers.clear()
+            logger.setLevel(logging.NOTSET)
+            logger.propagate, logger.disabled = True, False
+
+
+def start_openmp_probe() -> int:
+    """A child that runs one parallel torch operation: it hangs where OpenMP kept threads this
+    fork does not have."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            die_with_parent()
+            os.dup2(2, 1)  # not the events' pipe
+            import torch
+
+            torch.set_num_threads(2)
+            torch.ones(1 << 20).add_(1)  # far above ATen's grain size: a parallel region
+            code = 0
+        finally:
+            os._exit(code)
+    return pid
+
+
+def probe_passed(pid: int, timeout: float) -> bool:
+    """Whether the probe ``pid`` ended well within ``timeout`` seconds; killed and reaped if not."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return False
+        time.sleep(0.002)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The caller's side of the warm process (:mod:`fabric_model.launchers.warm`).
 
-:class:`WarmProcess` starts it and asks it to fork workers; each fork is a :class:`ForkedWorker`,
+:class:`WarmProcess` starts it (a fork of this process, or a fresh interpreter) and asks it to
+fork workers; each fork is a :class:`ForkedWorker`,
 which answers the part of ``subprocess.Popen`` the local launcher uses (``poll``, ``wait``,
 ``kill``, ``terminate``, ``pid``), so exit codes and kill semantics are those of a worker the
 launcher started itself. If the warm process is gone, :meth:`WarmProcess.fork` returns None and
@@ -14,12 +15,16 @@ import logging
 import os
 import signal
 import subprocess
+import sys
+import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import IO, Any
 
 from .base import module_command
+from .warm import exit_code, from_fork
 
 log = logging.getLogger(__name__)
 
@@ -54,32 +59,102 @@ class ForkedWorker:
         self.send_signal(signal.SIGTERM)
 
 
+class ForkedCaller:
+    """The warm process as a fork of this process, seen as the part of ``Popen`` :class:`WarmProcess` uses.
+
+    The caller must be fit to fork (:func:`fabric_model.launchers.fork_safety.fork_blockers`).
+    """
+
+    def __init__(self, env: dict[str, str], framework: str, fresh_command: list[str], log: int) -> None:
+        requests_r, requests_w = os.pipe()
+        events_r, events_w = os.pipe()
+        for stream in (sys.stdout, sys.stderr):  # or the fork would print the caller's pending output again
+            try:
+                stream.flush()
+            except (AttributeError, OSError, ValueError):
+                pass
+        with warnings.catch_warnings():
+            # Python 3.12+ warns of any other thread: fork_safety has checked those there are.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:
+            try:
+                os.dup2(requests_r, 0)
+                os.dup2(events_w, 1)
+                os.dup2(log, 2)
+                from_fork(env, framework, fresh_command)
+            finally:
+                os._exit(70)  # never back into the caller's code
+        os.close(requests_r)
+        os.close(events_w)
+        self.pid = pid
+        self.returncode: int | None = None
+        self.stdin: IO[bytes] | None = os.fdopen(requests_w, "wb")
+        self.stdout: IO[bytes] | None = os.fdopen(events_r, "rb")
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                done, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped by someone else: its status is lost (Popen says 0 too)
+                done, status = self.pid, 0
+            if done:
+                self.returncode = exit_code(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"warm process {self.pid}", timeout or 0.0)
+            time.sleep(0.01)
+        return code
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
 class WarmProcess:
     """One warm process for one ``train()``: started at once, it imports while the caller goes on.
 
     Args:
-        env: its environment (the workers' own, minus anything per worker or secret).
-        log_path: where its own output goes (import warnings, a crash).
+        env: its environment (the workers' own, minus anything per worker, per job or secret).
         framework: the job's framework; ``"torch"`` preloads the torch adapter too.
+        log_path: where its own output goes (import warnings, a crash); None: an unnamed file
+            until :meth:`move_log` names one.
+        fork: a fork of this process (which must be fit for it: :mod:`.fork_safety`), not a
+            fresh interpreter.
     """
 
-    def __init__(self, env: dict[str, str], log_path: Path, framework: str) -> None:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log: IO[bytes] = open(log_path, "ab")
-        self.process = subprocess.Popen(
-            module_command("fabric_model.launchers.warm", framework),
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            cwd=os.getcwd(),
-        )
+    def __init__(self, env: dict[str, str], framework: str, log_path: Path | None = None, fork: bool = False) -> None:
+        self.env, self.framework, self.forked = dict(env), framework, fork
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(log_path, "ab") if log_path is not None else tempfile.TemporaryFile()
+        command = module_command("fabric_model.launchers.warm", framework)
+        try:
+            self.process: subprocess.Popen[bytes] | ForkedCaller = (
+                ForkedCaller(env, framework, command, log.fileno())
+                if fork
+                else subprocess.Popen(
+                    command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, cwd=os.getcwd()
+                )
+            )
+        finally:
+            log.close()  # the process has its own
         self.changed = threading.Condition()
         self.alive = True
+        self.closed = False
         self._workers: dict[int, ForkedWorker] = {}
         self._write = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="fabric-model-warm", daemon=True)
         self._reader.start()
+
+    def move_log(self, path: Path) -> None:
+        """Its output so far, and from now on, into ``path`` (the run's ``logs/warm.log``)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.request(op="log", path=str(path))
 
     def fork(self, worker_id: int, argv: list[str], env: dict[str, str], log_path: Path) -> ForkedWorker | None:
         """Fork worker ``worker_id`` running ``fabric_model`` with ``argv``; None if the warm process is gone."""
@@ -131,6 +206,9 @@ class WarmProcess:
 
     def close(self, timeout: float = 5.0) -> None:
         """End the warm process (it SIGKILLs and reaps any worker left) and reap it."""
+        if self.closed:
+            return
+        self.closed = True
         try:
             assert self.process.stdin is not None
             with self._write:
@@ -145,4 +223,9 @@ class WarmProcess:
             self.process.kill()
             self.process.wait()
         self._reader.join(max(0.1, deadline - time.monotonic()))
-        self._log.close()
+
+    def discard(self) -> None:
+        """End it now, importing or not: for one no job has used (it has no workers)."""
+        if not self.closed:
+            self.process.kill()
+        self.close()

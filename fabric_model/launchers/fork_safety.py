@@ -1,0 +1,96 @@
+"""Whether the caller may be forked into the job's warm process (docs/architecture.md, "Start-up").
+
+A fork keeps one thread: a library whose threads existed in the parent finds them gone in the
+child. Most libraries cope (OpenBLAS shuts its pool down around a fork); GNU libgomp does not:
+once torch has run a parallel operation, a fork hangs in its first one. CUDA contexts and
+TensorFlow's runtime break under a fork too. So the caller is forked only while it has no
+thread but its main one and OpenBLAS's pool, no CUDA context and no TensorFlow; anything
+else, or anything this module cannot read, starts a fresh interpreter instead. (The warm
+process still checks OpenMP itself before it serves: :func:`fabric_model.launchers.warm.from_fork`.)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+
+#: The names under which OpenBLAS builds export ``get_num_threads`` (numpy's wheels: scipy_openblas).
+_OPENBLAS_THREADS = (
+    "scipy_openblas_get_num_threads64_",
+    "scipy_openblas_get_num_threads",
+    "openblas_get_num_threads64_",
+    "openblas_get_num_threads",
+)
+
+
+def fork_blockers() -> list[str]:
+    """Why this process must not be forked now; empty when it may be."""
+    if not sys.platform.startswith("linux"):
+        return [f"{sys.platform} is not Linux"]
+    blockers = []
+    if threading.active_count() > 1 or threading.current_thread() is not threading.main_thread():
+        blockers.append(f"{threading.active_count()} Python threads")
+    if "tensorflow" in sys.modules:
+        blockers.append("TensorFlow is loaded")
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        blockers.append("CUDA is initialized")
+    blockers += _native_thread_blockers()
+    return blockers
+
+
+def _native_thread_blockers() -> list[str]:
+    """Threads other than the main one and OpenBLAS's pool: each is a reason not to fork."""
+    libraries = _mapped_libraries()
+    others = []
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/syscall") as f:
+                fields = f.read().split()
+        except OSError:
+            return [f"thread {tid} cannot be inspected"]
+        if len(fields) < 3:  # running: whose it is cannot be told (OpenMP's spin a while after work)
+            return [f"thread {tid} is running"]
+        library = _library_at(libraries, int(fields[-1], 16))
+        if "libgomp" in library:
+            return ["OpenMP's threads have started (torch ran a parallel operation)"]
+        others.append(f"thread {tid} waits in {os.path.basename(library) or 'unknown code'}")
+    pool = _openblas_pool_threads(libraries)
+    if len(others) > pool:
+        return [f"{len(others)} native threads, {pool} of them OpenBLAS's: " + "; ".join(others)]
+    return []
+
+
+def _mapped_libraries() -> list[tuple[int, int, str]]:
+    """(start, end, path) of every file mapped into this process."""
+    mapped = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/"):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                mapped.append((start, end, fields[5].strip()))
+    return mapped
+
+
+def _library_at(libraries: list[tuple[int, int, str]], address: int) -> str:
+    return next((path for start, end, path in libraries if start <= address < end), "")
+
+
+def _openblas_pool_threads(libraries: list[tuple[int, int, str]]) -> int:
+    """The threads of every loaded OpenBLAS's pool (it starts ``n - 1`` of them at load)."""
+    threads = 0
+    for path in sorted({path for _, _, path in libraries if "openblas" in os.path.basename(path).lower()}):
+        try:
+            library = ctypes.CDLL(path)  # already loaded: the same handle
+        except OSError:
+            continue
+        for name in _OPENBLAS_THREADS:
+            if hasattr(library, name):
+                threads += max(0, int(getattr(library, name)()) - 1)
+                break
+    return threads

@@ -3,8 +3,7 @@
     PYTHONPATH=. python benchmarks/bench_memory.py               # MLP 256->512->512->10, 3 rounds
     PYTHONPATH=. python benchmarks/bench_memory.py --wide        # the 8.4M-parameter MLP of bench_elastic
 
-Each round runs, in turn, 2 FabricModel workers forked from the warm process (here a fork of
-the script, which runs no torch operation before ``FabricModel``), 2 FabricModel
+Each round runs, in turn, 2 FabricModel workers forked from the warm process, 2 FabricModel
 workers as fresh interpreters (``FABRIC_MODEL_WARM_START=0``), and 2 DDP ranks on gloo
 (``torch.multiprocessing.spawn``). Every worker measures itself with psutil after step 20:
 RSS (resident pages, shared ones counted in full by each process), PSS (shared pages divided

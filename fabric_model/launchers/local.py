@@ -170,10 +170,11 @@ def worker_environment(threads: int, host: str) -> dict[str, str]:
     return env
 
 
-#: ``FABRIC_MODEL_WARM_START``'s values: no warm process; a fork of the caller where it is fit
-#: for one, else a fresh interpreter (the default); always a fresh interpreter; always a fork
-#: (its OpenMP probe the only check: for diagnosis).
-WARM_STARTS = ("0", "1", "fresh", "fork")
+#: ``FABRIC_MODEL_WARM_START``'s values: no warm process; a fresh interpreter (the default); a
+#: fork of the caller where it is fit for one, else a fresh interpreter; always a fork (its
+#: OpenMP probe the only check: for diagnosis). Forking is not the default: measured here, a
+#: CNN's steps ran 4-9% slower in workers forked from the caller (docs/architecture.md, "Start-up").
+WARM_STARTS = ("0", "1", "fresh", "fork", "fork-always")
 
 
 def warm_start_mode() -> str:
@@ -192,7 +193,7 @@ def start_warm_process(framework: str, log_path: Path | None = None) -> WarmProc
     mode = warm_start_mode()
     if mode == "0" or not sys.platform.startswith("linux"):
         return None
-    blockers = [] if mode == "fork" else ["asked for a fresh interpreter"] if mode == "fresh" else fork_blockers()
+    blockers = [] if mode == "fork-always" else fork_blockers() if mode == "fork" else ["a fresh interpreter"]
     log.debug("warm process: %s", "; ".join(blockers) or "a fork of the caller")
     try:
         return WarmProcess(warm_environment(), framework, log_path, fork=not blockers)

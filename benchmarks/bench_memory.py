@@ -2,10 +2,12 @@
 
     PYTHONPATH=. python benchmarks/bench_memory.py               # MLP 256->512->512->10, 3 rounds
     PYTHONPATH=. python benchmarks/bench_memory.py --wide        # the 8.4M-parameter MLP of bench_elastic
+    PYTHONPATH=. python benchmarks/bench_memory.py --cnn         # bench_peers' small CNN (8 MiB activations)
 
-Each round runs, in turn, 2 FabricModel workers forked from the warm process, 2 FabricModel
-workers as fresh interpreters (``FABRIC_MODEL_WARM_START=0``), and 2 DDP ranks on gloo
-(``torch.multiprocessing.spawn``). Every worker measures itself with psutil after step 20:
+Each round runs, in turn, 2 FabricModel workers forked from the warm process (itself a fork of
+the job script), 2 FabricModel workers as fresh interpreters (``FABRIC_MODEL_WARM_START=0``),
+and 2 DDP ranks on gloo (``torch.multiprocessing.spawn``), each holding the same data set.
+Every worker measures itself with psutil after step 20:
 RSS (resident pages, shared ones counted in full by each process), PSS (shared pages divided
 among the processes sharing them) and USS (pages only this process holds). Forked workers
 share the warm process's imported pages, so RSS overstates what they cost together; PSS is
@@ -31,11 +33,26 @@ STEP = 20
 COMMON = """
 import json, os, sys, psutil, torch, torch.nn as nn, torch.nn.functional as F
 F_IN, HID = (1024, 4096) if WIDE else (256, 512)
+SHAPE = (3, 32, 32) if CNN else (F_IN,)
 def make_model():
     torch.manual_seed(0)
+    if CNN:
+        return nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(64 * 8 * 8, 128), nn.ReLU(), nn.Linear(128, 10))
     if WIDE:
         return nn.Sequential(nn.Linear(F_IN, HID), nn.ReLU(), nn.Linear(HID, F_IN), nn.ReLU(), nn.Linear(F_IN, 10))
     return nn.Sequential(nn.Linear(F_IN, HID), nn.ReLU(), nn.Linear(HID, HID), nn.ReLU(), nn.Linear(HID, 10))
+class Data:
+    def __init__(self):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(2 * 64 * 30, *SHAPE, generator=g)
+        self.y = torch.randint(0, 10, (2 * 64 * 30,), generator=g)
+    def __len__(self):
+        return len(self.x)
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
 def measure(out, step):
     m = psutil.Process().memory_full_info()
     with open(os.path.join(out, f"{os.getpid()}.json"), "w") as f:
@@ -44,14 +61,6 @@ def measure(out, step):
 
 FABRIC = """
 from fabric_model import FabricModel
-class Data:
-    def __init__(self):
-        g = torch.Generator().manual_seed(0)
-        self.x, self.y = torch.randn(2 * 64 * 30, F_IN, generator=g), torch.randint(0, 10, (2 * 64 * 30,), generator=g)
-    def __len__(self):
-        return len(self.x)
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
 class Measure:
     def __init__(self, out):
         self.out, self.done, self.caller = out, False, os.getpid()
@@ -78,9 +87,10 @@ def rank(r):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{PORT}", rank=r, world_size=2)
     model = nn.parallel.DistributedDataParallel(make_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    g = torch.Generator().manual_seed(r)
+    data = Data()  # the same data set as FabricModel's workers hold
     for step in range(1, STEP + 1):
-        x, y = torch.randn(64, F_IN, generator=g), torch.randint(0, 10, (64,), generator=g)
+        i = (2 * step + r) * 64
+        x, y = data.x[i : i + 64], data.y[i : i + 64]
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
@@ -91,13 +101,13 @@ if __name__ == "__main__":
 """
 
 
-def _run(kind: str, out: Path, wide: bool, port: int) -> list[dict[str, int]]:
+def _run(kind: str, out: Path, wide: bool, cnn: bool, port: int) -> list[dict[str, int]]:
     out.mkdir(parents=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env["FABRIC_MODEL_CPU_WORKERS"] = "2"
     if kind == "fresh":
         env["FABRIC_MODEL_WARM_START"] = "0"
-    header = f"WIDE={wide}\nSTEP={STEP}\nOUT={str(out)!r}\nPORT={port}\n" + COMMON
+    header = f"WIDE={wide}\nCNN={cnn}\nSTEP={STEP}\nOUT={str(out)!r}\nPORT={port}\n" + COMMON
     code = header + (DDP if kind == "ddp" else FABRIC)
     script = out / "job.py"  # a file, not -c: spawned DDP ranks import their __main__
     script.write_text(code)
@@ -111,7 +121,9 @@ def _run(kind: str, out: Path, wide: bool, port: int) -> list[dict[str, int]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--wide", action="store_true")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--wide", action="store_true")
+    which.add_argument("--cnn", action="store_true")
     args = parser.parse_args()
     kinds = {
         "warm": "fabric_model, forked from the warm process",
@@ -122,9 +134,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for i, kind in enumerate(kinds):
-                samples[kind] += _run(kind, Path(tmp) / f"{kind}-{r}", args.wide, 29600 + 10 * r + i)
+                samples[kind] += _run(kind, Path(tmp) / f"{kind}-{r}", args.wide, args.cnn, 29600 + 10 * r + i)
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
     model = "MLP 1024->4096->1024->10 (8.4M)" if args.wide else "MLP 256->512->512->10"
+    model = "small CNN 3x32x32" if args.cnn else model
     print(f"{model}, 2 workers, after step {STEP}; MiB, median [min-max] over {args.rounds} rounds x 2 workers")
     base = {m: statistics.median(s[m] for s in samples["ddp"]) for m in ("rss", "pss", "uss")}
     # The warm process holds the pages its forks share: its PSS counts toward the job's total.

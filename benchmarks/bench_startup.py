@@ -8,10 +8,10 @@ Each round starts, in turn, fresh interpreters that run:
 - ``python``: an empty interpreter; ``import torch``: the import alone (what each fresh worker pays);
 - ``plain``: ``import torch``, build the MLP 256->512->512->10, take one SGD step (batch 64);
 - ``fm-1``, ``fm-2``: the same model through ``FabricModel.train`` with 1 and 2 engines,
-  timed to the driver's first committed step; then the same with the warm process a fork of
-  the script (``FABRIC_MODEL_WARM_START=fork``: it runs no torch operation before
-  ``FabricModel``), and with fresh worker interpreters (``FABRIC_MODEL_WARM_START=0``), as
-  before the warm process;
+  timed to the driver's first committed step (by default the warm process is a fork of the
+  script, which runs no torch operation before ``FabricModel``); then the same with a fresh
+  warm process (``FABRIC_MODEL_WARM_START=fresh``), and with fresh worker interpreters
+  (``FABRIC_MODEL_WARM_START=0``), as before the warm process;
 - ``replace`` (unless ``--no-replace``): 2 engines, worker 1 SIGKILLed inside step 3; from the
   kill to the next committed step (the survivor alone) and to the first committed step the
   replacement worker takes part in.
@@ -136,7 +136,7 @@ def main() -> int:
             for engines in (1, 2):
                 seconds = _fabric(engines, tmp, f"fm{engines}-{r}", env)[0]
                 rows.setdefault(f"fm {engines} engine(s): start -> first commit", []).append(seconds)
-                for mode, label in (("fork", "warm process forked"), ("0", "fresh workers")):
+                for mode, label in (("fresh", "fresh warm process"), ("0", "fresh workers")):
                     seconds = _fabric(engines, tmp, f"{mode}{engines}-{r}", {**env, "FABRIC_MODEL_WARM_START": mode})[0]
                     rows.setdefault(f"fm {engines} engine(s), {label}", []).append(seconds)
             if not args.no_replace:

@@ -7,7 +7,7 @@ import os
 import warnings
 from datetime import timedelta
 
-from .protocol import SNAPSHOT_SECONDS_ENV, SNAPSHOT_SHARE_ENV, SNAPSHOT_STEPS_ENV
+from .protocol import KEEP_FREED_MEMORY_ENV, SNAPSHOT_SECONDS_ENV, SNAPSHOT_SHARE_ENV, SNAPSHOT_STEPS_ENV
 
 #: Environment variables that bound every blocking wait, in seconds. Each has a default here
 #: and is read once, in the caller (:meth:`Timeouts.from_environment`), and sent to every
@@ -53,6 +53,18 @@ def snapshot_setting(name: str) -> float:
         what = "a fraction of the training time, 0 or more and below 1" if share else what
         raise ValueError(f"Expected the environment variable {name} to be {what}. Received: {name}={raw!r}")
     return float(value)
+
+
+def keep_freed_memory_setting() -> bool:
+    """``FABRIC_MODEL_KEEP_FREED_MEMORY``: ``1`` (default) or ``0``; read in the caller, before
+    any worker starts (docs/architecture.md, "Worker memory")."""
+    raw = os.environ.get(KEEP_FREED_MEMORY_ENV, "1").strip()
+    if raw not in ("0", "1"):
+        raise ValueError(
+            f"Expected the environment variable {KEEP_FREED_MEMORY_ENV} to be 1 (workers keep freed memory for "
+            f"their next step) or 0 (glibc's defaults). Received: {KEEP_FREED_MEMORY_ENV}={raw!r}"
+        )
+    return raw == "1"
 
 
 def heartbeat_interval(heartbeat_timeout: float) -> float:
@@ -202,3 +214,4 @@ class TrainConfig:
     checkpoint_freq: int
     timeouts: Timeouts
     backend: str  # "gloo" or "nccl"
+    keep_freed_memory: bool = True  # worker/allocator.py

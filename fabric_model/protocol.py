@@ -49,9 +49,12 @@ SNAPSHOT_STEPS_ENV = "FABRIC_MODEL_SNAPSHOT_STEPS"
 SNAPSHOT_SECONDS_ENV = "FABRIC_MODEL_SNAPSHOT_SECONDS"
 #: The steps' rule waits while snapshots would take more than this share of the time (0: never).
 SNAPSHOT_SHARE_ENV = "FABRIC_MODEL_SNAPSHOT_SHARE"
-#: ``0``: local workers start as fresh interpreters, not as forks of the warm process; ``fork``:
-#: the warm process is a fork of the caller where that is safe (launchers/local.WARM_STARTS).
+#: ``0``: local workers start as fresh interpreters, not as forks of the warm process;
+#: ``fresh``: the warm process is a fresh interpreter, never a fork of the caller
+#: (launchers/local.WARM_STARTS).
 WARM_START_ENV = "FABRIC_MODEL_WARM_START"
+#: ``0``: workers leave glibc's mmap and trim thresholds alone (worker/allocator.py).
+KEEP_FREED_MEMORY_ENV = "FABRIC_MODEL_KEEP_FREED_MEMORY"
 
 
 # -- worker -> driver -----------------------------------------------------------------------

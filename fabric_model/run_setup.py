@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import compat
 from . import validation as v
-from .config import EngineSizing, Timeouts, TrainConfig, size_engines, threads_per_worker
+from .config import EngineSizing, Timeouts, TrainConfig, keep_freed_memory_setting, size_engines, threads_per_worker
 from .data import is_batch_level
 from .job import Job
 from .job import dumps as dump_job
@@ -128,6 +128,7 @@ def train_config(
         checkpoint_freq=loop.checkpoint_freq,
         timeouts=Timeouts.from_environment(),  # read once, here; every worker gets the same bounds
         backend="nccl" if gpus else "gloo",  # as the workers will see the GPUs
+        keep_freed_memory=keep_freed_memory_setting(),
     )
 
 

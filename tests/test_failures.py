@@ -119,9 +119,10 @@ def _start_driver(run_dir: Path) -> tuple[subprocess.Popen, list[psutil.Process]
         assert proc.poll() is None, proc.stdout.read().decode()
         time.sleep(0.1)
     assert metrics.exists(), "training did not start within 60 s"
-    # The warm process and the two workers it forked (docs/architecture.md, "Start-up").
+    # The warm process and the two workers it forked (docs/architecture.md, "Start-up"): here a
+    # fork of the script, which ran no torch operation before FabricModel(...).
     (warm,) = psutil.Process(proc.pid).children()
-    assert "fabric_model.launchers.warm" in warm.cmdline()
+    assert warm.cmdline() == psutil.Process(proc.pid).cmdline()
     processes = [warm, *warm.children()]
     assert len(processes) == 3, [c.cmdline() for c in processes]
     return proc, processes

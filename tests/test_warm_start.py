@@ -88,6 +88,7 @@ SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []
 
 
 def test_workers_are_forks_of_the_warm_process_with_a_fresh_workers_environment(run_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("FABRIC_MODEL_WARM_START", "fresh")  # a fork of the caller: see tests below
     shadowing_package(monkeypatch, tmp_path)
     # An interactive caller (python -c, a notebook) imports from its working directory ("" on
     # sys.path, last here so the caller's fabric_model stays first): so must its workers.
@@ -195,7 +196,7 @@ def run_warm_job(tmp_path: Path, *flags: str, mode: str | None = None) -> tuple[
 
 
 def test_a_caller_without_thread_pools_is_forked_into_the_warm_process_and_trains_as_a_fresh_one(tmp_path):
-    job, workers, run = run_warm_job(tmp_path / "fork", mode="fork")
+    job, workers, run = run_warm_job(tmp_path / "fork")  # the default
     assert len(job["warm"]) == 1 and job["warm"][0]["cmdline"] == job["cmdline"]  # a fork of the script
     assert len(workers) == 2
     for worker in workers:
@@ -207,13 +208,13 @@ def test_a_caller_without_thread_pools_is_forked_into_the_warm_process_and_train
         assert worker["omp"] == os.environ.get("OMP_NUM_THREADS", str(threads_per_worker(2)))
     assert "inspected worker" in "".join(p.read_text() for p in (run / "logs").glob("worker-*.log"))
     assert "inspected worker" not in (tmp_path / "fork" / "out" / "caller.log").read_text()
-    fresh, _, _ = run_warm_job(tmp_path / "fresh")  # the default
+    fresh, _, _ = run_warm_job(tmp_path / "fresh", mode="fresh")
     assert fresh["warm"][0]["cmdline"][-3:] == ["-m", WARM, "torch"]
     assert job["digests"] == fresh["digests"] and len(job["digests"]) == 1  # the same training, bit for bit
 
 
 def test_a_caller_whose_openmp_threads_have_started_gets_a_fresh_warm_process(tmp_path):
-    job, workers, _ = run_warm_job(tmp_path, "--forward", mode="fork")
+    job, workers, _ = run_warm_job(tmp_path, "--forward")
     assert job["warm"][0]["cmdline"][-3:] == ["-m", WARM, "torch"]
     assert len(workers) == 2 and all(w["parent"] == job["warm"][0]["pid"] for w in workers)
 

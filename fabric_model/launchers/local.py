@@ -170,10 +170,10 @@ def worker_environment(threads: int, host: str) -> dict[str, str]:
     return env
 
 
-#: ``FABRIC_MODEL_WARM_START``'s values: no warm process; a fresh interpreter (the default); a
-#: fork of the caller where it is fit for one, else a fresh interpreter; always a fork (its
-#: OpenMP probe the only check: for diagnosis). Forking is not the default: measured here, a
-#: CNN's steps ran 4-9% slower in workers forked from the caller (docs/architecture.md, "Start-up").
+#: ``FABRIC_MODEL_WARM_START``'s values: no warm process; a fork of the caller where it is fit
+#: for one, else a fresh interpreter (``1``, the default, or ``fork``); always a fresh
+#: interpreter; always a fork (its OpenMP probe the only check: for diagnosis). See
+#: docs/architecture.md, "Start-up".
 WARM_STARTS = ("0", "1", "fresh", "fork", "fork-always")
 
 
@@ -193,7 +193,7 @@ def start_warm_process(framework: str, log_path: Path | None = None) -> WarmProc
     mode = warm_start_mode()
     if mode == "0" or not sys.platform.startswith("linux"):
         return None
-    blockers = [] if mode == "fork-always" else fork_blockers() if mode == "fork" else ["a fresh interpreter"]
+    blockers = [] if mode == "fork-always" else ["a fresh interpreter"] if mode == "fresh" else fork_blockers()
     log.debug("warm process: %s", "; ".join(blockers) or "a fork of the caller")
     try:
         return WarmProcess(warm_environment(), framework, log_path, fork=not blockers)

@@ -3,11 +3,11 @@
 A fresh worker interpreter spends seconds importing torch (and ``torch._dynamo``, which the
 optimizer pulls in) after the caller has already paid the same. So each job has this process,
 started when ``FabricModel`` is built, and each local worker is a ``fork`` of it that then runs
-the ordinary worker command line. It is a fresh interpreter (``python -m
-fabric_model.launchers.warm``: :func:`main`), or, with ``FABRIC_MODEL_WARM_START=fork``, a
-fork of the caller itself, taken while the caller has no thread pool, CUDA context or
-TensorFlow (:mod:`.fork_safety`; it starts with torch imported: :func:`from_fork`). Either
-way it never runs a torch operation, creates no CUDA context and no thread pool, and imports
+the ordinary worker command line. It is a fork of the caller itself, taken while the caller
+has no thread pool, CUDA context or TensorFlow (:mod:`.fork_safety`; it starts with torch
+imported: :func:`from_fork`), or else a fresh interpreter (``python -m
+fabric_model.launchers.warm``: :func:`main`; always with ``FABRIC_MODEL_WARM_START=fresh``).
+Either way it never runs a torch operation, creates no CUDA context and no thread pool, and imports
 no TensorFlow; see docs/architecture.md, "Start-up".
 
 Protocol (JSON lines; the caller's side is :mod:`fabric_model.launchers.warm_client`):

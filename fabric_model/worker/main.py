@@ -1,7 +1,8 @@
 """A worker process: connect to the driver, receive the job, train, report, exit.
 
-Started by a launcher as ``python -m fabric_model worker ...`` (a fresh interpreter, never a
-fork), or by hand on another host with the same command line. The job's secret comes in the
+Started by a launcher as ``python -m fabric_model worker ...``, as a fork of the job's warm
+process that runs the same :func:`main` (launchers/warm.py), or by hand on another host with
+the same command line. The job's secret comes in the
 environment (``FABRIC_MODEL_SECRET``, hex), never on the command line. See
 docs/architecture.md, "Processes".
 """
@@ -9,6 +10,7 @@ docs/architecture.md, "Processes".
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -34,6 +36,7 @@ from ..job import Job
 from ..network import select_interfaces
 from ..remote_store import RemoteStore
 from . import cli
+from .allocator import keep_freed_memory, release_free_memory
 from .inbox import Heartbeat, Inbox
 from .loop import TrainingLoop
 
@@ -79,10 +82,15 @@ def _join(loop: TrainingLoop, inbox: Inbox, channel: Channel, timeouts: Timeouts
     return False
 
 
-def _set_up(spec: p.JobSpec, worker_id: int, device: str | None, inbox: Inbox) -> tuple[Job, WorkerContext, str]:
-    """Unpickle the job, install the worker context, place the model, call ``datasets_function``."""
+def _set_up(
+    spec: p.JobSpec, payload: list[bytes], worker_id: int, device: str | None, inbox: Inbox
+) -> tuple[Job, WorkerContext, str]:
+    """Unpickle the job (taking it out of ``payload``, so its bytes are freed), install the
+    worker context, place the model."""
+    if spec.config.keep_freed_memory:  # before the job allocates (docs/architecture.md, "Worker memory")
+        keep_freed_memory()
     with quiet_tensorflow():  # a Keras job loads TensorFlow here: its start-up notices stay out of the log
-        job: Job = cloudpickle.loads(spec.payload)
+        job: Job = cloudpickle.loads(payload.pop())
         device = device or spec.device or "cpu"
         # Installed before any user code runs here, so datasets_function can ask where it is.
         context = WorkerContext(worker_id)
@@ -93,10 +101,16 @@ def _set_up(spec: p.JobSpec, worker_id: int, device: str | None, inbox: Inbox) -
 
 
 def _train(
-    spec: p.JobSpec, worker_id: int, device: str | None, inbox: Inbox, channel: Channel, store: RemoteStore
+    spec: p.JobSpec,
+    payload: list[bytes],
+    worker_id: int,
+    device: str | None,
+    inbox: Inbox,
+    channel: Channel,
+    store: RemoteStore,
 ) -> Collective | None:
     """Set up, join, train to the schedule's end, report and hand over the final state on request."""
-    job, context, device = _set_up(spec, worker_id, device, inbox)
+    job, context, device = _set_up(spec, payload, worker_id, device, inbox)
     config, plan = spec.config, spec.plan
     timeouts: Timeouts = config.timeouts
     datasets = job.get_datasets()
@@ -116,6 +130,8 @@ def _train(
     loop = TrainingLoop(job, config, plan, channel, inbox, collective, datasets, context)
     if not _join(loop, inbox, channel, timeouts):
         return collective
+    if config.keep_freed_memory:  # what set-up and the pull freed, not the steps' memory
+        release_free_memory()
     loop.run_joined()
     loop.uploads.flush(timeouts.recovery)  # the last checkpoint reaches the driver before Finished
     model_state, optimizer_state = job.adapter.model_state(), loop.extras.pack(job.adapter.optimizer_state())
@@ -159,10 +175,13 @@ def run(address: tuple[str, int], secret: bytes, worker_id: int | None, device: 
         if worker_id is None:
             worker_id = inbox.expect(p.Assigned, start).worker_id
         spec = inbox.expect(p.JobSpec, start)
+        # The pickled job (the model's weights among it) is read once: keep the spec without it.
+        payload = [spec.payload]
+        spec = dataclasses.replace(spec, payload=b"")
         heartbeat.interval = heartbeat_interval(spec.config.timeouts.heartbeat)
         # The store shares the control plane's address and secret (docs/architecture.md, "Processes").
         store = RemoteStore(address, secret, worker_id, timedelta(seconds=spec.config.timeouts.collective))
-        collective = _train(spec, worker_id, device, inbox, channel, store)
+        collective = _train(spec, payload, worker_id, device, inbox, channel, store)
         return 0
     except BaseException as exc:  # report everything, KeyboardInterrupt included, then exit
         _report_failure(channel, exc)

@@ -185,6 +185,7 @@ def run_warm_job(tmp_path: Path, *flags: str, mode: str | None = None) -> tuple[
         env["FABRIC_MODEL_WARM_START"] = mode
     done = subprocess.run(
         [sys.executable, "-m", "tests.warm_job", str(out), str(run), *flags],
+        cwd=Path(__file__).resolve().parents[1],  # where tests.warm_job imports from, wherever pytest runs
         env=env,
         capture_output=True,
         text=True,

@@ -222,15 +222,12 @@ class FabricModel(InferenceMixin):
         """
         from .display import check_verbose
 
+        ray_cluster = None
         try:
             verbose = check_verbose(verbose)
             v.check_bool("tensorboard", tensorboard)
             host = chosen_bind_address(bind_address)  # checked before anything starts
             ray_cluster = open_cluster(check_cluster(cluster))  # a bad value fails here, before anything starts
-        except BaseException:
-            self._drop_warm()  # a train() that fails leaves no process behind (the next starts its own)
-            raise
-        try:
             loop = LoopOptions(
                 num_dataloader_threads, validation_freq, checkpoint_freq, keep_checkpoints, deterministic
             )
@@ -241,7 +238,7 @@ class FabricModel(InferenceMixin):
             setup = dataclasses.replace(setup, bind_address=host or (ray_cluster.host if ray_cluster else LOOPBACK))
             return self._run(setup, adapter, train_set, open_run(run_dir, setup), ray_cluster, (verbose, tensorboard))
         except BaseException:
-            self._drop_warm()
+            self._drop_warm()  # a train() that fails leaves no process behind (the next starts its own)
             raise
         finally:
             if ray_cluster is not None:

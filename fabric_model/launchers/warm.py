@@ -25,7 +25,6 @@ with it (``PR_SET_PDEATHSIG`` again), so no process outlives the caller on any p
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import gc
 import importlib
@@ -42,21 +41,11 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from ..native import die_with_parent
+
 #: What every worker imports before its first step; ``torch`` jobs add their adapter.
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "numpy", "cloudpickle", "fabric_model.worker.main")
 PRELOAD_BY_FRAMEWORK = {"torch": ("fabric_model.frameworks.torch_adapter",)}
-
-
-def die_with_parent() -> None:
-    """SIGKILL this process when its parent dies (Linux); exit at once if it already has."""
-    parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-    if os.getppid() != parent or parent == 1:
-        os._exit(1)
 
 
 def exit_code(status: int) -> int:

@@ -13,9 +13,9 @@ between steps. See docs/architecture.md, "Worker memory".
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
-import sys
+
+from ..native import libc
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +37,9 @@ def keep_freed_memory() -> bool:
     ``FABRIC_MODEL_KEEP_FREED_MEMORY`` (``config.keep_freed_memory_setting``, read in the
     caller) decides whether a worker calls it.
     """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):  # not glibc
+    library = libc()
+    mallopt = getattr(library, "mallopt", None)
+    if mallopt is None:  # not Linux glibc
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # Setting either threshold turns off glibc's dynamic adjustment, which would otherwise
@@ -56,9 +54,6 @@ def release_free_memory() -> None:
     """Hand the kernel the free memory of the heap now (``malloc_trim``): what setting up and
     joining used once (the unpickled job's bytes, the pulled state) would otherwise stay
     resident under a threshold that never trims. The steps then keep only their own."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    trim = getattr(libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)

@@ -9,7 +9,6 @@ docs/architecture.md, "Processes".
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import os
@@ -33,6 +32,7 @@ from ..digest import state_digest
 from ..errors import encode_exception, user_traceback
 from ..frameworks.tf_quiet import quiet_tensorflow
 from ..job import Job
+from ..native import die_with_parent
 from ..network import select_interfaces
 from ..remote_store import RemoteStore
 from . import cli
@@ -41,19 +41,6 @@ from .inbox import Heartbeat, Inbox
 from .loop import TrainingLoop
 
 log = logging.getLogger(__name__)
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when the driver that launched it dies."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    if os.getppid() == 1:  # the driver died before prctl took effect
-        os._exit(1)
 
 
 def _join(loop: TrainingLoop, inbox: Inbox, channel: Channel, timeouts: Timeouts) -> bool:
@@ -198,7 +185,7 @@ def main(argv: list[str]) -> int:
     # TensorFlow's C++ INFO and WARNING chatter (oneDNN, CPU features) off unless the user asks for it.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if os.environ.get(p.LAUNCHED_ENV):
-        _die_with_parent()
+        die_with_parent()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver owns Ctrl-C and stops us
     logging.basicConfig(level=logging.INFO, format="[worker] %(asctime)s %(levelname)s %(name)s: %(message)s")
     # Collectives go out on the interface that routes to the driver (docs/architecture.md, "Processes").

@@ -22,7 +22,7 @@ import sys
 from typing import Any
 
 from .config import EngineSizing, _usable_cores
-from .protocol import CPU_WORKERS_ENV, CUDA_VISIBLE_ENV
+from .protocol import CPU_WORKERS_ENV, CUDA_VISIBLE_ENV, WORKERS_PER_GPU_ENV
 
 log = logging.getLogger("fabric_model")
 
@@ -75,7 +75,17 @@ def worker_gpu_count() -> int:
 
 def cpu_workers_from_environment() -> int | None:
     """``FABRIC_MODEL_CPU_WORKERS`` as a positive int, or None when unset."""
-    raw = os.environ.get(CPU_WORKERS_ENV)
+    return _positive_setting(CPU_WORKERS_ENV)
+
+
+def workers_per_gpu() -> int:
+    """``FABRIC_MODEL_WORKERS_PER_GPU``: how many local workers may share one GPU (default 1)."""
+    return _positive_setting(WORKERS_PER_GPU_ENV) or 1
+
+
+def _positive_setting(name: str) -> int | None:
+    """The variable ``name`` as a positive int, or None when unset or empty."""
+    raw = os.environ.get(name)
     if raw is None or raw == "":
         return None
     try:
@@ -83,8 +93,14 @@ def cpu_workers_from_environment() -> int | None:
     except ValueError:
         value = 0
     if value < 1:
-        raise ValueError(f"Expected {CPU_WORKERS_ENV} to be a positive integer. Received: {CPU_WORKERS_ENV}={raw!r}")
+        raise ValueError(f"Expected {name} to be a positive integer. Received: {name}={raw!r}")
     return value
+
+
+def collective_backend(gpus: int, per_gpu: int = 1) -> str:
+    """NCCL when every worker has a GPU of its own, else gloo (on CUDA tensors where workers
+    share a GPU: NCCL refuses two ranks on one device, "Duplicate GPU detected")."""
+    return "nccl" if gpus and per_gpu == 1 else "gloo"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,10 +113,12 @@ class WorkerCap:
     line: str
 
 
-def cap_workers(requested: int, *, gpus: int, cores: int, cpu_workers: int | None) -> WorkerCap:
-    """``min(requested, devices)``: GPUs where there are any, else usable cores or ``cpu_workers``."""
+def cap_workers(requested: int, *, gpus: int, cores: int, cpu_workers: int | None, per_gpu: int = 1) -> WorkerCap:
+    """``min(requested, devices)``: GPUs (``per_gpu`` workers each) where there are any, else
+    usable cores or ``cpu_workers``."""
     if gpus > 0:
-        limit, device, what = gpus, "gpu", f"{gpus} GPU(s)"
+        shared = f", {WORKERS_PER_GPU_ENV}={per_gpu}" if per_gpu > 1 else ""
+        limit, device, what = gpus * per_gpu, "gpu", f"{gpus} GPU(s){shared}"
     elif cpu_workers is not None:
         limit, device, what = cpu_workers, "cpu", f"{CPU_WORKERS_ENV}={cpu_workers}"
     else:
@@ -114,6 +132,8 @@ def cap_workers(requested: int, *, gpus: int, cores: int, cpu_workers: int | Non
     )
     if capped and device == "cpu" and cpu_workers is None:
         why += f" (set {CPU_WORKERS_ENV}=N for more CPU workers)"
+    elif capped and device == "gpu":
+        why += f" (set {WORKERS_PER_GPU_ENV}=N to share each GPU among N workers)"
     return WorkerCap(workers, device, capped, f"fabric_model: starting {workers} worker(s) on {device.upper()}: {why}.")
 
 
@@ -137,6 +157,7 @@ def place_workers(sizing: EngineSizing, ray_cluster: Any = None) -> tuple[Engine
 def _cap_by_devices(sizing: EngineSizing, gpus: int) -> EngineSizing:
     """``engines_number`` as a cap on the devices; says in one line how many workers start, and why."""
     cpu_workers = cpu_workers_from_environment()  # read once, here, in the caller
-    cap = cap_workers(sizing.max_workers, gpus=gpus, cores=_usable_cores(), cpu_workers=cpu_workers)
+    per_gpu = workers_per_gpu()
+    cap = cap_workers(sizing.max_workers, gpus=gpus, cores=_usable_cores(), cpu_workers=cpu_workers, per_gpu=per_gpu)
     report(cap)
     return dataclasses.replace(sizing, max_workers=cap.workers)

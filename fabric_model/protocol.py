@@ -41,6 +41,8 @@ REPLACE_WORKERS_ENV = "EDT_REPLACE_WORKERS"
 PULL_FAILED_LIMITS_ENV = "EDT_PULL_FAILED_LIMITS"
 #: ``N``: on a host without a GPU, allow up to N CPU workers (default: one per usable core).
 CPU_WORKERS_ENV = "FABRIC_MODEL_CPU_WORKERS"
+#: ``N``: up to N local workers share each GPU (default 1); shared GPUs reduce over gloo, not NCCL.
+WORKERS_PER_GPU_ENV = "FABRIC_MODEL_WORKERS_PER_GPU"
 #: The GPUs a process may use; the launcher drops it for workers when the script changed it.
 CUDA_VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 #: Rank 0 uploads a snapshot of the state every this many committed steps (0: not by steps).

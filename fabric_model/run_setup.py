@@ -15,6 +15,7 @@ from . import compat
 from . import validation as v
 from .config import EngineSizing, Timeouts, TrainConfig, keep_freed_memory_setting, size_engines, threads_per_worker
 from .data import is_batch_level
+from .devices import collective_backend, workers_per_gpu
 from .job import Job
 from .job import dumps as dump_job
 from .rundir import RunDirectory
@@ -127,13 +128,14 @@ def train_config(
         validation_freq=loop.validation_freq,
         checkpoint_freq=loop.checkpoint_freq,
         timeouts=Timeouts.from_environment(),  # read once, here; every worker gets the same bounds
-        backend="nccl" if gpus else "gloo",  # as the workers will see the GPUs
+        backend=collective_backend(gpus, workers_per_gpu()),  # as the workers will see the GPUs
         keep_freed_memory=keep_freed_memory_setting(),
     )
 
 
 def slot_devices(count: int, gpus: int) -> list[str | None]:
-    """One device per worker slot: the local GPUs (``count`` is capped at ``gpus``), else the CPU."""
+    """One device per worker slot: the local GPUs in turn (``count`` is capped at ``gpus`` times
+    ``FABRIC_MODEL_WORKERS_PER_GPU``), else the CPU."""
     return [f"cuda:{i % gpus}" if gpus else "cpu" for i in range(count)]
 
 

@@ -52,10 +52,12 @@ def reference_train(
     loss_fn=F.cross_entropy,
     autocast: torch.dtype | None = None,
     scaler: torch.amp.GradScaler | None = None,
+    device: str = "cpu",
 ):
     """A plain single-process loop over the documented plan: same global batches, same order,
     the gradient of each global batch's mean loss, dropout seeded per micro-batch; the forward
-    under ``autocast`` and the loss through ``scaler`` if given (the optimizer then unscales and steps)."""
+    under ``autocast`` and the loss through ``scaler`` if given (the optimizer then unscales and steps);
+    each batch moved to ``device`` (where the caller put the model)."""
     plan = Plan(len(dataset), batch_size, micro_batches, seed)
     model.train()
     for epoch in range(epochs):
@@ -65,9 +67,9 @@ def reference_train(
             total = plan.step_samples(epoch, step)
             for j in range(plan.num_micro_batches(epoch, step)):
                 idx = plan.micro_batch_indices(epoch, step, j, perm)
-                x, y = default_collate([dataset[int(i)] for i in idx])
-                torch.manual_seed(micro_batch_seed(seed, epoch, step, j))
-                with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                x, y = (t.to(device) for t in default_collate([dataset[int(i)] for i in idx]))
+                torch.manual_seed(micro_batch_seed(seed, epoch, step, j))  # the CUDA generators too
+                with torch.autocast(torch.device(device).type, dtype=autocast, enabled=autocast is not None):
                     loss = loss_fn(model(x), y) * (len(idx) / total)
                 (loss if scaler is None else scaler.scale(loss)).backward()
             optimizer.step()

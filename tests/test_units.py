@@ -125,6 +125,21 @@ def test_engines_number_is_a_cap_on_the_devices():
     assert (s.micro_batches, s.global_batch) == (16, 512)
 
 
+def test_workers_may_share_a_gpu_and_then_reduce_over_gloo(monkeypatch):
+    """NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): shared GPUs reduce over gloo."""
+    from fabric_model.devices import cap_workers, collective_backend, workers_per_gpu
+
+    assert _cap(3, gpus=1, cores=2, cpu_workers=None, per_gpu=2) == (2, "gpu", True)
+    assert _cap(2, gpus=1, cores=2, cpu_workers=None, per_gpu=2) == (2, "gpu", False)
+    assert "FABRIC_MODEL_WORKERS_PER_GPU" in cap_workers(2, gpus=1, cores=2, cpu_workers=None).line
+    assert (collective_backend(1), collective_backend(4), collective_backend(0)) == ("nccl", "nccl", "gloo")
+    assert collective_backend(1, per_gpu=2) == "gloo"
+    assert workers_per_gpu() == 1
+    monkeypatch.setenv("FABRIC_MODEL_WORKERS_PER_GPU", "0")
+    with pytest.raises(ValueError, match="FABRIC_MODEL_WORKERS_PER_GPU='0'"):
+        workers_per_gpu()
+
+
 def test_cpu_workers_variable_is_checked(monkeypatch):
     from fabric_model.devices import cpu_workers_from_environment
 

@@ -33,11 +33,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fabric_model import protocol as p  # noqa: E402
-from fabric_model.checkpoint import encode_state, state_record  # noqa: E402
-from fabric_model.control import ControlServer, connect  # noqa: E402
-from fabric_model.plan import Plan, Schedule  # noqa: E402
-from fabric_model.worker.snapshots import CHUNK_BYTES, _copy  # noqa: E402
+from fabric_model.state.checkpoint import encode_state, state_record  # noqa: E402
+from fabric_model.state.uploader import CHUNK_BYTES, _copy  # noqa: E402
+from fabric_model.step.plan import Plan, Schedule  # noqa: E402
+from fabric_model.transport import protocol as p  # noqa: E402
+from fabric_model.transport.control import ControlServer, connect  # noqa: E402
 
 
 def models() -> dict[str, tuple[nn.Module, int]]:

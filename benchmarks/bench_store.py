@@ -29,11 +29,11 @@ def rank(kind: str, address: tuple[str, int], r: int, conn: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    from fabric_model.collective import Collective
+    from fabric_model.transport.collective import Collective
 
     store: Any
     if kind == "remote":
-        from fabric_model.remote_store import RemoteStore
+        from fabric_model.transport.store.client import RemoteStore
 
         store = RemoteStore(address, SECRET, r, timedelta(seconds=30))
     else:
@@ -57,8 +57,8 @@ def bench(kind: str) -> None:
 
     service = server = tcp = None
     if kind == "remote":
-        from fabric_model.control import ControlServer
-        from fabric_model.store_service import StoreService
+        from fabric_model.transport.control import ControlServer
+        from fabric_model.transport.store.server import StoreService
 
         service = StoreService()
         server = ControlServer(SECRET, store=service)

@@ -5,12 +5,12 @@ FabricModel(model, datasets_function, loss_function, optimizer).train(epochs, ba
 """
 
 from .api import FabricModel, TrainResult
-from .best_checkpoints import BestCheckpoints
 from .callbacks import Callback, EarlyStopping
 from .context import WorkerContext, worker_context
 from .errors import JobError, WorkerError
-from .frameworks.tf_quiet import quiet_tensorflow
-from .plan import epoch_permutation, micro_batch_seed
+from .frameworks.keras.quiet import quiet_tensorflow
+from .state.best import BestCheckpoints
+from .step.plan import epoch_permutation, micro_batch_seed
 
 __all__ = [
     "FabricModel",

@@ -68,13 +68,13 @@ def main(argv: list[str] | None = None) -> int:
         return worker_main(args_list[1:])
     args = top.parse_args(args_list)
     if args.command in ("status", "plot"):
-        from .run_summary import status_table, summarize
+        from .run.status import status_table, summarize
 
         try:
             if args.command == "status":
                 print(status_table(summarize(args.run_dir)))
             else:
-                from .plot import plot_run
+                from .run.plot import plot_run
 
                 print(plot_run(args.run_dir, args.output))
         except (FileNotFoundError, ImportError) as exc:

@@ -11,25 +11,35 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .callbacks import Callback
+from .inference import InferenceMixin
+from .run.hooks import Hooks
+from .run.rundir import RunDirectory
+from .setup import checks as v
+from .setup import compat, run_setup
+from .setup.cluster import check_cluster, open_cluster
+from .setup.constructor_checks import check_constructor_arguments
+from .setup.devices import place_workers
+from .setup.job import Job
+from .setup.run_setup import (
+    LoopOptions,
+    check_train_arguments,
+    open_run,
+    serialize_job,
+    size_run,
+    slot_devices,
+    train_config,
+)
+
 # Light modules only: `import fabric_model` must not import torch (and so torch.distributed).
 # The framework, checkpoints and the driver are imported inside the functions that use them.
-from . import checkpoint, compat, run_setup
-from . import validation as v
-from .best_checkpoints import best_of, check_monitors
-from .callbacks import Callback
-from .cluster import check_cluster, open_cluster
-from .constructor_checks import check_constructor_arguments
-from .devices import place_workers
-from .hooks import Hooks
-from .inference import InferenceMixin
-from .job import Job
-from .loop_state import LoopState, check_lr_scheduler
-from .network import DEFAULT_BIND_ADDRESS as LOOPBACK
-from .network import chosen_bind_address
-from .plan import Plan
-from .run_setup import LoopOptions, check_train_arguments, open_run, serialize_job, size_run, slot_devices, train_config
-from .rundir import RunDirectory
-from .step_options import check_step_options
+from .state import checkpoint
+from .state.best import best_of, check_monitors
+from .step.loop_state import LoopState, check_lr_scheduler
+from .step.options import check_step_options
+from .step.plan import Plan
+from .transport.network import DEFAULT_BIND_ADDRESS as LOOPBACK
+from .transport.network import chosen_bind_address
 
 if TYPE_CHECKING:
     from .driver.driver import DriverSetup
@@ -190,7 +200,7 @@ class FabricModel(InferenceMixin):
             batch_size: samples per micro-batch (per device).
             engines_number: the most devices the job may use; the global batch is
                 ``batch_size * engines_number``. ``min(engines_number, devices)`` workers start
-                (see :mod:`fabric_model.devices`), accumulating micro-batches to keep the global
+                (see :mod:`fabric_model.setup.devices`), accumulating micro-batches to keep the global
                 batch. Default: one per local GPU (1 on CPU).
             num_dataloader_threads: threads per worker reading upcoming micro-batches (0: none).
                 Default: none for a dataset read in one gather (a ``TensorDataset``, one with
@@ -198,7 +208,7 @@ class FabricModel(InferenceMixin):
             validation_freq: validate after every ``validation_freq``-th epoch.
             checkpoint_freq: checkpoint after every ``checkpoint_freq``-th epoch (0: never).
             effective_batch_size: the global batch, a multiple of ``batch_size``; see
-                :func:`fabric_model.config.size_engines` for how it combines with engines_number.
+                :func:`fabric_model.setup.config.size_engines` for how it combines with engines_number.
             seed: the run's seed; by default drawn from the framework's global generator, so
                 ``torch.manual_seed(0)`` or ``keras.utils.set_random_seed(0)`` makes a run reproducible.
             run_dir: where logs go; default ``$RESULT_DIR`` or ``./fabric_runs/<run-id>``.
@@ -220,7 +230,7 @@ class FabricModel(InferenceMixin):
                 faults and resumes (exact fixed-point step sums, one intra-op thread per CPU worker:
                 README, "Deterministic training"). Default: equal to float32 rounding, faster.
         """
-        from .display import check_verbose
+        from .run.display import check_verbose
 
         ray_cluster = None
         try:
@@ -254,9 +264,9 @@ class FabricModel(InferenceMixin):
         display: tuple[int, bool],
     ) -> TrainResult:
         """Train with the driver (workers local or on ``ray_cluster``), then hand the result over."""
-        from .display import run_with_display
         from .driver.driver import Driver  # torch.distributed is imported only once training starts
         from .launchers.local import local_launcher_factory
+        from .run.display import run_with_display
 
         # Local workers fork from the job's warm process (docs/architecture.md, "Start-up").
         warm = None if ray_cluster else self._take_warm(run)
@@ -332,7 +342,7 @@ class FabricModel(InferenceMixin):
         framework.hand_over(adapter)  # Keras: the model comes back compiled
         if not self.save_to_onnx:
             return None
-        from .export import export_final_model
+        from .frameworks.export import export_final_model
 
         onnx_diff = export_final_model(framework, self.model, adapter, train_set, run)
         if onnx_diff is not None:  # the progress display shows it (a user's logger may take note() too)
@@ -371,7 +381,7 @@ class FabricModel(InferenceMixin):
         )
         framework = self._framework
         if self.save_to_onnx:
-            from .export import check_onnx_available
+            from .frameworks.export import check_onnx_available
 
             check_onnx_available(framework, self.model)  # a missing package fails now, not after training
         train_set, test_set = v.check_datasets(self.datasets_function)

@@ -11,7 +11,7 @@ these methods (missing ones are skipped):
 - ``log_test_metrics(metrics, iteration, epoch)``: after each validation.
 
 IBM's older ``log_train_metrics(loss, acc, completed_batch, worker=0)`` is accepted too. One
-dispatcher, :class:`fabric_model.hooks.Hooks`, calls loggers, callbacks and the progress
+dispatcher, :class:`fabric_model.run.hooks.Hooks`, calls loggers, callbacks and the progress
 display (docs/architecture.md, "Hooks").
 """
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from . import validation as v
-from .data import is_batch_level
+from .setup import checks as v
+from .step.data import is_batch_level
 
 
 class InferenceMixin:

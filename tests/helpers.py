@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import default_collate
 
-from fabric_model.plan import Plan, epoch_permutation, micro_batch_seed
+from fabric_model.step.plan import Plan, epoch_permutation, micro_batch_seed
 
 
 def make_data(n: int = 240, features: int = 12, classes: int = 3, seed: int = 0) -> list[tuple[torch.Tensor, int]]:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from fabric_model import FabricModel
-from fabric_model.plan import Plan
+from fabric_model.step.plan import Plan
 
 from .helpers import fresh_model_and_optimizer, make_data
 

@@ -17,8 +17,8 @@ from datetime import timedelta
 
 import torch
 
-from fabric_model.collective import Collective, CollectiveError
-from fabric_model.remote_store import RemoteStore
+from fabric_model.transport.collective import Collective, CollectiveError
+from fabric_model.transport.store.client import RemoteStore
 
 
 def main(host: str, port: str, worker_id: str) -> None:

@@ -22,8 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from fabric_model import FabricModel, control
-from fabric_model import protocol as p
-from fabric_model.checkpoint import (
+from fabric_model.state.checkpoint import (
     FORMAT,
     checkpoint_due,
     checkpoint_name,
@@ -36,8 +35,9 @@ from fabric_model.checkpoint import (
     state_record,
     write_checkpoint,
 )
-from fabric_model.plan import Plan, Schedule
+from fabric_model.step.plan import Plan, Schedule
 from fabric_model.testing import CheckpointFault, FaultInjector, Kill
+from fabric_model.transport import protocol as p
 
 from .helpers import fresh_model_and_optimizer, make_data, max_rel_diff, records, reference_train
 
@@ -145,7 +145,7 @@ def test_newest_complete_checkpoint_skips_temporary_and_corrupt_files(tmp_path, 
     (tmp_path / checkpoint_name(32)).write_bytes(whole[: len(whole) // 2])  # truncated
     (tmp_path / checkpoint_name(43)).write_bytes(b"not a checkpoint")
     (tmp_path / f".{checkpoint_name(54)}.1.tmp").write_bytes(whole)  # complete bytes, but never renamed
-    with caplog.at_level(logging.WARNING, logger="fabric_model.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="fabric_model.state.checkpoint"):
         info = newest_checkpoint(tmp_path)
     assert info is not None and info.unit == 21
     assert "skipping checkpoint" in caplog.text and checkpoint_name(32) in caplog.text

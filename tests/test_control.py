@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from fabric_model import control
-from fabric_model import protocol as p
+from fabric_model.transport import control
+from fabric_model.transport import protocol as p
 from fabric_model.worker.inbox import Heartbeat
 
 SECRET = b"s" * 32

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from fabric_model import Callback, FabricModel
-from fabric_model.plan import Plan
+from fabric_model.step.plan import Plan
 from fabric_model.testing import FaultInjector, Kill
 
 from .helpers import accuracy, fresh_model_and_optimizer, make_data, max_rel_diff, records, sample_indices_of_steps

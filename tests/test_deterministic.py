@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from fabric_model import FabricModel
-from fabric_model.exact_sum import HEADROOM_BITS, ExactSum
-from fabric_model.frameworks.torch_exact import ExactTorchAdapter
-from fabric_model.frameworks.torch_ordered import MAX_TERMS, OrderedTorchAdapter
-from fabric_model.run_setup import make_deterministic
+from fabric_model.frameworks.torch.exact import ExactTorchAdapter
+from fabric_model.frameworks.torch.ordered import MAX_TERMS, OrderedTorchAdapter
+from fabric_model.setup.run_setup import make_deterministic
+from fabric_model.step.exact_sum import HEADROOM_BITS, ExactSum
 from fabric_model.testing import FaultInjector, Hang, HoldForJoin, Kill
 
 from .helpers import make_data, records

@@ -23,8 +23,8 @@ from typing import Any
 import psutil
 import pytest
 
-from fabric_model.metrics_log import read_records
-from fabric_model.run_summary import summarize
+from fabric_model.run.metrics_log import read_records
+from fabric_model.run.status import summarize
 from fabric_model.testing import HoldForJoin, Kill
 from tests.conftest import wait_gone
 
@@ -245,7 +245,7 @@ def test_verbose_and_tensorboard_are_checked_in_the_caller(tmp_path):
 
 
 def test_the_event_file_framing_uses_crc32c():
-    from fabric_model.tb_events import crc32c
+    from fabric_model.run.tb_events import crc32c
 
     assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
     assert crc32c(b"") == 0
@@ -255,7 +255,7 @@ def test_the_event_file_framing_uses_crc32c():
 def test_a_resumed_run_s_csv_has_each_epoch_once(tmp_path):
     """Epochs 1-3 written, then the run resumes from the checkpoint after epoch 1: epoch 2's row
     is replaced by the redone epoch's, epoch 3's goes (it will be trained again), the header stays."""
-    from fabric_model.run_record import RunRecorder
+    from fabric_model.run.recorder import RunRecorder
 
     def run(epochs: range, loss: float) -> None:
         recorder = RunRecorder(tmp_path / "tb", tmp_path / "metrics.csv", ["loss"], 8, 2)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from fabric_model import FabricModel
-from fabric_model.plan import Plan
+from fabric_model.step.plan import Plan
 from fabric_model.testing import FailCollective, FaultInjector, Hang, HoldForJoin, Kill, WorkerStarter
 
 from .helpers import (

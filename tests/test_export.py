@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from fabric_model.export import ExportError, export_onnx, onnx_max_diff
+from fabric_model.frameworks.export import ExportError, export_onnx, onnx_max_diff
 
 TOLERANCE = 1e-4
 
@@ -81,7 +81,7 @@ def test_torch_cnn_agrees_at_other_batch_sizes(onnx_deps, tmp_path, caplog):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     path = tmp_path / "model" / "model.onnx"
 
-    with caplog.at_level(logging.INFO, logger="fabric_model.export"):
+    with caplog.at_level(logging.INFO, logger="fabric_model.frameworks.export"):
         diff = export_onnx("torch", model, torch.randn(4, 1, 8, 8), path)
 
     assert diff < TOLERANCE

@@ -17,8 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fabric_model import FabricModel
-from fabric_model.checkpoint import list_checkpoints
-from fabric_model.plan import Plan
+from fabric_model.state.checkpoint import list_checkpoints
+from fabric_model.step.plan import Plan
 from fabric_model.testing import FaultInjector, HoldForJoin, Kill
 
 from .helpers import make_data, max_rel_diff, records, reference_train, sample_indices_of_steps

@@ -25,9 +25,9 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from fabric_model import control
-from fabric_model import protocol as p
 from fabric_model.testing import Kill
+from fabric_model.transport import control
+from fabric_model.transport import protocol as p
 
 from . import ray_job
 from .helpers import fresh_model_and_optimizer, max_rel_diff, reference_train

@@ -21,8 +21,8 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from fabric_model import FabricModel  # noqa: E402
-from fabric_model.frameworks.keras_adapter import collate_numpy  # noqa: E402
-from fabric_model.plan import Plan, epoch_permutation  # noqa: E402
+from fabric_model.frameworks.keras.adapter import collate_numpy  # noqa: E402
+from fabric_model.step.plan import Plan, epoch_permutation  # noqa: E402
 from fabric_model.testing import FaultInjector, HoldForJoin, Kill, WorkerStarter  # noqa: E402
 
 from .helpers import IndexRecordingDataset, reads_by_pid, records, sample_indices_of_steps  # noqa: E402
@@ -316,7 +316,7 @@ def test_instances_are_checked_too():
 
 
 def test_metrics_are_labelled_as_given(run_dir):
-    from fabric_model.frameworks.keras_adapter import KerasAdapter
+    from fabric_model.frameworks.keras.adapter import KerasAdapter
 
     adapter = KerasAdapter(mlp(), "sgd", "mse", ["mae", "acc", keras.metrics.MeanSquaredError(name="my_mse"), "mae"])
     assert adapter.stat_names == ["loss", "mae", "acc", "my_mse", "mae_2"]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from fabric_model import protocol as p
 from fabric_model.driver.commands import Formed, Kill, Limits, RestorePoint, RollBack, Send, Settle, Start
 from fabric_model.driver.membership import USER_ERROR_LIMIT, Membership, WorkerState
 from fabric_model.errors import JobError
+from fabric_model.transport import protocol as p
 
 HEARTBEAT, RECOVERY, START = 10.0, 120.0, 120.0
 

@@ -15,9 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from fabric_model import control
-from fabric_model import protocol as p
-from fabric_model.network import advertised_address, interface_addresses, resolve_bind_address, select_interfaces
+from fabric_model.transport import control
+from fabric_model.transport import protocol as p
+from fabric_model.transport.network import (
+    advertised_address,
+    interface_addresses,
+    resolve_bind_address,
+    select_interfaces,
+)
 
 from . import multihost_job as job
 from . import netns

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fabric_model import FabricModel
-from fabric_model.step_options import check_step_options
+from fabric_model.step.options import check_step_options
 from fabric_model.testing import FaultInjector, HoldForJoin, Kill
 
 from .helpers import fresh_model_and_optimizer, make_data, max_rel_diff, records, reference_train

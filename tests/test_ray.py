@@ -21,7 +21,7 @@ import pytest
 import torch.nn.functional as F
 
 from fabric_model import FabricModel
-from fabric_model.plan import Plan
+from fabric_model.step.plan import Plan
 
 from .helpers import fresh_model_and_optimizer, max_rel_diff, records, reference_train, sample_indices_of_steps
 from .ray_cluster import NODE, RAY_ENV, cluster_fixture, require_ray, two_nodes_fixture  # noqa: F401 (fixtures)
@@ -185,7 +185,7 @@ def test_the_uploaded_folder_is_the_scripts_never_a_command_folder(monkeypatch, 
 
 def test_import_and_local_runs_never_import_ray():
     code = (
-        "import sys, fabric_model, fabric_model.cluster as c; assert c.check_cluster(None) == 'local';"
+        "import sys, fabric_model, fabric_model.setup.cluster as c; assert c.check_cluster(None) == 'local';"
         "from fabric_model.launchers import local; import fabric_model.driver.driver;"
         "print(json.dumps('ray' in sys.modules))"
     )

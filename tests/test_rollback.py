@@ -11,14 +11,14 @@ import pytest
 import torch.nn.functional as F
 
 from fabric_model import FabricModel
-from fabric_model import protocol as p
-from fabric_model.checkpoint import checkpoint_name, decode_state, encode_state, state_record
-from fabric_model.config import Timeouts
-from fabric_model.driver.checkpoints import CheckpointBook
-from fabric_model.driver.snapshots import StateBook
-from fabric_model.plan import Plan, Schedule
+from fabric_model.setup.config import Timeouts
+from fabric_model.state.book import StateBook
+from fabric_model.state.checkpoint import checkpoint_name, decode_state, encode_state, state_record
+from fabric_model.state.uploader import StateUploader
+from fabric_model.state.writer import CheckpointBook
+from fabric_model.step.plan import Plan, Schedule
 from fabric_model.testing import FaultInjector, Hang, Kill
-from fabric_model.worker.snapshots import StateUploader
+from fabric_model.transport import protocol as p
 
 from .helpers import (
     final_train_records,

@@ -10,10 +10,10 @@ import pytest
 
 from fabric_model.callbacks import Callback
 from fabric_model.context import WorkerContext
-from fabric_model.hooks import Hooks, OldStyleLogger
-from fabric_model.metrics_log import MetricsLog, read_records
-from fabric_model.plan import Plan, Schedule
-from fabric_model.rundir import RunDirectory, atomic_write
+from fabric_model.run.hooks import Hooks, OldStyleLogger
+from fabric_model.run.metrics_log import MetricsLog, read_records
+from fabric_model.run.rundir import RunDirectory, atomic_write
+from fabric_model.step.plan import Plan, Schedule
 from fabric_model.testing import CheckpointFault, FailCollective, FaultInjector
 
 PLAN = Plan(num_samples=40, batch_size=4, micro_batches=2, seed=3)  # 5 steps an epoch
@@ -239,7 +239,7 @@ class FakeCollective:
 
 
 def test_wrapped_collective_fires_a_collective_failure_once(tmp_path, monkeypatch):
-    from fabric_model.collective import CollectiveError
+    from fabric_model.transport.collective import CollectiveError
 
     real = FakeCollective()
     collective = Hooks.for_worker(FaultInjector([FailCollective(worker=5, step=3)], tmp_path)).wrap_collective(real)

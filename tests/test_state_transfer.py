@@ -8,8 +8,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from fabric_model.collective import Collective
-from fabric_model.worker.state_transfer import broadcast_state
+from fabric_model.state.transfer import broadcast_state
+from fabric_model.transport.collective import Collective
 
 from .helpers import fresh_model_and_optimizer
 

@@ -16,8 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset, default_collate
 
-from fabric_model.data import PrefetchLoader, fetch, loader_threads, reads_at_once
-from fabric_model.frameworks.torch_adapter import TorchAdapter
+from fabric_model.frameworks.torch.adapter import TorchAdapter
+from fabric_model.step.data import PrefetchLoader, fetch, loader_threads, reads_at_once
 
 
 class OneOfTwo:

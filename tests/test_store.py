@@ -19,11 +19,11 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from fabric_model import control
-from fabric_model import protocol as p
-from fabric_model.remote_store import RemoteStore
-from fabric_model.store_service import StoreService
-from fabric_model.store_wire import Op, encode
+from fabric_model.transport import control
+from fabric_model.transport import protocol as p
+from fabric_model.transport.store.client import RemoteStore
+from fabric_model.transport.store.server import StoreService
+from fabric_model.transport.store.wire import Op, encode
 
 SECRET = b"k" * 32
 

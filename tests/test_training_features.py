@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from fabric_model import BestCheckpoints, Callback, EarlyStopping, FabricModel
-from fabric_model.checkpoint import list_checkpoints
+from fabric_model.state.checkpoint import list_checkpoints
 from fabric_model.testing import FaultInjector, HoldForJoin, Kill
 
 from .helpers import fresh_model_and_optimizer, make_data, max_rel_diff, records, reference_train
@@ -190,8 +190,8 @@ def test_the_loop_state_round_trips_through_weights_only_and_logs_reach_only_who
     gets ``logs`` only where it has a ``logs`` parameter (IBM's signature is called with the epoch)."""
     import io
 
-    from fabric_model.hooks import Hooks
-    from fabric_model.loop_state import LoopState, check_lr_scheduler
+    from fabric_model.run.hooks import Hooks
+    from fabric_model.step.loop_state import LoopState, check_lr_scheduler
 
     def make():
         model, opt = fresh_model_and_optimizer()

@@ -7,11 +7,11 @@ import warnings
 import numpy as np
 import pytest
 
-from fabric_model.config import size_engines, threads_per_worker
-from fabric_model.digest import state_digest
 from fabric_model.errors import RemoteTraceback, WorkerError, encode_exception, rebuild_exception
-from fabric_model.metrics import EpochAverage, stat_means
-from fabric_model.plan import Plan, assigned_micro_batches, epoch_permutation, eval_batches, micro_batch_seed
+from fabric_model.setup.config import size_engines, threads_per_worker
+from fabric_model.step.digest import state_digest
+from fabric_model.step.metrics import EpochAverage, stat_means
+from fabric_model.step.plan import Plan, assigned_micro_batches, epoch_permutation, eval_batches, micro_batch_seed
 
 
 def test_plan_cuts_every_epoch_into_exactly_once_micro_batches():
@@ -104,7 +104,7 @@ def test_rebuilt_exception_keeps_type_and_remote_traceback():
 
 
 def _cap(requested: int, **kw: int | None) -> tuple[int, str, bool]:
-    from fabric_model.devices import cap_workers
+    from fabric_model.setup.devices import cap_workers
 
     c = cap_workers(requested, **kw)  # type: ignore[arg-type]
     return c.workers, c.device, c.capped
@@ -112,7 +112,7 @@ def _cap(requested: int, **kw: int | None) -> tuple[int, str, bool]:
 
 def test_engines_number_is_a_cap_on_the_devices():
     """IBM's engines_number is the most devices a job may use; the global batch is kept by accumulation."""
-    from fabric_model.devices import cap_workers
+    from fabric_model.setup.devices import cap_workers
 
     cap = cap_workers(16, gpus=0, cores=2, cpu_workers=None)  # a script's default of 16 on a 2-core host
     assert (cap.workers, cap.device, cap.capped) == (2, "cpu", True)
@@ -127,7 +127,7 @@ def test_engines_number_is_a_cap_on_the_devices():
 
 def test_workers_may_share_a_gpu_and_then_reduce_over_gloo(monkeypatch):
     """NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): shared GPUs reduce over gloo."""
-    from fabric_model.devices import cap_workers, collective_backend, workers_per_gpu
+    from fabric_model.setup.devices import cap_workers, collective_backend, workers_per_gpu
 
     assert _cap(3, gpus=1, cores=2, cpu_workers=None, per_gpu=2) == (2, "gpu", True)
     assert _cap(2, gpus=1, cores=2, cpu_workers=None, per_gpu=2) == (2, "gpu", False)
@@ -141,7 +141,7 @@ def test_workers_may_share_a_gpu_and_then_reduce_over_gloo(monkeypatch):
 
 
 def test_cpu_workers_variable_is_checked(monkeypatch):
-    from fabric_model.devices import cpu_workers_from_environment
+    from fabric_model.setup.devices import cpu_workers_from_environment
 
     monkeypatch.setenv("FABRIC_MODEL_CPU_WORKERS", "3")
     assert cpu_workers_from_environment() == 3

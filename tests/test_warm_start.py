@@ -21,12 +21,12 @@ import pytest
 import torch.nn.functional as F
 
 from fabric_model import FabricModel
-from fabric_model.config import threads_per_worker
 from fabric_model.launchers.fork_safety import fork_blockers
 from fabric_model.launchers.local import worker_environment
 from fabric_model.launchers.warm_client import WarmProcess
-from fabric_model.protocol import LAUNCHED_ENV, SECRET_ENV
+from fabric_model.setup.config import threads_per_worker
 from fabric_model.testing import FaultInjector
+from fabric_model.transport.protocol import LAUNCHED_ENV, SECRET_ENV
 
 from .helpers import fresh_model_and_optimizer, make_data
 

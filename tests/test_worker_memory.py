@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fabric_model import Callback, FabricModel
-from fabric_model.protocol import KEEP_FREED_MEMORY_ENV
+from fabric_model.transport.protocol import KEEP_FREED_MEMORY_ENV
 
 from .helpers import make_data
 

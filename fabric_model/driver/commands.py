@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
-from .. import protocol as p
+from ..transport import protocol as p
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,23 +18,23 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import protocol as p
-from ..best_checkpoints import BestCheckpoints, epoch_logs
-from ..checkpoint import CheckpointInfo
-from ..config import TrainConfig
-from ..control import ControlServer
 from ..errors import rebuild_exception
 from ..launchers.base import Launcher
 from ..launchers.local import LocalLauncher
-from ..metrics_log import MetricsLog
-from ..network import DEFAULT_BIND_ADDRESS, advertised_address
-from ..plan import Plan, Schedule
-from ..store_service import StoreService
-from .checkpoints import CheckpointBook
+from ..run.metrics_log import MetricsLog
+from ..setup.config import TrainConfig
+from ..state.best import BestCheckpoints, epoch_logs
+from ..state.book import StateBook
+from ..state.checkpoint import CheckpointInfo
+from ..state.writer import CheckpointBook
+from ..step.plan import Plan, Schedule
+from ..transport import protocol as p
+from ..transport.control import ControlServer
+from ..transport.network import DEFAULT_BIND_ADDRESS, advertised_address
+from ..transport.store.server import StoreService
 from .commands import Command, Formed, Kill, Limits, RollBack, Send, Settle, Start
+from .ledger import Progress
 from .membership import Membership
-from .progress import Progress
-from .snapshots import StateBook
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class DriverSetup:
     """Everything ``train()`` decided that the driver needs.
 
     Attributes:
-        payload: the cloudpickled :class:`~fabric_model.job.Job`.
+        payload: the cloudpickled :class:`~fabric_model.setup.job.Job`.
         config, plan: the run's configuration and plan.
         has_test: whether there is a test dataset (validation slots do work).
         stat_names: "loss" and the metrics, in the order of the step's stat sums.
@@ -68,7 +68,7 @@ class DriverSetup:
         keep_checkpoints: how many of the newest checkpoints to keep.
         resume: the checkpoint a resumed run continues from.
         bind_address: where the control plane and the store listen (checked by
-            :func:`fabric_model.network.resolve_bind_address`).
+            :func:`fabric_model.transport.network.resolve_bind_address`).
         max_workers: the most workers at once, hand-started ones included (engines_number);
             None: one per local slot.
         keep_best: which older checkpoints to keep by a monitored metric (a ``BestCheckpoints`` in ``user_callback``).
@@ -102,7 +102,7 @@ class Driver:
 
     Args:
         setup: what ``train()`` decided.
-        run_dir: the run directory (a :class:`~fabric_model.rundir.RunDirectory`).
+        run_dir: the run directory (a :class:`~fabric_model.run.rundir.RunDirectory`).
         hooks: the driver's hooks (the user's logger, or the progress display).
         launcher_factory: where worker processes run; local processes by default.
     """

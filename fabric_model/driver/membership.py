@@ -24,8 +24,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from .. import protocol as p
 from ..errors import JobError
+from ..transport import protocol as p
 from .commands import Checkpoints, Command, Formed, Kill, Limits, RestorePoint, RollBack, Send, Settle, Start
 
 log = logging.getLogger(__name__)

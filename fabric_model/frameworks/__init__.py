@@ -13,8 +13,8 @@ if TYPE_CHECKING:
 
 # name -> (module, class), imported on first use.
 _REGISTRY = {
-    "torch": ("fabric_model.frameworks.torch_framework", "TorchFramework"),
-    "keras": ("fabric_model.frameworks.keras_framework", "KerasFramework"),
+    "torch": ("fabric_model.frameworks.torch.framework", "TorchFramework"),
+    "keras": ("fabric_model.frameworks.keras.framework", "KerasFramework"),
 }
 FRAMEWORKS = tuple(_REGISTRY)
 

@@ -10,14 +10,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..data import Reader, is_batch_level
-from ..step_options import StepOptions
+from ..step.data import Reader, is_batch_level
+from ..step.options import StepOptions
 
 if TYPE_CHECKING:  # annotations only: importing this module must not import torch
     import numpy as np
     import torch
 
-    from ..step_layout import StepLayout, StepResult
+    from ..step.layout import StepLayout, StepResult
 
 
 class FrameworkAdapter(abc.ABC):
@@ -26,7 +26,7 @@ class FrameworkAdapter(abc.ABC):
     A step is ``begin_step``, then ``train_micro_batch`` for each micro-batch this worker
     holds, then perhaps ``vote_switch``, then one in-place sum-allreduce of ``step_buffer``,
     then ``finish_step``. The buffer is a flat float32 ``torch.Tensor`` laid out by
-    :class:`~fabric_model.step_layout.StepLayout`, so a single collective carries everything a
+    :class:`~fabric_model.step.layout.StepLayout`, so a single collective carries everything a
     step needs (see docs/architecture.md, "The step").
     """
 
@@ -216,7 +216,7 @@ class Framework(abc.ABC):
         """``FabricModel.predict``: the caller's trained model's outputs on ``dataset``."""
         raise NotImplementedError
 
-    # -- ONNX (see fabric_model.export) --------------------------------------------------------
+    # -- ONNX (see fabric_model.frameworks.export) --------------------------------------------------------
     @abc.abstractmethod
     def onnx_requirements(self) -> tuple[str, ...]:
         """The modules an ONNX export needs (checked before training)."""

@@ -1,6 +1,6 @@
 """What the torch and Keras adapters of ``deterministic=True`` share: the fixed-point grid as state.
 
-The grid's exponents (:class:`~fabric_model.exact_sum.ExactSum`) must be the same on every
+The grid's exponents (:class:`~fabric_model.step.exact_sum.ExactSum`) must be the same on every
 replica, so they travel in the optimizer state under :data:`EXPONENTS_KEY` (popped before the
 framework sees it): checkpoints, snapshots and a newcomer's pull carry them. A mixin placed
 before the framework's adapter (docs/architecture.md, "Deterministic mode").
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..exact_sum import INITIAL_EXPONENT, ExactSum
+from ..step.exact_sum import INITIAL_EXPONENT, ExactSum
 
 #: The optimizer state's extra entry holding the fixed-point exponents (popped before the framework sees it).
 EXPONENTS_KEY = "fabric_model_exact_exponents"

@@ -25,7 +25,7 @@ import traceback
 import zipfile
 from pathlib import Path
 
-from ..rundir import RunDirectory
+from ..run.rundir import RunDirectory
 
 USAGE = "usage: fabric-model run [--keras2-optimizers] SCRIPT [ARGS...]\n"
 MODULES = Path(__file__).resolve().parent / "modules"

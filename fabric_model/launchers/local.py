@@ -11,7 +11,7 @@ script without an
 Workers choose their devices independently of the driver's ``CUDA_VISIBLE_DEVICES``: when the
 script changed it after the process started (TensorFlow scripts set ``""`` to keep the driver off
 the GPU), workers get the value the process started with, or none; a value set before the process
-started (a cluster's allocation) is passed on (see :mod:`fabric_model.devices`).
+started (a cluster's allocation) is passed on (see :mod:`fabric_model.setup.devices`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from ..cluster import check_cluster
-from ..devices import cuda_visible_for_workers
-from ..protocol import CUDA_VISIBLE_ENV, LAUNCHED_ENV, SECRET_ENV, WARM_START_ENV
+from ..setup.cluster import check_cluster
+from ..setup.devices import cuda_visible_for_workers
+from ..transport.protocol import CUDA_VISIBLE_ENV, LAUNCHED_ENV, SECRET_ENV, WARM_START_ENV
 from .base import Launcher, module_command
 from .fork_safety import fork_blockers
 from .warm_client import ForkedWorker, WarmProcess

@@ -41,11 +41,11 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from ..native import die_with_parent
+from ..worker.native import die_with_parent
 
 #: What every worker imports before its first step; ``torch`` jobs add their adapter.
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "numpy", "cloudpickle", "fabric_model.worker.main")
-PRELOAD_BY_FRAMEWORK = {"torch": ("fabric_model.frameworks.torch_adapter",)}
+PRELOAD_BY_FRAMEWORK = {"torch": ("fabric_model.frameworks.torch.adapter",)}
 
 
 def exit_code(status: int) -> int:

@@ -14,7 +14,7 @@ import dataclasses
 import json
 import os
 
-from ..protocol import SECRET_ENV
+from ..transport.protocol import SECRET_ENV
 
 
 @dataclasses.dataclass(frozen=True)

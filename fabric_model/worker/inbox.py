@@ -2,9 +2,9 @@
 
 The worker must not outlive its driver: when the control connection drops there is nobody to
 report to and nothing to train for, so the process exits at once. Two driver messages are
-not queued but recorded as flags the training loop polls: :class:`~fabric_model.protocol.JoinPending`
+not queued but recorded as flags the training loop polls: :class:`~fabric_model.transport.protocol.JoinPending`
 (read at step boundaries, voted on inside the step's allreduce) and
-:class:`~fabric_model.protocol.Abort` (checked between micro-batches and between the wait
+:class:`~fabric_model.transport.protocol.Abort` (checked between micro-batches and between the wait
 slices of a collective). See docs/architecture.md, "Elasticity".
 """
 
@@ -17,8 +17,8 @@ import threading
 import time
 from typing import Any, TypeVar
 
-from .. import protocol as p
-from ..control import Channel
+from ..transport import protocol as p
+from ..transport.control import Channel
 
 M = TypeVar("M")
 
@@ -40,7 +40,7 @@ def _exit(code: int, reason: str) -> None:
 
 
 class Inbox:
-    """Reads the driver's messages on a thread; a closed link or :class:`~fabric_model.protocol.Stop`
+    """Reads the driver's messages on a thread; a closed link or :class:`~fabric_model.transport.protocol.Stop`
     ends the process."""
 
     def __init__(self, channel: Channel) -> None:

@@ -1,6 +1,6 @@
 """The worker's training loop: steps across generations of workers (docs/architecture.md, "The step", "Elasticity").
 
-A worker runs units (steps and validation slots, see :class:`~fabric_model.plan.Schedule`)
+A worker runs units (steps and validation slots, see :class:`~fabric_model.step.plan.Schedule`)
 from a position every member of its generation shares. Two things end a generation:
 
 - a collective fails (a peer died or hung): the interrupted step is undone, the worker
@@ -22,13 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from .. import protocol as p
-from ..checkpoint import decode_state
-from ..collective import Collective, CollectiveError
-from ..config import TrainConfig, threads_per_worker
 from ..context import WorkerContext
-from ..control import Channel
-from ..data import (
+from ..setup.config import TrainConfig, threads_per_worker
+from ..setup.job import Job
+from ..state.checkpoint import decode_state
+from ..state.transfer import broadcast_state
+from ..state.uploader import StateUploader
+from ..step.data import (
     EpochShuffledBatches,
     PrefetchLoader,
     first_of,
@@ -37,13 +37,13 @@ from ..data import (
     own_shuffle,
     reads_at_once,
 )
-from ..job import Job
-from ..loop_state import LoopState
-from ..metrics import stat_means
-from ..plan import Plan, Schedule, assigned_micro_batches, epoch_permutation, eval_batches, micro_batch_seed
+from ..step.loop_state import LoopState
+from ..step.metrics import stat_means
+from ..step.plan import Plan, Schedule, assigned_micro_batches, epoch_permutation, eval_batches, micro_batch_seed
+from ..transport import protocol as p
+from ..transport.collective import Collective, CollectiveError
+from ..transport.control import Channel
 from .inbox import REPORT_WITHIN, Inbox
-from .snapshots import StateUploader
-from .state_transfer import broadcast_state
 
 log = logging.getLogger(__name__)
 

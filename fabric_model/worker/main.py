@@ -22,23 +22,23 @@ from multiprocessing import AuthenticationError
 
 import cloudpickle
 
-from .. import control
-from .. import protocol as p
-from ..collective import Collective, CollectiveError
-from ..config import Timeouts, get_timeout, heartbeat_interval
 from ..context import WorkerContext, _install
-from ..control import Channel
-from ..digest import state_digest
 from ..errors import encode_exception, user_traceback
-from ..frameworks.tf_quiet import quiet_tensorflow
-from ..job import Job
-from ..native import die_with_parent
-from ..network import select_interfaces
-from ..remote_store import RemoteStore
+from ..frameworks.keras.quiet import quiet_tensorflow
+from ..setup.config import Timeouts, get_timeout, heartbeat_interval
+from ..setup.job import Job
+from ..step.digest import state_digest
+from ..transport import control
+from ..transport import protocol as p
+from ..transport.collective import Collective, CollectiveError
+from ..transport.control import Channel
+from ..transport.network import select_interfaces
+from ..transport.store.client import RemoteStore
 from . import cli
 from .allocator import keep_freed_memory, release_free_memory
 from .inbox import Heartbeat, Inbox
 from .loop import TrainingLoop
+from .native import die_with_parent
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,167 @@
+"""Progress: committed steps, the exactly-once check, epoch averages, history, replica digests.
+
+A step is committed when every member of its generation has reported it, or, when its
+generation ended, when some member saw its allreduce succeed (it then lies below the next
+generation's resume unit). Every committed step must have had each of its micro-batches
+computed exactly once (invariant 1, docs/architecture.md, "Invariants").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..step.metrics import EpochAverage, stat_means
+from ..step.plan import Plan, Schedule, assigned_micro_batches
+from ..transport import protocol as p
+
+
+class ReplicaDivergenceError(AssertionError):
+    """Replicas ended with different weights (a framework bug, or non-determinism in user code)."""
+
+
+class ExactlyOnceError(AssertionError):
+    """A committed step's micro-batches were not computed exactly once (a framework bug)."""
+
+
+@dataclasses.dataclass
+class _StepReports:
+    world_size: int
+    micro_batches: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # rank -> computed
+    stats: tuple[float, ...] | None = None
+
+
+class Progress:
+    """Where training stands, and its record.
+
+    Args:
+        plan, schedule: the run's plan and schedule.
+        stat_names: "loss" and the metrics, in the order of the step's stat sums.
+        metrics: the run's metrics log (a record per committed step, validation and the end).
+        hooks: the driver's hooks (the user's logger or the progress display).
+    """
+
+    def __init__(self, plan: Plan, schedule: Schedule, stat_names: list[str], metrics: Any, hooks: Any) -> None:
+        self.plan, self.schedule, self.stat_names = plan, schedule, stat_names
+        self.metrics, self.hooks = metrics, hooks
+        self.iteration = 0  # steps committed
+        self.committed_unit = 0  # every unit below this is committed
+        self.train_history: list[dict[str, float]] = []
+        self.test_history: list[dict[str, float]] = []
+        self.replica_digests: dict[int, str] = {}
+        self.done_units: dict[int, int] = {}  # worker id -> next_unit when it finished
+        self._steps: dict[tuple[int, int, int], _StepReports] = {}
+        self._average = EpochAverage(stat_names)
+        self._stats: dict[tuple[int, int], tuple[float, ...]] = {}  # (epoch, step) -> committed sums
+
+    def start_at(self, unit: int, train_history: list[dict[str, float]], test_history: list[dict[str, float]]) -> None:
+        """A resumed run: the position and the history below ``unit`` (replayed from the log)."""
+        self.committed_unit, self.iteration = unit, self.schedule.steps_before(unit)
+        self.train_history, self.test_history = train_history, test_history
+
+    def roll_back(self, unit: int) -> None:
+        """No holder of the committed state was left and the run went back to ``unit``: the steps
+        and validations from there on are un-committed; their replays' records supersede the
+        first ones (in the log, the later record of a step wins, as on resume)."""
+        steps = self.plan.steps_per_epoch
+        self.start_at(
+            unit,
+            [h for h in self.train_history if self.schedule.unit(int(h["epoch"]), steps - 1) < unit],
+            [h for h in self.test_history if self.schedule.unit(int(h["epoch"]), steps) < unit],
+        )
+        self._steps.clear()
+        self._stats = {k: v for k, v in self._stats.items() if self.schedule.unit(*k) < unit}
+        # The epoch average goes on from the sums of the epoch's steps that stay committed.
+        epoch = unit // self.schedule.units_per_epoch
+        self._average = EpochAverage(self.stat_names)
+        for (e, _), sums in sorted(self._stats.items()):
+            if e == epoch:
+                self._average.add(e, sums)
+
+    def step_done(self, message: p.StepDone) -> int | None:
+        """One member's report of a step; returns the new committed unit when the step commits."""
+        key = (message.generation, message.epoch, message.step)
+        reports = self._steps.setdefault(key, _StepReports(message.world_size))
+        reports.micro_batches[message.rank] = list(message.micro_batches)
+        reports.stats = message.stats
+        if len(reports.micro_batches) < reports.world_size:
+            return None
+        del self._steps[key]
+        return self._commit(message.epoch, message.step, message.generation, reports, inferred=False)
+
+    def settle(self, resume_unit: int, upto_generation: int) -> int | None:
+        """Settle the step reports of ended generations; returns the committed unit if it moved.
+
+        A step below ``resume_unit`` was completed by an allreduce that some member saw
+        succeed, so every member of that generation contributed its share: it is recorded with
+        the shares that the plan assigned to the members that did not report. Steps at or past
+        ``resume_unit`` will be redone, so their partial reports are dropped.
+        """
+        moved = None
+        for key in sorted(self._steps):
+            generation, epoch, step = key
+            if generation > upto_generation:
+                continue
+            reports = self._steps.pop(key)
+            if self.schedule.unit(epoch, step) < resume_unit and reports.stats is not None:
+                n = self.plan.num_micro_batches(epoch, step)
+                for rank in range(reports.world_size):
+                    reports.micro_batches.setdefault(rank, list(assigned_micro_batches(n, rank, reports.world_size)))
+                moved = self._commit(epoch, step, generation, reports, inferred=True)
+        return moved
+
+    def _commit(self, epoch: int, step: int, generation: int, reports: _StepReports, inferred: bool) -> int:
+        expected = self.plan.num_micro_batches(epoch, step)
+        computed = sorted(j for mbs in reports.micro_batches.values() for j in mbs)
+        if computed != list(range(expected)):
+            raise ExactlyOnceError(
+                f"step {step} of epoch {epoch}: micro-batches {computed}, expected 0..{expected - 1}"
+            )
+        assert reports.stats is not None
+        self.iteration += 1
+        self.committed_unit = max(self.committed_unit, self.schedule.unit(epoch, step) + 1)
+        self._stats[(epoch, step)] = reports.stats
+        averages = self._average.add(epoch, reports.stats)
+        if step == self.plan.steps_per_epoch - 1:
+            self.train_history.append({"epoch": epoch, **averages})
+        self.metrics.train(
+            epoch=epoch,
+            step=step,
+            iteration=self.iteration,
+            generation=generation,
+            workers=reports.world_size,
+            metrics=(step_metrics := stat_means(self.stat_names, reports.stats)),
+            epoch_metrics=averages,
+            micro_batches=reports.micro_batches,
+            inferred=inferred,
+        )
+        self.hooks.record_step(step_metrics, self.iteration, epoch, reports.world_size)
+        self.hooks.log_train_metrics(averages, self.iteration, epoch, reports.world_size)
+        return self.committed_unit
+
+    def eval_done(self, message: p.EvalDone, workers: int) -> None:
+        """A validation's result (every rank reports it; the first report of an epoch counts)."""
+        epoch = message.epoch
+        if any(t["epoch"] == epoch for t in self.test_history):
+            return  # a validation redone after a generation change
+        metrics = stat_means(self.stat_names, message.stats)
+        iteration = (epoch + 1) * self.plan.steps_per_epoch  # validation follows the epoch's last step
+        self.test_history.append({"epoch": epoch, **metrics})
+        self.metrics.test(epoch=epoch, iteration=iteration, workers=workers, metrics=metrics)
+        self.hooks.log_test_metrics(metrics, iteration, epoch)
+
+    def finished(self, worker_id: int, message: p.Finished) -> None:
+        self.done_units[worker_id] = message.next_unit
+        self.replica_digests[worker_id] = message.digest
+
+    def check_replicas(self) -> None:
+        """Invariant 4: every replica that finished holds the same weights and optimizer state."""
+        total = self.schedule.total_units
+        finished = {w: d for w, d in self.replica_digests.items() if self.done_units.get(w, -1) >= total}
+        # A callback stopped every replica early (worker/loop.py, "_stopping"): the history is shorter.
+        stopped = len(self.train_history) - 1 if len(self.train_history) < self.schedule.epochs else None
+        digests = {str(k): v for k, v in sorted(finished.items())}
+        self.metrics.end(iteration=self.iteration, replica_digests=digests, stopped_after_epoch=stopped)
+        self.replica_digests = finished
+        if len(set(finished.values())) > 1:
+            raise ReplicaDivergenceError(f"replicas ended with different states: {finished}")

@@ -1,0 +1,387 @@
+"""The Keras adapter: a ``keras.Model`` (Keras 3 on TensorFlow) with a Keras optimizer.
+
+How the pieces travel and meet the shared loop:
+
+- Shipping: the model goes to the workers as its ``.keras`` file (config + weights) and the
+  optimizer as its config plus state, so both rebuild identically. Custom classes come from
+  ``keras_custom_objects`` (and from Keras' registry of ``register_keras_serializable``
+  classes), pickled with the job, so classes defined in a script or notebook arrive too. The
+  driver rebuilds the model once itself, as the workers will, so a model that cannot be
+  rebuilt fails before any worker starts.
+- A micro-batch runs in a compiled ``tf.function``: ``tf.GradientTape`` forward and backward,
+  and the result is one flat float32 tensor laid out by the same
+  :class:`~fabric_model.step.layout.StepLayout` as the PyTorch adapter's step buffer::
+
+      [ gradients * n_j/N | forward-updated variable deltas * n_j/N | got-gradient flags |
+        loss sum | metric sums ... | sample count | switch vote ]
+
+- Exchange: torch views that TensorFlow tensor through a DLPack capsule, without a copy (on
+  the GPU as on the CPU); the shared collective layer sum-allreduces it in place, and the
+  apply function reads the same memory back. No host copy is made of gradients. (Inputs are
+  converted from NumPy to tensors once per micro-batch, as ``model.fit`` does for NumPy data.)
+  The capsule, not ``torch.from_dlpack(tensor)``: for a CUDA tensor torch passes its stream to
+  ``tf.Tensor.__dlpack__``, which TensorFlow refuses. So on the GPU the step synchronizes
+  TensorFlow's device before the collective reads the buffer, and torch's stream after it
+  wrote it, before TensorFlow reads it back.
+- Apply: the Keras optimizer's ``apply`` in a second ``tf.function``, identical on every
+  replica. Its variables (iteration count, moments) are part of the state a newcomer pulls.
+
+Forward-updated variables (BatchNorm moving statistics) start every micro-batch from the
+step's values and the weighted deltas are reduced, as in the PyTorch adapter. Dropout and
+other random layers draw from Keras ``SeedGenerator`` states, which are set from the
+micro-batch's seed before its forward pass: randomness depends on the micro-batch, never on
+the worker that computed it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...step.layout import StepLayout, StepResult
+from ...step.tree import leaves
+from ..base import FrameworkAdapter
+from .batches import collate_numpy, split_keras_batch
+from .names import ACCURACY_NAMES, accuracy_for, metric_label, resolve_loss, resolve_metric, resolve_optimizer
+from .runtime import configure_tensorflow, torch_view
+from .shipping import (
+    assign_all,
+    checked_form,
+    metrics_from_configs,
+    model_from_bytes,
+    shipped_form,
+    variables_state,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _leading_dim(tree: Any) -> Any:
+    import tensorflow as tf
+
+    return tf.shape(leaves(tree)[0])[0]
+
+
+class KerasAdapter(FrameworkAdapter):
+    """Trains a Keras 3 model micro-batch by micro-batch into one flat step buffer."""
+
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any,
+        loss_function: Any,
+        metrics: Sequence[Any] = (),
+        custom_objects: dict[str, Any] | None = None,
+        collate_fn: Callable[[Sequence[Any]], Any] | None = None,
+        clip_norm: float | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = resolve_optimizer(optimizer)
+        self.loss_spec = loss_function  # the name, instance or callable, as given
+        self.loss_function = resolve_loss(loss_function)
+        self.metric_specs = [resolve_metric(m, i) for i, m in enumerate(metrics)]
+        self.custom_objects = dict(custom_objects or {})
+        self._collate_fn = collate_fn
+        self.clip_norm = clip_norm  # gradient_clip_norm=: the rebuilt optimizer's global_clipnorm
+        taken: set[str] = set()
+        # Labelled as given ("mae" stays "mae", as in Keras' compile), instances by their name.
+        self.stat_names = ["loss"] + [metric_label(m, i, taken) for i, m in enumerate(metrics)]
+        self.train_set: Any = None
+        self._shipped: dict[str, Any] | None = None
+
+    # -- shipping -------------------------------------------------------------------------
+    def check_rebuild(self, first_batch: Any) -> None:
+        """Rebuild the model as a worker will, check it computes what ``model`` computes on
+        ``first_batch``, and keep the checked form to ship (see :func:`.keras_shipping.checked_form`)."""
+        self._shipped = checked_form(self.model, self.optimizer, self.metric_specs, self.custom_objects, first_batch)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # check_rebuild (Framework.prepare_for_shipping) makes and checks the shipped form; without
+        # it, the form is made here, unchecked, so pickling never depends on a call made before it.
+        shipped = self._shipped
+        if shipped is None:
+            shipped = shipped_form(self.model, self.optimizer, self.metric_specs, self.custom_objects)
+        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_tf")}
+        state.update(model=None, optimizer=None, metric_specs=None, _shipped=shipped)
+        if not isinstance(self.loss_spec, str):  # instances and callables travel by value (cloudpickle)
+            state["loss_function"] = self.loss_spec
+        else:
+            state["loss_function"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    # -- set-up ---------------------------------------------------------------------------
+    def setup(self, device: str, num_threads: int) -> None:
+        configure_tensorflow(device, num_threads)
+        import keras
+        import tensorflow as tf
+
+        shipped = self._shipped
+        assert shipped is not None
+        custom = shipped["custom_objects"]
+        self._device = device
+        self._tf_device = "/GPU:0" if device.startswith("cuda") else "/CPU:0"
+        with tf.device(self._tf_device):
+            self.model = model_from_bytes(shipped["model"], custom)
+            self.optimizer = keras.optimizers.deserialize(shipped["optimizer"], custom_objects=custom)
+            if self.clip_norm is not None:  # Keras clips in optimizer.apply, which gets the reduced gradient
+                self.optimizer.global_clipnorm = self.clip_norm
+            self.optimizer.build(self.model.trainable_variables)
+            if shipped["optimizer_state"] is not None:
+                assign_all(self.optimizer.variables, shipped["optimizer_state"], "optimizer")
+        if self.loss_function is None:
+            self.loss_function = resolve_loss(self.loss_spec)
+        self.metric_specs = metrics_from_configs(shipped["metrics"], custom)
+        self._build_functions()
+
+    def _build_functions(self) -> None:
+        import tensorflow as tf
+
+        model = self.model
+        self._train_vars = list(model.trainable_variables)
+        for v in self._train_vars:
+            if v.dtype != "float32":
+                raise TypeError(f"Only float32 trainable variables are supported; {v.path} is {v.dtype}.")
+        others = [v for v in model.variables if not v.trainable]
+        self._seed_vars = [v for v in others if v.path.endswith("seed_generator_state")]
+        self._fwd_vars = [v for v in others if v.dtype == "float32" and not v.path.endswith("seed_generator_state")]
+        self._fwd_start = [tf.Variable(v.value, trainable=False) for v in self._fwd_vars]
+        self._layout = StepLayout(
+            n_gradients=sum(int(np.prod(v.shape)) for v in self._train_vars),
+            n_buffers=sum(int(np.prod(v.shape)) for v in self._fwd_vars),
+            n_flags=len(self._train_vars),
+            n_stats=len(self.stat_names),
+        )
+        self._metrics_resolved: list[Any] | None = None
+        self._tf_micro = tf.function(self._micro_batch, reduce_retracing=True)
+        self._tf_solo = tf.function(self._solo_step, reduce_retracing=True)
+        self._solo: tuple[Any, ...] | None = None
+        self._solo_possible = False
+        self._micro_batches_run = 0
+        self._tf_apply = tf.function(self._apply, reduce_retracing=True)
+        self._tf_eval = tf.function(self._evaluate, reduce_retracing=True)
+        self._tf_snapshot = tf.function(self._snapshot)
+        self._acc: Any = None
+        self._view: torch.Tensor | None = None
+        self._in_step = False
+
+    def collate(self, samples: Sequence[Any]) -> Any:
+        return self._collate_fn(samples) if self._collate_fn is not None else collate_numpy(samples)
+
+    # -- traced functions -----------------------------------------------------------------
+    def _metrics(self, y_true: Any, y_pred: Any) -> list[Any]:
+        if self._metrics_resolved is None:  # "accuracy" depends on the shapes, as in compile()
+            self._metrics_resolved = [
+                accuracy_for(y_true.shape, y_pred.shape) if isinstance(m, str) and m in ACCURACY_NAMES else m
+                for m in self.metric_specs
+            ]
+        return self._metrics_resolved
+
+    def _stat_values(self, y: Any, out: Any, loss: Any, n: Any) -> list[Any]:
+        import keras
+        import tensorflow as tf
+
+        values = [loss * n]
+        for metric in self._metrics(y, out):
+            if isinstance(metric, keras.metrics.Metric):
+                metric.reset_state()
+                metric.update_state(y, out)
+                value = metric.result()
+            else:
+                value = tf.reduce_mean(tf.cast(metric(y, out), tf.float32))
+            values.append(tf.cast(value, tf.float32) * n)
+        return values
+
+    def _loss(self, y: Any, out: Any) -> Any:
+        import tensorflow as tf
+
+        return tf.reduce_mean(tf.cast(self.loss_function(y, out), tf.float32))
+
+    def _forward_backward(self, x: Any, y: Any, seed: Any) -> tuple[list[Any], list[Any], list[Any]]:
+        """(gradients, None where a variable got none; stat sums; ...) of one micro-batch, traced."""
+        import tensorflow as tf
+
+        for k, v in enumerate(self._seed_vars):
+            v.assign(tf.cast(tf.stack([seed, tf.constant(k, tf.int64)]), v.dtype))
+        with tf.GradientTape() as tape:
+            out = self.model(x, training=True)
+            loss = self._loss(y, out)
+            total = loss + tf.add_n(self.model.losses) if self.model.losses else loss
+        grads = tape.gradient(total, self._train_vars)
+        n = tf.cast(_leading_dim(y), tf.float32)
+        return list(grads), self._stat_values(y, out, loss, n), [n]
+
+    def _micro_batch(self, x: Any, y: Any, weight: Any, seed: Any, acc: Any = None) -> Any:
+        import tensorflow as tf
+
+        for v, start in zip(self._fwd_vars, self._fwd_start):
+            v.assign(start)
+        grads, stats, count = self._forward_backward(x, y, seed)
+        flags = [tf.constant([0.0 if g is None else 1.0]) for g in grads]
+        grads = [tf.zeros_like(v) if g is None else g for g, v in zip(grads, self._train_vars)]
+        parts = [tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads]
+        parts += [tf.reshape(v.value - s, [-1]) for v, s in zip(self._fwd_vars, self._fwd_start)]
+        weighted = tf.concat(parts, 0) if parts else tf.zeros([0])
+        if weight is not None:  # None: the step's only micro-batch, weight 1 (saves a pass over the buffer)
+            weighted = weighted * weight
+        tail = tf.stack(stats + count + [tf.constant(0.0)])  # stat sums, count, vote: the layout's tail
+        flat = tf.concat([weighted] + flags + [tail], 0)
+        return flat if acc is None else acc + flat
+
+    def _solo_step(self, x: Any, y: Any, seed: Any) -> Any:
+        """A whole step when this is the only worker and the step one micro-batch: forward,
+        backward and the optimizer in one compiled function, with nothing to exchange (the
+        same arithmetic as the general path, without its flat buffer)."""
+        import tensorflow as tf
+
+        grads, stats, count = self._forward_backward(x, y, seed)
+        pairs = [(tf.convert_to_tensor(g), v) for g, v in zip(grads, self._train_vars) if g is not None]
+        if pairs:
+            self.optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
+        for v in self._seed_vars:
+            v.assign(tf.zeros_like(v))
+        return tf.stack(stats + count)
+
+    def _apply(self, flat: Any, used: tuple[bool, ...]) -> None:
+        import tensorflow as tf
+
+        offset = 0
+        grads = []
+        for v in self._train_vars:
+            size = int(np.prod(v.shape))
+            grads.append(tf.reshape(flat[offset : offset + size], v.shape))
+            offset += size
+        for v, start in zip(self._fwd_vars, self._fwd_start):
+            size = int(np.prod(v.shape))
+            v.assign(start + tf.reshape(flat[offset : offset + size], v.shape))
+            offset += size
+        pairs = [(g, v) for g, v, u in zip(grads, self._train_vars, used) if u]
+        if pairs:
+            self.optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
+        # Seed states are reset every micro-batch; a fixed value between steps keeps the
+        # replicas' variables identical whichever micro-batches each one ran.
+        for v in self._seed_vars:
+            v.assign(tf.zeros_like(v))
+
+    def _snapshot(self) -> None:
+        for v, start in zip(self._fwd_vars, self._fwd_start):
+            start.assign(v)
+
+    def _evaluate(self, x: Any, y: Any) -> Any:
+        import tensorflow as tf
+
+        out = self.model(x, training=False)
+        n = tf.cast(_leading_dim(y), tf.float32)
+        return tf.stack(self._stat_values(y, out, self._loss(y, out), n) + [n])
+
+    # -- a step ---------------------------------------------------------------------------
+    @property
+    def step_buffer(self) -> torch.Tensor:
+        if self._view is None:
+            import tensorflow as tf
+
+            with tf.device(self._tf_device):
+                self._acc = tf.zeros([self._layout.size], tf.float32)
+            self._view = torch_view(self._acc)
+        return self._view
+
+    @property
+    def step_layout(self) -> StepLayout:
+        # A step run whole in finish_step exchanges only the tail (see train_micro_batch).
+        return self._layout.tail_only() if self._solo is not None else self._layout
+
+    def begin_step(self, collective: Any = None) -> None:
+        self._acc, self._view, self._solo = None, None, None
+        self._solo_possible = collective is not None and collective.world_size == 1
+        self._micro_batches_run = 0
+        if self._fwd_vars:
+            self._tf_snapshot()
+        self._in_step = True
+
+    def train_micro_batch(self, batch: Any, num_samples: int, step_samples: int, seed: int, last: bool = False) -> None:
+        import tensorflow as tf
+
+        x, y = split_keras_batch(batch)
+        first, self._micro_batches_run = self._micro_batches_run == 0, self._micro_batches_run + 1
+        with tf.device(self._tf_device):
+            seed_t = tf.constant(seed, tf.int64)
+            if self._solo_possible and first and last and num_samples == step_samples:
+                # Alone with one micro-batch: run the whole step in finish_step, in one function.
+                # Until then nothing has changed, so an aborted step has nothing to undo.
+                self._solo = (x, y, seed_t)
+                self._view = torch.zeros(self._layout.tail_only().size)  # stat sums, count, vote
+                return
+            weight = None if num_samples == step_samples else tf.constant(num_samples / step_samples, tf.float32)
+            self._acc = self._tf_micro(x, y, weight, seed_t, self._acc)
+        # A view of TensorFlow's buffer, not a copy: the allreduce writes into it in place.
+        self._view = torch_view(self._acc)
+
+    def all_reduce(self, collective: Any) -> None:
+        buffer = self.step_buffer
+        if buffer.is_cuda:  # TensorFlow's kernels run on its own stream: finish them before NCCL reads
+            import tensorflow as tf
+
+            tf.test.experimental.sync_devices()
+        collective.wait(collective.all_reduce_start(buffer))
+        if buffer.is_cuda:  # TensorFlow reads the buffer on its own stream next
+            torch.cuda.current_stream(buffer.device).synchronize()
+
+    def finish_step(self) -> StepResult:
+        layout, buffer = self.step_layout, self.step_buffer
+        if self._solo is not None:
+            import tensorflow as tf
+
+            with tf.device(self._tf_device):
+                stats = self._tf_solo(*self._solo).numpy().tolist()
+            vote = float(buffer[layout.vote])
+            self._solo, self._view, self._in_step = None, None, False
+            return layout.result(stats + [vote])
+        used = tuple(bool(f > 0) for f in buffer[layout.flags].tolist())
+        self._tf_apply(self._acc, used)
+        tail = buffer[layout.tail].tolist()
+        self._acc, self._view, self._in_step = None, None, False
+        return layout.result(tail)
+
+    def abort_step(self) -> None:
+        if not self._in_step:
+            return
+        self._in_step = False
+        # An abandoned collective may still write into the old buffer: never reuse it.
+        self._acc, self._view, self._solo = None, None, None
+        for v, start in zip(self._fwd_vars, self._fwd_start):
+            v.assign(start)
+
+    # -- evaluation and state -------------------------------------------------------------
+    def evaluate_batches(self, batches: Iterator[tuple[Any, Any]]) -> torch.Tensor:
+        total = torch.zeros(self._layout.eval_size, dtype=torch.float64)
+        for _, batch in batches:
+            total += self._evaluate_batch(batch)
+        return total
+
+    def _evaluate_batch(self, batch: Any) -> torch.Tensor:
+        """Stat sums (loss, metrics...) and the sample count over one test batch, float64 on the CPU."""
+        import tensorflow as tf
+
+        x, y = split_keras_batch(batch)
+        with tf.device(self._tf_device):
+            values = self._tf_eval(x, y)
+        return torch.tensor(values.numpy(), dtype=torch.float64)
+
+    def model_state(self) -> dict[str, Any]:
+        return variables_state(self.model.variables)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return variables_state(self.optimizer.variables) if self.optimizer.built else {}
+
+    def load_state(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
+        assign_all(self.model.variables, [t.numpy() for t in model_state.values()], "model")
+        if optimizer_state:
+            if not self.optimizer.built:
+                self.optimizer.build(self.model.trainable_variables)
+            assign_all(self.optimizer.variables, [t.numpy() for t in optimizer_state.values()], "optimizer")

@@ -1,0 +1,143 @@
+"""The Keras framework's driver half: a Keras 3 ``keras.Model`` (on TensorFlow) with a Keras optimizer.
+
+Losses, optimizers and metrics may be given by name; names are resolved (and misspellings
+reported) here, in the caller. TensorFlow is imported only when a Keras model is given.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..base import Framework, FrameworkAdapter, UserObjects
+from .names import resolve_loss, resolve_metric, resolve_optimizer
+
+
+class KerasFramework(Framework):
+    """Keras: the model travels as its ``.keras`` file and is rebuilt in each worker, so the driver
+    rebuilds it once itself first (``prepare_for_shipping``)."""
+
+    name: ClassVar[str] = "keras"
+
+    def check_options(self, *, fn_step_train: Any, fn_test: Any, keras_custom_objects: Any) -> None:
+        """A custom step or test is torch's only; ``keras_custom_objects`` must be a dict."""
+        for name, value in (("fn_step_train", fn_step_train), ("fn_test", fn_test)):
+            if value is not None:
+                raise TypeError(
+                    f"`{name}` is supported for torch models only. Received: {name}={value!r} with a Keras model. "
+                    "HINT: a Keras model's custom training belongs in its train_step-free call(); "
+                    "leave the step to fabric_model."
+                )
+        super().check_options(fn_step_train=fn_step_train, fn_test=fn_test, keras_custom_objects=keras_custom_objects)
+
+    def check_loss(self, loss_function: Any) -> None:
+        """A ``keras.losses`` instance, a loss name, or ``loss(y_true, y_pred)``; names resolved now."""
+        resolve_loss(loss_function)
+
+    def check_metrics(self, metrics: Any) -> list[Any]:
+        """A list of metric names, ``keras.metrics.Metric`` instances or ``metric(y_true, y_pred)``."""
+        if metrics is None:  # IBM's default: the accuracy compile(metrics=["accuracy"]) picks
+            return ["accuracy"]
+        if not isinstance(metrics, (list, tuple)):
+            raise TypeError(
+                "Expected `metrics` to be a list of Keras metric names ('accuracy'), keras.metrics.Metric objects "
+                f"or callables metric(y_true, y_pred). Received: metrics={metrics!r}. HINT: wrap it in a list."
+            )
+        for i, m in enumerate(metrics):
+            resolve_metric(m, i)
+        return list(metrics)
+
+    def check_optimizer(self, model: Any, optimizer: Any) -> None:
+        """A Keras optimizer instance or name (it is built over the rebuilt model in each worker)."""
+        resolve_optimizer(optimizer)
+
+    def make_adapter(self, user: UserObjects) -> FrameworkAdapter:
+        """A :class:`~.keras_adapter.KerasAdapter` (a custom step is rejected by ``check_options``)."""
+        from .adapter import KerasAdapter
+
+        return KerasAdapter(
+            user.model,
+            user.optimizer,
+            user.loss_function,
+            user.metrics or [],  # check_metrics gave a list (None became ["accuracy"])
+            user.custom_objects,
+            user.collate,
+            user.step_options.gradient_clip_norm,
+        )
+
+    def split_batch(self, batch: Any) -> tuple[Any, Any]:
+        """An ``(x, y)`` pair or a dict with a target key."""
+        from .adapter import split_keras_batch
+
+        return split_keras_batch(batch)
+
+    def prepare_for_shipping(self, adapter: FrameworkAdapter, first_batch: Any) -> FrameworkAdapter:
+        """Rebuild the model as a worker will and check it computes the same on ``first_batch``."""
+        from .adapter import KerasAdapter
+
+        assert isinstance(adapter, KerasAdapter)
+        adapter.check_rebuild(first_batch)
+        return adapter
+
+    def draw_seed(self) -> int:
+        """From NumPy's global generator, which ``keras.utils.set_random_seed`` (and ``np.random.seed``)
+        seeds; Keras 3 on TensorFlow does not seed torch."""
+        return int(np.random.randint(0, 2**31 - 1))
+
+    def save_model(self, model_dir: Path, model: Any, model_state: dict[str, Any]) -> Path:
+        """``model.keras``, Keras' own format (``keras.saving.load_model``), from the user's model."""
+        model_dir.mkdir(exist_ok=True)
+        tmp, path = model_dir / ".model.tmp.keras", model_dir / "model.keras"  # Keras insists on the suffix
+        model.save(tmp)
+        os.replace(tmp, path)
+        return path
+
+    def onnx_requirements(self) -> tuple[str, ...]:
+        """Keras' exporter converts with tf2onnx."""
+        return ("onnx", "onnxruntime", "tf2onnx")
+
+    def write_onnx(self, model: Any, sample: Any, path: str) -> None:
+        """Keras' exporter (or tf2onnx on a tf.function), leaving the process' environment as it was."""
+        from .export import environ_kept, export_keras
+
+        with environ_kept():
+            export_keras(model, sample, path)
+
+    def onnx_inputs(self, batch: Any, input_names: list[str]) -> list[Any]:
+        """A dict batch by input name, else flattened as keras.tree does."""
+        from .export import keras_inputs
+
+        return keras_inputs(batch, input_names)
+
+    def inference_outputs(self, model: Any, batch: Any) -> tuple[list[np.ndarray], list[str] | None]:
+        """``model(batch, training=False)`` flattened; a dict's names, which the file's outputs carry."""
+        from .export import keras_outputs
+
+        return keras_outputs(model, batch)
+
+    def grow_batch(self, sample: Any) -> Any:
+        """Arrays and TensorFlow tensors grown by their first row."""
+        from .export import grow_keras_batch
+
+        return grow_keras_batch(sample)
+
+    def evaluate_trained(self, adapter: FrameworkAdapter, dataset: Any, batch_size: int) -> dict[str, float]:
+        from .inference import evaluate
+
+        return evaluate(adapter, dataset, batch_size)
+
+    def predict_trained(self, adapter: FrameworkAdapter, dataset: Any, batch_size: int) -> Any:
+        from .inference import predict
+
+        return predict(adapter, dataset, batch_size)
+
+    def hand_over(self, adapter: FrameworkAdapter) -> None:
+        """The user's model compiled with the loss, optimizer (holding the trained state) and metrics
+        given, so ``model.evaluate`` works as after ``model.fit``. After ``save_model``: ``model.keras``
+        stays as before, loadable without custom objects for a loss function."""
+        from .inference import compile_trained
+
+        compile_trained(adapter)

@@ -1,0 +1,1 @@
+"""PyTorch: the driver half (:mod:`.framework`), the worker half (:mod:`.adapter`) and what they use."""

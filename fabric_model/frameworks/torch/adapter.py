@@ -1,0 +1,410 @@
+"""The PyTorch adapter: a ``torch.nn.Module`` with a ``torch.optim.Optimizer``."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import default_collate
+
+from ...step.data import Reader
+from ...step.layout import StepLayout, StepResult
+from ...step.options import StepOptions
+from ...step.tree import map_tree
+from ..base import FrameworkAdapter, metric_name
+from .batches import cpu_copy, scalar, split_batch, to_device
+from .evaluation import TorchEvaluation
+from .gather import tensor_reader
+from .ibm import Eva, accuracy, forbidden_step
+from .precision import GradientStep
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+MetricFn = Callable[[Any, Any], Any]
+
+
+class TorchAdapter(TorchEvaluation, FrameworkAdapter):
+    """Trains a ``torch.nn.Module`` micro-batch by micro-batch into one flat step buffer.
+
+    Each parameter's ``.grad`` is a view into the step buffer, so backward accumulates
+    straight into what the collective reduces: no copy before or after the allreduce.
+    """
+
+    lone_direct = True  # a lone worker's backward writes fresh gradients (begin_step)
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_function: LossFn,
+        metrics: Sequence[MetricFn] | None = None,
+        collate_fn: Callable[[Sequence[Any]], Any] | None = None,
+        step_fn: Callable[..., Any] | None = None,
+        test_fn: Callable[..., Any] | None = None,
+        fn_args: Any = None,
+        step_options: StepOptions | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_function = loss_function
+        # metrics None: IBM's default accuracy (torch_ibm.py), dropped for outputs it cannot apply
+        # to (drop_default_accuracy); an empty list: the loss alone, as Keras' metrics=[].
+        self.default_accuracy = metrics is None and step_fn is None
+        self.metrics = [accuracy] if self.default_accuracy else list(metrics or ())
+        self._collate_fn = collate_fn
+        self.step_fn, self.test_fn, self.fn_args = step_fn, test_fn, fn_args
+        self.grad_step = GradientStep(step_options)  # precision=, gradient_clip_norm=
+        self.eva = Eva(self.metrics)  # a custom step's third argument
+        self.train_set: Any = None  # handed to a custom step as its ``train_loader``
+        self._name_stats()
+        self.device = torch.device("cpu")
+        self._buf_start: list[torch.Tensor] = []
+        self._in_step = False
+        self._on_cpu = True
+        self._py_sums: list[np.float32] | None = None
+
+    def _name_stats(self) -> None:
+        taken: set[str] = set()
+        if self.step_fn is not None:  # what a custom step returns: (its metric, loss), shown as it is
+            self.stat_names = ["loss", "metric"]
+        else:
+            self.stat_names = ["loss"] + [metric_name(m, i, taken) for i, m in enumerate(self.metrics)]
+
+    def drop_default_accuracy(self) -> None:
+        """No accuracy for a model whose outputs are not a classifier's (before the adapter is shipped)."""
+        if self.default_accuracy and self.step_fn is None:
+            self.metrics = []
+            self._name_stats()
+
+    # -- set-up ---------------------------------------------------------------------------
+    def setup(self, device: str, num_threads: int) -> None:
+        self.device = torch.device(device)
+        self._on_cpu = self.device.type == "cpu"
+        if self.device.type == "cpu":
+            torch.set_num_threads(num_threads)
+        else:
+            torch.cuda.set_device(self.device)
+        self.model.to(self.device)  # moves parameters in place, so the optimizer still holds them
+        self.model.train()
+        # What IBM's custom steps expect to find on the model.
+        optimizer, loss_function = self.optimizer, self.loss_function
+        self.model.get_optimizer = lambda: optimizer
+        self.model.get_loss_function = lambda: loss_function
+        # The optimizer's first load_state_dict / step imports torch._dynamo (over a second).
+        # Pay it now, while setting up, not while the running workers wait for a newcomer.
+        importlib.import_module("torch._dynamo")
+
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self._buffers = list(self.model.buffers())
+        self._allocate()
+
+    #: Gradient bucket size, in float32 elements (4 MiB), for overlapping the allreduce with
+    #: backward: big enough that per-operation overhead stays small, small enough that the
+    #: first buckets go out while backward still runs.
+    BUCKET_ELEMENTS = 1 << 20
+
+    def _allocate(self) -> None:
+        """The flat step buffer, with each parameter's .grad a view into it."""
+        layout = self._layout = StepLayout(
+            n_gradients=sum(p.numel() for p in self._params),
+            n_buffers=sum(b.numel() for b in self._buffers),
+            n_flags=len(self._params),  # 1 where some micro-batch produced a gradient
+            n_stats=len(self.stat_names),
+        )
+        self._flat = torch.zeros(layout.size, dtype=torch.float32, device=self.device)
+        self._grad_views: list[torch.Tensor] = []
+        offset = layout.gradients.start
+        for p in self._params:
+            view = self._flat[offset : offset + p.numel()].view_as(p)
+            if p.dtype != torch.float32:
+                raise TypeError(
+                    f"Only float32 parameters are supported; parameter of shape {tuple(p.shape)} is {p.dtype}."
+                )
+            self._grad_views.append(view)
+            offset += p.numel()
+        self._buf_views: list[torch.Tensor] = []
+        offset = layout.buffers.start
+        for b in self._buffers:
+            self._buf_views.append(self._flat[offset : offset + b.numel()].view(b.shape))
+            offset += b.numel()
+        self._got_grad = self._flat[layout.flags]
+        self._after_gradients = self._flat[layout.n_gradients :]  # views made once: slicing is an operation
+        self._tail = self._flat[layout.tail]
+        self._stats = self._flat[layout.stat_sums]
+        self._count = self._flat[layout.count]  # a 0-d view: += writes into the buffer
+        # The stat sums and the count, adjacent: a micro-batch adds [loss, metrics..., 1] * n in
+        # one operation instead of three tiny ones per value (0.1 ms of a 2 ms step on CPU).
+        self._stats_and_count = self._flat[layout.stat_sums.start : layout.count + 1]
+        self._one = torch.ones((), device=self.device)
+        self._scratch: torch.Tensor | None = None
+        for p, view in zip(self._params, self._grad_views):
+            p.grad = view
+        self._build_buckets(layout.n_gradients)
+
+    def _build_buckets(self, n_grad: int) -> None:
+        """Cut the gradient part of the buffer into buckets, last parameters first (backward
+        produces their gradients first); the tail (buffers, stats, vote) is reduced last."""
+        self._buckets: list[tuple[int, int]] = []
+        self._bucket_of: dict[int, int] = {}
+        end, start = n_grad, n_grad
+        members: list[int] = []
+        offsets = []
+        offset = 0
+        for p in self._params:
+            offsets.append(offset)
+            offset += p.numel()
+        for i in reversed(range(len(self._params))):
+            start = offsets[i]
+            members.append(i)
+            if end - start >= self.BUCKET_ELEMENTS or i == 0:
+                for m in members:
+                    self._bucket_of[m] = len(self._buckets)
+                self._buckets.append((start, end))
+                end, members = start, []
+        self._bucket_sizes = [0] * len(self._buckets)
+        for b in self._bucket_of.values():
+            self._bucket_sizes[b] += 1
+        if not getattr(self, "_hooks_installed", False):
+            for i, p in enumerate(self._params):
+                p.register_post_accumulate_grad_hook(lambda _p, i=i: self._on_grad_ready(i))
+            self._hooks_installed = True
+        self._collective: Any = None
+        self._overlap = False
+        self._works: list[Any] = []
+        self._deferred_error: Exception | None = None
+        self._direct = False  # this step's gradients are fresh tensors, not views (a lone worker)
+        self._got = [0.0] * len(self._params)  # the got-gradient flags, written to the buffer per micro-batch
+
+    def _on_grad_ready(self, index: int) -> None:
+        """A parameter received a gradient; on the last micro-batch, launch its bucket once full, in order."""
+        self._got[index] = 1.0  # a list: a tensor element write per parameter costs microseconds
+        if not self._overlap:
+            return
+        bucket = self._bucket_of[index]
+        self._pending[bucket] -= 1
+        try:
+            while self._launched < len(self._buckets) and self._pending[self._launched] == 0:
+                start, end = self._buckets[self._launched]
+                self._works.append(self._collective.all_reduce_start(self._flat[start:end]))
+                self._launched += 1
+        except Exception as exc:  # raised out of autograd it would lose its type: keep it for all_reduce
+            self._overlap, self._deferred_error = False, exc
+
+    def collate(self, samples: Sequence[Any]) -> Any:
+        if self._collate_fn is not None:
+            return self._collate_fn(samples)
+        return default_collate(list(samples))
+
+    def reader(self, dataset: Any) -> Reader | None:
+        return tensor_reader(dataset, self._collate_fn)
+
+    # -- a step ---------------------------------------------------------------------------
+    @property
+    def step_buffer(self) -> torch.Tensor:
+        return self._flat
+
+    @property
+    def step_layout(self) -> StepLayout:
+        return self._layout
+
+    def begin_step(self, collective: Any = None) -> None:
+        self._collective = collective
+        self._works, self._launched, self._pending = [], 0, list(self._bucket_sizes)
+        self._got = [0.0] * len(self._params)
+        # A lone worker reduces nothing: backward writes fresh gradients, as in a plain loop,
+        # instead of adding into a zeroed buffer (docs/architecture.md, "The step").
+        self._direct = self.lone_direct and getattr(collective, "world_size", 0) == 1 and self.step_fn is None
+        (self._after_gradients if self._direct else self._flat).zero_()
+        # A lone CPU worker adds its stat sums in Python (numpy float32: the same roundings as
+        # the tensor path) instead of in three tensor operations; the step reduces nothing.
+        self._py_sums = [np.float32(0.0)] * (self._layout.n_stats + 1) if self._direct and self._on_cpu else None
+        for p, view in zip(self._params, self._grad_views):
+            p.grad = None if self._direct else view
+        self._buf_start = [b.detach().clone() for b in self._buffers]
+        self._in_step = True
+
+    def train_micro_batch(self, batch: Any, num_samples: int, step_samples: int, seed: int, last: bool = False) -> None:
+        weight = num_samples / step_samples
+        inputs, target = split_batch(to_device(batch, self.device))
+        # Forward-updated buffers (BatchNorm statistics) start every micro-batch from the
+        # step's values, so the result does not depend on how micro-batches are divided.
+        for b, start in zip(self._buffers, self._buf_start):
+            b.copy_(start)
+        self._seed(seed)
+        if self.step_fn is not None:
+            self._custom_micro_batch(inputs, target, weight, num_samples)
+            return
+        if self.grad_step.mixed:
+            with self.grad_step.autocast(self.device):
+                output, loss = self._forward(inputs, target)
+        else:  # no context to enter: a step's every extra call is paid cold (docs/architecture.md)
+            output, loss = self._forward(inputs, target)
+        weight *= self.grad_step.scale  # float16's loss scale (1 otherwise), divided out after the reduction
+        if not self._direct:
+            self._ensure_grad_views()
+        # On this worker's last micro-batch, buckets go out while backward still runs.
+        self._overlap = last and self._collective is not None and self._collective.world_size > 1
+        try:
+            (loss if weight == 1.0 else loss * weight).backward()  # x * 1.0 == x: one op less
+        finally:
+            self._overlap = False
+        if not self._direct:  # a lone worker's finish_step reads the flags off .grad itself
+            self._got_grad.copy_(torch.tensor(self._got))
+        n = num_samples
+        # No torch.no_grad() here or in finish_step: every operand is detached or a buffer, so
+        # nothing is recorded, and entering the context costs ~20 us after a backward.
+        self._add_buffer_deltas(weight)
+        output = output.detach()
+        if self._py_sums is not None:
+            self._add_stats_in_python(loss, output, target, n)
+            return
+        values = [loss.detach().float()]
+        values += [
+            torch.as_tensor(metric(output, target), dtype=torch.float32, device=self.device) for metric in self.metrics
+        ]
+        values.append(self._one)
+        # Multiply, then add, as value by value before: the same two roundings per sum.
+        self._stats_and_count += torch.stack(values) * n
+
+    def _forward(self, inputs: Any, target: Any) -> tuple[Any, torch.Tensor]:
+        output = self.model(*inputs) if isinstance(inputs, tuple) else self.model(inputs)
+        return output, self.loss_function(output, target)
+
+    def _add_stats_in_python(self, loss: torch.Tensor, output: Any, target: Any, n: int) -> None:
+        """The tensor path's ``sums += stack([loss, metrics..., 1]) * n`` in numpy float32 scalars.
+
+        Each value is rounded to float32 once, as ``torch.as_tensor(v, dtype=float32)`` does,
+        then multiplied and added in float32 (IEEE operations, correctly rounded): the same bits,
+        without the tensor operations that cost 10-20 us each inside a step on CPU (cold caches).
+        """
+        assert self._py_sums is not None
+        n32 = np.float32(n)
+        values = [loss.item(), *(float(metric(output, target)) for metric in self.metrics), 1.0]
+        self._py_sums = [s + np.float32(v) * n32 for s, v in zip(self._py_sums, values)]
+
+    def _seed(self, seed: int) -> None:
+        # torch.manual_seed also seeds every lazy accelerator backend, formatting stack
+        # traces as it goes (0.1-0.5 ms a call); seed only the generators this worker uses.
+        torch.default_generator.manual_seed(seed)
+        if self.device.type == "cuda":
+            torch.cuda.default_generators[self.device.index or 0].manual_seed(seed)
+
+    def _custom_micro_batch(self, inputs: Any, target: Any, weight: float, n: int) -> None:
+        """Run the user's step; its backward fills a scratch gradient, added here with its weight."""
+        assert self.step_fn is not None
+        if self._scratch is None:
+            self._scratch = torch.zeros(sum(p.numel() for p in self._params), device=self.device)
+        self._scratch.zero_()
+        offset = 0
+        for p in self._params:
+            p.grad = self._scratch[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        shadowed = "step" in vars(self.optimizer)
+        previous = vars(self.optimizer).get("step")
+        self.optimizer.step = forbidden_step
+        try:
+            with self.grad_step.autocast(self.device):  # bf16-mixed (float16 is refused with a custom step)
+                metric, loss = self.step_fn(self.model, (inputs, target), self.eva, self.train_set, self.fn_args)
+        finally:
+            if shadowed:
+                self.optimizer.step = previous
+            else:
+                del self.optimizer.step
+        self._got_grad.copy_(torch.tensor(self._got))
+        scratch = self._scratch
+        offset = 0
+        for p in self._params:  # the user may have replaced .grad (clipping does not)
+            if p.grad is not None and p.grad.data_ptr() != scratch[offset].data_ptr():
+                scratch[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+            offset += p.numel()
+        with torch.no_grad():
+            self._flat[: scratch.numel()].add_(scratch, alpha=weight)
+            for p, view in zip(self._params, self._grad_views):
+                p.grad = view
+            self._add_buffer_deltas(weight)
+            self._stats[0] += scalar(loss, self.device) * n
+            self._stats[1] += scalar(metric, self.device) * n
+            self._count += n
+
+    def all_reduce(self, collective: Any) -> None:
+        """Finish the step's allreduce: the buckets not yet launched, in order, then the tail."""
+        if self._deferred_error is not None:
+            error, self._deferred_error = self._deferred_error, None
+            raise error
+        if collective.world_size == 1:  # a group of one sums nothing: one call, not one per bucket
+            collective.wait(collective.all_reduce_start(self._after_gradients))  # (still a fault seam)
+            return
+        while self._launched < len(self._buckets):
+            start, end = self._buckets[self._launched]
+            self._works.append(collective.all_reduce_start(self._flat[start:end]))
+            self._launched += 1
+        # The rest (buffer deltas, flags, stats, count, vote) in one piece, after the gradients.
+        self._works.append(collective.all_reduce_start(self._after_gradients))
+        for work in self._works:
+            collective.wait(work)
+        self._works = []
+
+    def abort_step(self) -> None:
+        # The step will be redone: forward-updated buffers go back to the step's start.
+        if not self._in_step:
+            return
+        self._in_step = False
+        # An abandoned collective may still write into the old buffer: take a fresh one.
+        self._allocate()
+        with torch.no_grad():
+            for b, start in zip(self._buffers, self._buf_start):
+                b.copy_(start)
+
+    def _ensure_grad_views(self) -> None:
+        # User code (a custom step, a callback) may have replaced or cleared .grad; put the
+        # view back, keeping whatever gradient had been accumulated.
+        for p, view in zip(self._params, self._grad_views):
+            if p.grad is None:
+                p.grad = view
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+                p.grad = view
+
+    def _add_buffer_deltas(self, weight: float) -> None:
+        # Reduce what the forward pass changed, not the values: a buffer the forward leaves
+        # alone (a mask, a large counter, a float64 constant) then stays exactly as it was.
+        for b, start, view in zip(self._buffers, self._buf_start, self._buf_views):
+            view.add_((b - start).to(torch.float32), alpha=weight)
+
+    def finish_step(self) -> StepResult:
+        # Outside torch.no_grad(), as in a plain loop: the optimizer's step and clipping set
+        # their own grad mode, and the buffers and gradients written here record nothing.
+        if not self._direct:
+            self._ensure_grad_views()
+        for b, start, view in zip(self._buffers, self._buf_start, self._buf_views):
+            b.copy_(start + (view if b.is_floating_point() else view.round().to(b.dtype)))
+        # A parameter no worker produced a gradient for keeps .grad None through the step,
+        # as after zero_grad() on one device: weight decay and momentum leave it alone.
+        if self._direct:  # backward gave fresh gradients: None where it produced none
+            unused = [i for i, p in enumerate(self._params) if p.grad is None]
+        else:
+            unused = [i for i, got in enumerate(self._got_grad.tolist()) if got == 0.0]
+        for i in unused:
+            self._params[i].grad = None
+        # float16's unscale and overflow check, then clipping, then the optimizer's step
+        self.grad_step.apply(self.optimizer, self._params)
+        for i in unused:
+            self._params[i].grad = self._grad_views[i]
+        self._in_step = False
+        tail = self._tail.tolist()
+        if self._py_sums is not None:
+            tail[: len(self._py_sums)] = [float(s) for s in self._py_sums]
+        return self._layout.result(tail)
+
+    # -- state ----------------------------------------------------------------------------
+    def load_state(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
+        self.model.load_state_dict(model_state)
+        self.optimizer.load_state_dict(self.grad_step.unpack(optimizer_state))
+
+    def model_state(self) -> dict[str, Any]:
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return self.grad_step.pack(map_tree(cpu_copy, self.optimizer.state_dict()))

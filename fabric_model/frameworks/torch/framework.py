@@ -1,0 +1,155 @@
+"""The PyTorch framework's driver half: a ``torch.nn.Module`` with a ``torch.optim.Optimizer``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ...setup import checks as v
+from ...step.tree import leaves
+from ..base import Framework, FrameworkAdapter, UserObjects
+
+
+class TorchFramework(Framework):
+    """PyTorch: loss and metrics are callables ``f(output, target)``; a custom step and test may replace ours."""
+
+    name: ClassVar[str] = "torch"
+
+    def check_loss(self, loss_function: Any) -> None:
+        """The loss must be a callable ``loss(output, target)``, not a loss class."""
+        from ...setup.first_batch import check_loss_object
+
+        check_loss_object(loss_function)
+        v.check_callable(
+            "loss_function",
+            loss_function,
+            hint=" HINT: pass e.g. torch.nn.functional.cross_entropy or torch.nn.CrossEntropyLoss().",
+        )
+
+    def check_metrics(self, metrics: Any) -> list[Any] | None:
+        """Metrics are callables ``metric(output, target)``; None keeps IBM's default accuracy, [] shows none."""
+        return None if metrics is None else v.check_metrics(metrics)
+
+    def check_optimizer(self, model: Any, optimizer: Any) -> None:
+        """A ``torch.optim.Optimizer`` over the model's own parameters."""
+        import torch
+
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            hint = (
+                " HINT: pass an instance, e.g. torch.optim.SGD(model.parameters(), lr=0.1)."
+                if isinstance(optimizer, type)
+                else ""
+            )
+            raise TypeError(
+                f"Expected `optimizer` to be a torch.optim.Optimizer over the model's parameters. "
+                f"Received: optimizer={optimizer!r}.{hint}"
+            )
+        model_params = {id(p) for p in model.parameters()}
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        foreign = [p for p in held if id(p) not in model_params]
+        if not held or foreign:
+            raise ValueError(
+                f"Expected `optimizer` to hold the parameters of `model`. Received: an optimizer over {len(held)} "
+                f"tensor(s), {len(foreign)} of which are not parameters of the model. "
+                "HINT: build the optimizer from this model, optimizer=SGD(model.parameters(), ...), "
+                "after any model.to(device) or re-creation."
+            )
+
+    def prepare_for_shipping(self, adapter: FrameworkAdapter, first_batch: Any) -> FrameworkAdapter:
+        """Check the model, loss and metrics on the first batch (see :mod:`..first_batch_checks`), and
+        keep the default accuracy only if the model's output is a classifier's."""
+        import torch
+
+        from ...setup.first_batch import check_loss_and_metrics, check_parameter_dtypes, forward_first_batch
+        from .batches import to_device
+        from .ibm import accuracy_applies
+
+        model = adapter.model
+        check_parameter_dtypes(model, adapter.grad_step.options.precision)  # type: ignore[attr-defined]
+        if getattr(adapter, "step_fn", None) is not None:  # a custom step uses the loss its own way
+            return adapter
+        device = next(model.parameters(), torch.zeros(0)).device
+        inputs, target = self.split_batch(to_device(first_batch, device))
+        with adapter.grad_step.autocast(device):  # type: ignore[attr-defined]
+            output = forward_first_batch(model, inputs)
+        if getattr(adapter, "default_accuracy", False) and not accuracy_applies(output, target):
+            adapter.drop_default_accuracy()  # type: ignore[attr-defined]
+        check_loss_and_metrics(adapter.loss_function, adapter.metrics, output, target)  # type: ignore[attr-defined]
+        return adapter
+
+    def make_adapter(self, user: UserObjects) -> FrameworkAdapter:
+        """A :class:`~.torch_adapter.TorchAdapter` (``custom_objects`` is Keras' only)."""
+        from .adapter import TorchAdapter
+
+        return TorchAdapter(
+            user.model,
+            user.optimizer,
+            user.loss_function,
+            user.metrics,
+            user.collate,
+            user.fn_step_train,
+            user.fn_test,
+            user.fn_args,
+            user.step_options,
+        )
+
+    def split_batch(self, batch: Any) -> tuple[Any, Any]:
+        """A pair, a longer tuple (several inputs, then the target) or a dict with a target key."""
+        from .adapter import split_batch
+
+        return split_batch(batch)
+
+    def draw_seed(self) -> int:
+        """From torch's global generator, which ``torch.manual_seed`` seeds."""
+        import torch
+
+        return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+    def save_model(self, model_dir: Path, model: Any, model_state: dict[str, Any]) -> Path:
+        """``model.pt``: the state_dict in torch's own format (load with ``torch.load(path, weights_only=True)``)."""
+        import torch
+
+        model_dir.mkdir(exist_ok=True)
+        tmp, path = model_dir / ".model.pt.tmp", model_dir / "model.pt"
+        torch.save(model_state, tmp)
+        os.replace(tmp, path)
+        return path
+
+    def onnx_requirements(self) -> tuple[str, ...]:
+        """torch.onnx's exporter needs onnxscript."""
+        return ("onnx", "onnxruntime", "onnxscript")
+
+    def write_onnx(self, model: Any, sample: Any, path: str) -> None:
+        """torch.onnx.export over torch.export, every input's first dimension one shared dynamic batch."""
+        from .export import export_torch
+
+        export_torch(model, sample, path)
+
+    def onnx_inputs(self, batch: Any, input_names: list[str]) -> list[Any]:
+        """The batch's tensors in order, dicts in insertion order (as the exporter flattened them)."""
+        return leaves(batch)
+
+    def inference_outputs(self, model: Any, batch: Any) -> tuple[list[np.ndarray], list[str] | None]:
+        """``model(*batch)`` in eval mode without autograd, flattened; the file's outputs are in the same order."""
+        from .export import torch_outputs
+
+        return torch_outputs(model, batch), None
+
+    def grow_batch(self, sample: Any) -> Any:
+        """Tensors and arrays grown by their first row."""
+        from .export import grow_torch_batch
+
+        return grow_torch_batch(sample)
+
+    def evaluate_trained(self, adapter: FrameworkAdapter, dataset: Any, batch_size: int) -> dict[str, float]:
+        from .inference import evaluate
+
+        return evaluate(adapter, dataset, batch_size)
+
+    def predict_trained(self, adapter: FrameworkAdapter, dataset: Any, batch_size: int) -> Any:
+        from .inference import predict
+
+        return predict(adapter, dataset, batch_size)

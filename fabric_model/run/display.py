@@ -1,0 +1,104 @@
+"""What a person sees of a run in the caller: the driver's hooks, the start-up lines, Ctrl-C.
+
+``train()`` builds the driver's hooks here (the user's loggers, then the progress display and
+the run recorder), says before training starts where the run lives and what runs it, and turns
+a Ctrl-C into how to resume. A leaf module: no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..frameworks.keras.quiet import notices_for_workers
+from . import console
+from .hooks import Hooks
+from .progress_bar import ProgressBar
+from .recorder import RunRecorder
+
+if TYPE_CHECKING:
+    from ..driver.driver import DriverSetup
+    from .rundir import RunDirectory
+
+log = logging.getLogger(__name__)
+#: Exit status after Ctrl-C, as a shell reports a process ended by SIGINT.
+INTERRUPTED_EXIT = 130
+
+
+def check_verbose(verbose: Any) -> int:
+    """``verbose`` as an int in 0..2, or an error naming it."""
+    if isinstance(verbose, bool) or verbose not in (0, 1, 2):
+        raise ValueError(f"Expected `verbose` to be 0 (quiet), 1 (progress) or 2 (epoch lines). Received: {verbose!r}")
+    return int(verbose)
+
+
+def driver_hooks(user_loggers: Any, setup: DriverSetup, run: RunDirectory, verbose: int, tensorboard: bool) -> Hooks:
+    """The user's driver logger(s), the progress display (unless ``verbose=0``) and the recorder."""
+    plan = setup.plan
+    progress = ProgressBar(setup.config.epochs, plan.steps_per_epoch, plan.global_batch, verbose=verbose)
+    recorder = None
+    if tensorboard:
+        tb, csv = run.path / "tensorboard", run.logs / "metrics.csv"
+        recorder = RunRecorder(tb, csv, setup.stat_names, plan.global_batch, plan.steps_per_epoch)
+    return Hooks.for_driver(user_loggers, progress if verbose else None, recorder)
+
+
+def run_with_display(
+    user_loggers: Any, setup: DriverSetup, run: RunDirectory, display: tuple[int, bool], start: Callable[[Hooks], Any]
+) -> tuple[Any, Hooks]:
+    """``start(hooks)`` (the driver's run) with the display around it: the log handlers, the
+    start-up lines, Ctrl-C's message; every display closed however it ends."""
+    verbose, tensorboard = display
+    hooks = driver_hooks(user_loggers, setup, run, verbose, tensorboard)
+    detach = console.attach(verbose, run.logs / "driver.log")
+    try:
+        startup_lines(setup, run, tensorboard)
+        with notices_for_workers(verbose == 2):  # TensorFlow's start-up notices in the worker logs
+            return start(hooks), hooks
+    except KeyboardInterrupt:
+        interrupted(run)
+        raise
+    finally:
+        for obj in hooks.loggers:  # ours only: a user's logger is theirs to close
+            if isinstance(obj, (ProgressBar, RunRecorder)):
+                obj.close()
+        detach()
+
+
+def startup_lines(setup: DriverSetup, run: RunDirectory, tensorboard: bool) -> None:
+    """Where the run lives and what runs it, before the first worker starts (the resume point is
+    said by the checkpoint book as it opens the checkpoint)."""
+    devices = ", ".join(f"{d} x{n}" for d, n in Counter(str(d) for d in setup.devices).items())
+    plan, config = setup.plan, setup.config
+    log.info("run directory: %s", run.path)
+    log.info(
+        "%d local worker slot(s) on %s (at most %d workers); %d epoch(s) of %d step(s), global batch %d",
+        len(setup.devices),
+        devices,
+        max(len(setup.devices), setup.max_workers or 0),
+        config.epochs,
+        plan.steps_per_epoch,
+        plan.global_batch,
+    )
+    if tensorboard:
+        log.info("tensorboard --logdir %s", run.path / "tensorboard")
+
+
+def interrupted(run: RunDirectory) -> None:
+    """After Ctrl-C (the driver has stopped every worker): say how to resume, then leave.
+
+    In a script: the message and exit status 130, no traceback. In an interactive session
+    (a REPL, IPython, Jupyter) ``KeyboardInterrupt`` is raised again, which they show briefly.
+    """
+    sys.stderr.write(
+        f"\nInterrupted. The run is in {run.path}; every worker was stopped.\n"
+        f"Resume it with train(..., run_dir={str(run.path)!r}, resume=True)"
+        " from its newest checkpoint.\n"
+    )
+    sys.stderr.flush()
+    if hasattr(sys, "ps1") or sys.flags.interactive or "IPython" in sys.modules:
+        raise KeyboardInterrupt
+    raise SystemExit(INTERRUPTED_EXIT)

@@ -1,0 +1,263 @@
+"""The run's metric record, ``logs/metrics.jsonl``: its only writer and its reader (docs/architecture.md,
+"Run directory").
+
+One JSON object a line, with a ``type`` and the wall-clock ``time``; the shapes are
+documented in the README and read by tests, so each has one method here and nobody builds
+the JSON by hand. A leaf module (no torch).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from ..step.plan import Schedule
+
+#: A ``train`` record is flushed at most this often (seconds); every other record at once.
+TRAIN_FLUSH_INTERVAL = 1.0
+
+
+class MetricsLog:
+    """Appends records to ``logs/metrics.jsonl``.
+
+    Args:
+        path: the file.
+        append: keep the earlier attempts' records (a resumed run, or a line written after
+            training); a partial last line, left by a driver killed mid-write, is cut first.
+            Without it the file starts afresh: one run per directory.
+    """
+
+    def __init__(self, path: Path, *, append: bool = False) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if append:
+            cut_partial_line(path)
+        self._file = open(path, "a" if append else "w", encoding="utf-8")
+        self._flushed = time.monotonic()
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        # Flushing every step costs the driver CPU that the workers share; once a second
+        # keeps the file fresh for someone watching it. Every record but a step is flushed.
+        now = time.monotonic()
+        if record.get("type") != "train" or now - self._flushed > TRAIN_FLUSH_INTERVAL:
+            self._file.flush()
+            self._flushed = now
+
+    # -- the record shapes -----------------------------------------------------------------
+    def train(
+        self,
+        *,
+        epoch: int,
+        step: int,
+        iteration: int,
+        generation: int,
+        workers: int,
+        metrics: Mapping[str, float],
+        epoch_metrics: Mapping[str, float],
+        micro_batches: Mapping[int, Sequence[int]],
+        inferred: bool = False,
+    ) -> None:
+        """A committed step: its metrics, the epoch's averages so far, who computed which micro-batch
+        (``inferred``: settled from the plan for members that did not report)."""
+        record: dict[str, Any] = {
+            "type": "train",
+            "time": time.time(),
+            "epoch": epoch,
+            "step": step,
+            "iteration": iteration,
+            "generation": generation,
+            "workers": workers,
+            "metrics": dict(metrics),
+            "epoch_metrics": dict(epoch_metrics),
+            "micro_batches": {str(r): list(m) for r, m in sorted(micro_batches.items())},
+        }
+        if inferred:
+            record["inferred"] = True
+        self._write(record)
+
+    def test(self, *, epoch: int, iteration: int, workers: int, metrics: Mapping[str, float]) -> None:
+        """A validation after ``epoch``."""
+        self._write(
+            {
+                "type": "test",
+                "time": time.time(),
+                "epoch": epoch,
+                "iteration": iteration,
+                "workers": workers,
+                "metrics": dict(metrics),
+            }
+        )
+
+    def generation(
+        self,
+        *,
+        generation: int,
+        members: Sequence[int],
+        reason: str,
+        resume_unit: int,
+        source_rank: int,
+        checkpoint: str | None = None,
+        restored: str | None = None,
+        rolled_back_from: int | None = None,
+        hosts: Sequence[str] | None = None,
+    ) -> None:
+        """A generation formed (``checkpoint``: the file name every member restored from;
+        ``restored``: "checkpoint" or "snapshot" when every member loaded one; ``rolled_back_from``:
+        the committed unit given up when no worker held it, the steps from ``resume_unit`` redone;
+        ``hosts``: where each member runs, in the order of ``members``)."""
+        record: dict[str, Any] = {
+            "type": "generation",
+            "time": time.time(),
+            "generation": generation,
+            "workers": len(members),
+            "members": list(members),
+            "reason": reason,
+            **({"hosts": list(hosts)} if hosts is not None else {}),
+            "resume_unit": resume_unit,
+            "source_rank": source_rank,
+        }
+        if checkpoint is not None:
+            record["checkpoint"] = checkpoint
+        if restored is not None:
+            record["restored"] = restored
+        if rolled_back_from is not None:
+            record["rolled_back_from"] = rolled_back_from
+        self._write(record)
+
+    def checkpoint(
+        self,
+        *,
+        unit: int,
+        epoch: int,
+        worker: int,
+        generation: int | None,
+        path: str | None = None,
+        seconds: float | None = None,
+        removed: Sequence[str] = (),
+        error: str | None = None,
+    ) -> None:
+        """A checkpoint written (``path`` relative to the run directory, ``removed``: the file names
+        pruned) or failed (``error``)."""
+        record: dict[str, Any] = {"type": "checkpoint", "time": time.time(), "unit": unit, "epoch": epoch}
+        record.update(worker=worker, generation=generation)
+        if error:
+            record["error"] = error
+        else:
+            record.update(path=path, seconds=seconds, removed=list(removed))
+        self._write(record)
+
+    def resume(self, *, checkpoint: str, resume_unit: int, epoch: int, iteration: int) -> None:
+        """A resumed run starts from ``checkpoint`` (a file name)."""
+        self._write(
+            {
+                "type": "resume",
+                "time": time.time(),
+                "checkpoint": checkpoint,
+                "resume_unit": resume_unit,
+                "epoch": epoch,
+                "iteration": iteration,
+            }
+        )
+
+    def end(
+        self, *, iteration: int, replica_digests: Mapping[int, str], stopped_after_epoch: int | None = None
+    ) -> None:
+        """Training ended: the digest of every finished replica; ``stopped_after_epoch`` when a
+        callback stopped training early (every replica after the same epoch or step)."""
+        record = {
+            "type": "end",
+            "time": time.time(),
+            "iteration": iteration,
+            "replica_digests": {str(k): v for k, v in sorted(replica_digests.items())},
+        }
+        if stopped_after_epoch is not None:
+            record["stopped_after_epoch"] = stopped_after_epoch
+        self._write(record)
+
+    def onnx(self, *, path: str | None, max_abs_diff: float | None = None, error: str | None = None) -> None:
+        """The ONNX export after training: ``path`` and onnxruntime's ``max_abs_diff``, or ``error``."""
+        record: dict[str, Any] = {"type": "onnx", "path": path}
+        if error is not None:
+            record["error"] = error
+        else:
+            record["max_abs_diff"] = max_abs_diff
+        record["time"] = time.time()
+        self._write(record)
+
+    # -- reading -----------------------------------------------------------------------------
+    @staticmethod
+    def replay(path: Path, schedule: Schedule, unit: int) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+        """The history below ``unit`` (where a resumed run goes on) from the earlier attempts' records.
+
+        Records at or past ``unit`` are redone by the resumed run and left out; of two records
+        of the same step or validation (a step redone after a failure) the later wins.
+
+        Returns:
+            ``(train_history, test_history)``: per epoch whose last step is below ``unit``,
+            ``{"epoch": e, **epoch averages}``; per validation below it, ``{"epoch": e, **metrics}``.
+        """
+        steps = schedule.plan.steps_per_epoch
+        train: dict[tuple[int, int], dict[str, Any]] = {}
+        test: dict[int, dict[str, Any]] = {}
+        for r in read_records(path):
+            if r.get("type") == "train" and schedule.unit(r["epoch"], r["step"]) < unit:
+                train[(r["epoch"], r["step"])] = r
+            elif r.get("type") == "test" and schedule.unit(r["epoch"], steps) < unit:
+                test[r["epoch"]] = r
+        train_history = [{"epoch": e, **r["epoch_metrics"]} for (e, s), r in sorted(train.items()) if s == steps - 1]
+        test_history = [{"epoch": e, **r["metrics"]} for e, r in sorted(test.items())]
+        return train_history, test_history
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """Every complete record of the file (none if it does not exist); unreadable lines are skipped."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in data[: data.rfind(b"\n") + 1].splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def cut_partial_line(path: Path) -> None:
+    """Cut a partial last line (a writer killed mid-record) so that appended records start a line."""
+    try:
+        with open(path, "r+b") as f:
+            size = f.seek(0, 2)
+            if size == 0:
+                return
+            # Read back from the end to the last newline: the partial line is short.
+            keep, chunk = size, 4096
+            while keep > 0:
+                start = max(0, keep - chunk)
+                f.seek(start)
+                block = f.read(keep - start)
+                newline = block.rfind(b"\n")
+                if newline >= 0:
+                    keep = start + newline + 1
+                    break
+                keep = start
+            if keep < size:
+                f.truncate(keep)
+    except FileNotFoundError:
+        return

@@ -1,0 +1,183 @@
+"""The run directory: where a run's files live and how they are written (docs/architecture.md, "Run directory").
+
+Layout::
+
+    <run_dir>/run.json               the call's framework, config and plan (the seed a resume reuses)
+    <run_dir>/join.json              while the run lasts: driver address and secret (mode 0600)
+    <run_dir>/logs/metrics.jsonl     the metric record (:class:`~fabric_model.run.metrics_log.MetricsLog`)
+    <run_dir>/logs/worker-<id>.log   each launched worker's output
+    <run_dir>/logs/joined-<n>.log    workers started by hand through ``fabric_model.testing``
+    <run_dir>/checkpoints/           ``ckpt-unit-<unit>.pt`` (:mod:`fabric_model.state.checkpoint`)
+    <run_dir>/model/                 the final model
+
+A leaf module: it imports nothing of the package above it, and no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+#: The environment variable naming the run directory when ``run_dir`` is not given.
+RESULT_DIR_ENV = "RESULT_DIR"
+#: Where runs go when neither ``run_dir`` nor ``$RESULT_DIR`` is given.
+DEFAULT_PARENT = "fabric_runs"
+
+
+class RunDirectory:
+    """One run's directory: its paths, and the files the run writes at its top level."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path).resolve()
+
+    def __repr__(self) -> str:
+        return f"RunDirectory({str(self.path)!r})"
+
+    @classmethod
+    def resolve(cls, run_dir: str | os.PathLike[str] | None, *, for_resume: bool = False) -> RunDirectory:
+        """The run directory: ``run_dir``, else ``$RESULT_DIR``, else a new ``./fabric_runs/<time>-<hex>``.
+
+        Args:
+            run_dir: the caller's ``run_dir`` argument.
+            for_resume: ``resume=True`` continues an existing run, so a new directory is an error.
+
+        Raises:
+            ValueError: ``for_resume`` with neither ``run_dir`` nor ``$RESULT_DIR``.
+        """
+        if run_dir is not None:
+            return cls(run_dir)
+        if os.environ.get(RESULT_DIR_ENV):
+            return cls(os.environ[RESULT_DIR_ENV])
+        if for_resume:
+            raise ValueError(
+                "Expected `run_dir` (or the RESULT_DIR environment variable) to name the run to continue with "
+                "resume=True. Received: run_dir=None and no RESULT_DIR. HINT: without either, every run gets a new "
+                "directory under ./fabric_runs/; pass run_dir=<that directory>."
+            )
+        return cls(Path(DEFAULT_PARENT) / f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}")
+
+    def create(self) -> RunDirectory:
+        """Make the directory and its ``logs/``; returns itself."""
+        self.logs.mkdir(parents=True, exist_ok=True)
+        return self
+
+    # -- paths ---------------------------------------------------------------------------
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    @property
+    def metrics(self) -> Path:
+        """``logs/metrics.jsonl``."""
+        return self.logs / "metrics.jsonl"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def model(self) -> Path:
+        return self.path / "model"
+
+    @property
+    def run_json(self) -> Path:
+        return self.path / "run.json"
+
+    @property
+    def join_json(self) -> Path:
+        return self.path / "join.json"
+
+    def worker_log(self, worker_id: int) -> Path:
+        """The output of a worker the launcher started."""
+        return self.logs / f"worker-{worker_id}.log"
+
+    def joined_log(self, n: int) -> Path:
+        """The output of the ``n``-th worker started by hand (``fabric_model.testing.WorkerStarter``)."""
+        return self.logs / f"joined-{n}.log"
+
+    # -- run.json --------------------------------------------------------------------------
+    def write_run_record(self, record: dict[str, Any]) -> None:
+        """Write ``run.json`` (``framework``, ``config``, ``plan``, ``started``), atomically."""
+        atomic_write(self.run_json, lambda f: f.write(json.dumps(record, indent=2).encode()))
+
+    def recorded_seed(self) -> int | None:
+        """The seed ``run.json`` recorded, or None without a readable one."""
+        try:
+            return int(json.loads(self.run_json.read_text())["plan"]["seed"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    # -- join.json -------------------------------------------------------------------------
+    def write_join_info(self, address: tuple[str, int], secret: bytes) -> None:
+        """Where a worker started by hand connects, readable by this user only (it holds the secret)."""
+        info = {"driver": f"{address[0]}:{address[1]}", "secret": secret.hex()}
+        atomic_write(self.join_json, lambda f: f.write(json.dumps(info).encode()), mode=0o600)
+
+    def remove_join_info(self) -> None:
+        self.join_json.unlink(missing_ok=True)
+
+
+def atomic_write(path: Path, write: Callable[[IO[bytes]], Any], *, mode: int = 0o666) -> Path:
+    """Write ``path`` so that a reader sees the old file or the whole new one, never a part.
+
+    ``write`` fills a temporary file in the same directory (``.<name>.<pid>.tmp``, so the
+    leftovers of a dead writer can be told from a live one's); it is fsynced, renamed over
+    ``path``, and the directory fsynced so the rename survives a power loss. On an exception
+    the temporary file is removed and the exception propagates; a killed writer leaves it.
+
+    Args:
+        path: the final file.
+        write: called with the temporary file, opened for binary writing.
+        mode: permissions of the new file (before the umask).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_directory(path.parent)
+    return path
+
+
+def atomic_write_path(path: Path, write: Callable[[Path], Any], *, suffix: str = "") -> Path:
+    """:func:`atomic_write` for writers that want a file name, not a stream (``keras.Model.save``).
+
+    ``write`` is given a temporary path in the same directory, ending in ``suffix`` (Keras
+    insists on ``.keras``); it is fsynced and renamed over ``path``.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp{suffix}")
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_directory(path.parent)
+    return path
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make the directory's entries (a rename into it) durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,54 @@
+"""What the driver ships to every worker: one object, cloudpickled once."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import types
+from collections import ChainMap
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+
+from ..run.hooks import Hooks
+
+
+@dataclasses.dataclass
+class Job:
+    """The user's training setup as a worker receives it (cloudpickled as one object, so the
+    optimizer keeps pointing at the model's own parameters after unpickling)."""
+
+    adapter: Any  # a frameworks.base.FrameworkAdapter; typed loosely so this module imports nothing heavy
+    get_datasets: Callable[[], tuple[Any, Any]]
+    hooks: Hooks = dataclasses.field(default_factory=Hooks)  # the worker logger and user callbacks
+    lr_scheduling: Any = None  # a loop_state.LRScheduling (its scheduler holds the adapter's optimizer)
+
+
+def dumps(job: Job) -> bytes:
+    """``job`` cloudpickled, its functions' code keeping the file it came from.
+
+    cloudpickle >= 3.1.3 writes ``<dynamic-code>`` as the file of every function it sends by
+    value (a script's ``__main__`` functions): a worker's traceback then shows neither the
+    user's file nor the failing line. The worker reads the result with plain ``pickle``."""
+    buffer = io.BytesIO()
+    _Pickler(buffer).dump(job)
+    return buffer.getvalue()
+
+
+def _code_at(constructor: Callable[..., types.CodeType], args: tuple[Any, ...], filename: str) -> types.CodeType:
+    """A code object rebuilt as cloudpickle rebuilds it, with its original file."""
+    return constructor(*args).replace(co_filename=filename)
+
+
+_cloudpickle_code_reduce = cloudpickle.Pickler.dispatch_table[types.CodeType]
+
+
+def _code_reduce(code: types.CodeType) -> tuple[Any, ...]:
+    constructor, args = _cloudpickle_code_reduce(code)
+    return _code_at, (constructor, args, code.co_filename)
+
+
+class _Pickler(cloudpickle.Pickler):
+    # Read when the pickler is made; nested code objects (closures, comprehensions) come here too.
+    dispatch_table = ChainMap({types.CodeType: _code_reduce}, cloudpickle.Pickler.dispatch_table)

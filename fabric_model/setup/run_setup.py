@@ -1,0 +1,190 @@
+"""What ``train()`` decides before any worker starts: its checked arguments, the run's sizing,
+and the job as every worker receives it. Errors name the argument, what was received and
+what is accepted."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+import warnings
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from ..run.rundir import RunDirectory
+from ..step.data import is_batch_level
+from . import checks as v
+from . import compat
+from .config import EngineSizing, Timeouts, TrainConfig, keep_freed_memory_setting, size_engines, threads_per_worker
+from .devices import collective_backend, workers_per_gpu
+from .job import Job
+from .job import dumps as dump_job
+
+if TYPE_CHECKING:
+    from ..driver.driver import DriverSetup
+
+log = logging.getLogger(__name__)
+
+#: A job larger than this is shipped with a warning: data captured by datasets_function travels with it.
+LARGE_JOB_BYTES = 256 * 2**20
+
+
+class LoopOptions(NamedTuple):
+    """``train``'s knobs of the loop, as given (checked by :func:`check_train_arguments`)."""
+
+    num_dataloader_threads: Any
+    validation_freq: Any
+    checkpoint_freq: Any
+    keep_checkpoints: Any
+    deterministic: Any = False
+
+
+def check_train_arguments(
+    epoch_number: Any,
+    batch_size: Any,
+    engines_number: Any,
+    effective_batch_size: Any,
+    loop: LoopOptions,
+    seed: Any,
+    resume: Any,
+    ignored: dict[str, Any],
+) -> None:
+    """Check ``train``'s arguments; note the IBM keywords that are accepted and ignored."""
+    for name, value in ignored.items():
+        if value is not None:
+            log.info("%s=%r is ignored: %s", name, value, compat.IGNORED_TRAIN_KEYWORDS[name])
+    v.check_positive_int("epoch_number", epoch_number)
+    v.check_positive_int("batch_size", batch_size)
+    v.check_positive_int("engines_number", engines_number, allow_none=True)
+    v.check_positive_int("num_dataloader_threads", loop.num_dataloader_threads, minimum=0, allow_none=True)
+    v.check_positive_int("validation_freq", loop.validation_freq)
+    v.check_positive_int("checkpoint_freq", loop.checkpoint_freq, minimum=0)
+    v.check_bool("resume", resume)
+    v.check_positive_int("keep_checkpoints", loop.keep_checkpoints)
+    v.check_bool("deterministic", loop.deterministic)
+    v.check_effective_batch(effective_batch_size, batch_size)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise TypeError(f"Expected `seed` to be a non-negative int or None. Received: seed={seed!r}")
+
+
+def size_run(
+    train_set: Any, batch_size: int, engines_number: int | None, effective_batch_size: int | None
+) -> tuple[int, EngineSizing]:
+    """(dataset items per micro-batch, the engines' sizing)."""
+    # A batch-level dataset (keras.utils.PyDataset) yields whole batches: the plan counts
+    # its items, each item is one micro-batch, and batch_size must be the dataset's own.
+    batch_level = is_batch_level(train_set)
+    items_per_micro_batch = 1 if batch_level else batch_size
+    if batch_level:
+        _check_batch_level(train_set, batch_size)
+    sizing = size_engines(
+        items_per_micro_batch,
+        engines_number,
+        None if effective_batch_size is None else effective_batch_size // batch_size * items_per_micro_batch,
+    )
+    return items_per_micro_batch, sizing
+
+
+def _check_batch_level(train_set: Any, batch_size: int) -> None:
+    own = getattr(train_set, "batch_size", None)
+    if isinstance(own, int) and own != batch_size:
+        raise ValueError(
+            f"Expected `batch_size` to be the batch size of the train dataset, a {type(train_set).__name__} that "
+            f"yields whole batches of {own}. Received: batch_size={batch_size}. HINT: pass batch_size={own}; each "
+            "of its batches is one micro-batch."
+        )
+
+
+def serialize_job(job: Job) -> bytes:
+    """The job every worker receives, cloudpickled once; a job that cannot travel fails here."""
+    try:
+        payload = dump_job(job)
+    except Exception as exc:
+        raise TypeError(
+            "Could not serialize the job (model, optimizer, datasets_function, loss_function, metrics, loggers) "
+            f"for the workers: {exc!r}. HINT: objects holding open files, locks or sockets cannot be sent; "
+            "create them inside datasets_function or the logger's methods instead."
+        ) from exc
+    if len(payload) > LARGE_JOB_BYTES:
+        warnings.warn(
+            f"The job sent to each worker is {len(payload) / 2**20:,.0f} MiB. Data captured by datasets_function "
+            "(or tensors that are views of a larger tensor) travel with it. HINT: load or build the data inside "
+            "datasets_function, and .clone() tensor slices.",
+            stacklevel=5,
+        )
+    return payload
+
+
+def train_config(
+    epoch_number: int, batch_size: int, sizing: EngineSizing, seed: int, loop: LoopOptions, gpus: int
+) -> TrainConfig:
+    """What every worker is told of the run, its bounds included."""
+    return TrainConfig(
+        epochs=epoch_number,
+        batch_size=batch_size,
+        sizing=sizing,
+        seed=seed,
+        num_dataloader_threads=loop.num_dataloader_threads,
+        validation_freq=loop.validation_freq,
+        checkpoint_freq=loop.checkpoint_freq,
+        timeouts=Timeouts.from_environment(),  # read once, here; every worker gets the same bounds
+        backend=collective_backend(gpus, workers_per_gpu()),  # as the workers will see the GPUs
+        keep_freed_memory=keep_freed_memory_setting(),
+    )
+
+
+def slot_devices(count: int, gpus: int) -> list[str | None]:
+    """One device per worker slot: the local GPUs in turn (``count`` is capped at ``gpus`` times
+    ``FABRIC_MODEL_WORKERS_PER_GPU``), else the CPU."""
+    return [f"cuda:{i % gpus}" if gpus else "cpu" for i in range(count)]
+
+
+def open_run(run_dir: str | os.PathLike[str] | None, setup: DriverSetup) -> RunDirectory:
+    """The run directory, created, with ``run.json`` recording the call that started (or resumed) it."""
+    run = RunDirectory.resolve(run_dir).create()
+    config, plan = dataclasses.asdict(setup.config), dataclasses.asdict(setup.plan)
+    run.write_run_record({"framework": setup.framework, "config": config, "plan": plan, "started": time.time()})
+    return run
+
+
+#: Intra-op threads of every CPU worker with ``deterministic=True`` (default 1): one count for any
+#: number of workers, since a GEMM may block, and round, differently with another thread count.
+DETERMINISTIC_THREADS_ENV = "FABRIC_MODEL_DETERMINISTIC_THREADS"
+
+
+def deterministic_threads() -> int:
+    """The intra-op thread count of ``deterministic=True`` (``$FABRIC_MODEL_DETERMINISTIC_THREADS``, default 1)."""
+    raw = os.environ.get(DETERMINISTIC_THREADS_ENV, "1")
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"Expected {DETERMINISTIC_THREADS_ENV} to be a positive integer. Received: {raw!r}")
+    return int(raw)
+
+
+def worker_threads(deterministic: bool, ray_cluster: Any, gpus: int, max_workers: int) -> int:
+    """Intra-op threads per CPU worker: a fixed count when deterministic, else a fair share of the cores."""
+    if deterministic:
+        return deterministic_threads()
+    return int(ray_cluster.threads) if ray_cluster else threads_per_worker(1 if gpus else max_workers)
+
+
+def make_deterministic(framework: str, adapter: Any, max_micro_batches: int) -> Any:
+    """The adapter of ``deterministic=True``: step sums that do not depend on who added what.
+
+    torch with at most ``MAX_TERMS`` micro-batches a step and no custom step: every term
+    gathered and added in micro-batch order; otherwise (and for Keras) the fixed-point sum."""
+    if framework == "torch" and adapter.grad_step.options.scales_loss:
+        raise ValueError(
+            "Expected `precision` to be '32' or 'bf16-mixed' with deterministic=True. Received: precision='16-mixed'. "
+            "HINT: float16's loss scale can overflow the exact fixed-point sum; bf16-mixed needs no scale."
+        )
+    if framework == "keras":
+        from ..frameworks.keras.exact import ExactKerasAdapter
+
+        return ExactKerasAdapter.from_adapter(adapter, max_micro_batches)
+    from ..frameworks.torch.ordered import MAX_TERMS, OrderedTorchAdapter
+
+    if adapter.step_fn is None and max_micro_batches <= MAX_TERMS:  # the run's configuration, never its size
+        return OrderedTorchAdapter.from_adapter(adapter, max_micro_batches)
+    from ..frameworks.torch.exact import ExactTorchAdapter
+
+    return ExactTorchAdapter.from_adapter(adapter, max_micro_batches)

@@ -1,0 +1,140 @@
+"""The states the driver holds for the run: checkpoints and snapshots that rank 0 uploads.
+
+Rank 0 of a generation uploads the state (a checkpoint's bytes, see
+:mod:`fabric_model.state.checkpoint`) in :class:`~fabric_model.transport.protocol.StateChunk` messages: a
+*checkpoint* when one is due (written to ``checkpoints/`` by :class:`CheckpointBook`), a
+*snapshot* every few steps or seconds (kept in memory only). When every worker holding the
+committed state is lost, the next generation loads the newest of them at or below the
+committed unit, and the run rolls back to it (docs/architecture.md, "Elasticity").
+
+Fencing: an upload is accepted only when its first chunk comes from rank 0 of the current
+generation and names that generation; its further chunks only from the same sender, in
+order. Messages of workers the driver has given up on never get here (the event loop drops
+them), so a zombie of an older generation can neither write a checkpoint nor replace the
+snapshot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from ..driver.commands import RestorePoint
+from ..transport import protocol as p
+from .checkpoint import checkpoint_name
+from .writer import CheckpointBook
+
+log = logging.getLogger(__name__)
+#: The longest a restore waits for a checkpoint still being written (seconds): the newest
+#: uploaded checkpoint is worth a short wait; a hung disk must not hold the job.
+WRITE_WAIT = 10.0
+
+
+@dataclasses.dataclass
+class _Upload:
+    generation: int
+    unit: int
+    kind: str
+    parts: list[bytes]
+
+
+class StateBook:
+    """Checkpoints on disk and snapshots in memory: what a generation restores when no member can
+    hand the state over. It answers membership's ``Checkpoints`` questions.
+
+    Memory: the newest state at or below the committed unit, and any newer one whose steps are
+    not all committed yet (usually none): one copy of the state, two at most.
+    """
+
+    def __init__(self, checkpoints: CheckpointBook) -> None:
+        self.checkpoints = checkpoints
+        self.held: list[RestorePoint] = []  # by unit, oldest first
+        self.committed_unit = 0
+        self._uploads: dict[int, _Upload] = {}  # sender -> its upload in progress (one at most)
+        self.refused = 0  # chunks refused by the fence (for tests and logs)
+
+    # -- uploads ------------------------------------------------------------------------------
+    def chunk(self, worker_id: int, message: p.StateChunk, generation: int, members: list[int]) -> None:
+        """One chunk from ``worker_id``; ``generation`` and ``members`` are the current ones."""
+        upload = self._uploads.get(worker_id)
+        if message.index == 0:
+            if message.generation != generation or not members or members[0] != worker_id:
+                self._refuse(worker_id, message, generation)
+                return
+            # One upload at a time: a former rank 0's unfinished one (it may have died) is dropped.
+            upload = _Upload(message.generation, message.unit, message.kind, [])
+            self._uploads = {worker_id: upload}
+        elif upload is None or (upload.generation, upload.unit, upload.kind, len(upload.parts)) != (
+            message.generation,
+            message.unit,
+            message.kind,
+            message.index,
+        ):
+            self._uploads.pop(worker_id, None)
+            self._refuse(worker_id, message, generation)
+            return
+        upload.parts.append(message.data)
+        if message.last:
+            del self._uploads[worker_id]
+            self._complete(worker_id, upload)
+
+    def _refuse(self, worker_id: int, message: p.StateChunk, generation: int) -> None:
+        self.refused += 1
+        if message.index == 0:
+            log.warning(
+                "refused the %s of unit %d from worker %d: it is not rank 0 of generation %d (it says %d)",
+                message.kind,
+                message.unit,
+                worker_id,
+                generation,
+                message.generation,
+            )
+
+    def _complete(self, worker_id: int, upload: _Upload) -> None:
+        data = b"".join(upload.parts)
+        name = f"snapshot of unit {upload.unit}"
+        if upload.kind == "checkpoint":
+            name = checkpoint_name(upload.unit)
+            self.checkpoints.store(worker_id, upload.generation, upload.unit, data)
+        self._hold(RestorePoint(upload.unit, upload.kind, name, data))
+        log.debug("%s from worker %d: %d bytes", name, worker_id, len(data))
+
+    def _hold(self, state: RestorePoint) -> None:
+        if self.held and state.unit <= self.held[-1].unit:
+            return  # not newer than what is held (a checkpoint rank 0 re-sent after a rollback)
+        self.held.append(state)
+        self._prune()
+
+    def _prune(self) -> None:
+        """Keep the newest state at or below the committed unit, and the newer ones."""
+        below = [i for i, s in enumerate(self.held) if s.unit <= self.committed_unit]
+        if below:
+            del self.held[: below[-1]]
+
+    # -- progress -----------------------------------------------------------------------------
+    def committed(self, unit: int) -> None:
+        self.committed_unit = max(self.committed_unit, unit)
+        self._prune()
+
+    def rolled_back(self, unit: int) -> None:
+        """Progress went back to ``unit``: newer states belong to steps that will be redone."""
+        self.committed_unit = unit
+        self.held = [s for s in self.held if s.unit <= unit]
+        self._uploads.clear()
+
+    # -- membership's questions ---------------------------------------------------------------
+    def restore_point(self, limit: int) -> RestorePoint | None:
+        """The newest state at or below unit ``limit``: in memory, or a checkpoint on disk."""
+        in_memory = next((s for s in reversed(self.held) if s.unit <= limit), None)
+        self.checkpoints.finish_writes(WRITE_WAIT)
+        on_disk = self.checkpoints.newest_on_disk(limit)
+        if on_disk is not None and (in_memory is None or on_disk[0] > in_memory.unit):
+            unit, path = on_disk
+            return RestorePoint(unit, "checkpoint", path.name, path.read_bytes())
+        return in_memory
+
+    def has_any(self) -> bool:
+        return self.checkpoints.has_any()
+
+    def settings(self, restore: str | None = None) -> p.CheckpointSettings:
+        return self.checkpoints.settings(restore)

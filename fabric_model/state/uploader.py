@@ -1,0 +1,140 @@
+"""Rank 0's uploads of the training state to the driver: checkpoints and snapshots.
+
+At a step boundary, rank 0 of a generation copies its model and optimizer state (a device
+copy, the only part the step loop waits for) when a checkpoint is due, or when a snapshot is
+due: every ``FABRIC_MODEL_SNAPSHOT_STEPS`` committed steps (but not while snapshots would
+take more than ``FABRIC_MODEL_SNAPSHOT_SHARE`` of the time) or once
+``FABRIC_MODEL_SNAPSHOT_SECONDS`` have passed since the last upload. A background thread
+then serializes the copy (a checkpoint's bytes, :mod:`fabric_model.state.checkpoint`) and sends it
+in :class:`~fabric_model.transport.protocol.StateChunk` messages over the control channel; the driver
+writes checkpoints and keeps the newest state in memory, for when every worker holding the
+state is lost (docs/architecture.md, "Elasticity").
+
+One upload at a time: a snapshot due while one is in flight waits for the next boundary; a
+due checkpoint waits for the one in flight to finish.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from ..setup.config import TrainConfig
+from ..step.plan import Schedule
+from ..transport import protocol as p
+from ..transport.control import Channel
+from .checkpoint import checkpoint_due, encode_state, state_record
+
+log = logging.getLogger(__name__)
+
+#: Bytes per StateChunk: heartbeats and step reports are never queued behind more than this.
+CHUNK_BYTES = 4 << 20
+
+
+class StateUploader:
+    """Knows when rank 0 uploads the state, copies it, and sends it from a thread.
+
+    Args:
+        channel: the worker's control channel (``send`` is thread-safe).
+        schedule: the run's schedule.
+        config: the run's configuration (``checkpoint_freq``, ``batch_size``, the snapshot intervals).
+    """
+
+    def __init__(self, channel: Channel, schedule: Schedule, config: TrainConfig) -> None:
+        self.channel, self.schedule = channel, schedule
+        self.freq, self.batch_size = config.checkpoint_freq, config.batch_size
+        self.every_steps = int(config.timeouts.snapshot_steps)
+        self.every_seconds = float(config.timeouts.snapshot_seconds)
+        self.share = float(config.timeouts.snapshot_share)
+        self.cost = 0.0  # seconds the last upload took: its copy, then its thread's serializing and sending
+        self.framework = ""
+        self.written = -1  # the newest checkpoint the driver has
+        self._last_steps = 0  # steps below the unit of the last upload (or of entering)
+        self._last_time = time.monotonic()
+        self._thread: threading.Thread | None = None
+
+    def entered(self, settings: p.CheckpointSettings, resume_unit: int) -> None:
+        """A generation was entered at ``resume_unit``: the driver holds a state of it or before."""
+        self.framework = settings.framework
+        self.written = max(self.written, settings.written)
+        self._last_steps = self.schedule.steps_before(resume_unit)
+        self._last_time = time.monotonic()
+
+    def kind_due(self, unit: int, rank: int) -> str | None:
+        """ "checkpoint", "snapshot" or None: what rank ``rank`` uploads before running ``unit``."""
+        if rank != 0 or not 0 < unit < self.schedule.total_units:
+            return None
+        if unit > self.written and checkpoint_due(self.schedule, self.freq, unit):
+            return "checkpoint"
+        if self._thread is not None and self._thread.is_alive():
+            return None  # the last one is still on its way: try at the next boundary
+        steps = self.schedule.steps_before(unit) - self._last_steps
+        if steps <= 0:
+            return None
+        since = time.monotonic() - self._last_time
+        # On fast steps, N steps can be less time than a snapshot costs (a 2 ms step, a 3 MB
+        # state: 7% of the run at every 100 steps). The steps' rule then waits until the last
+        # upload's cost is at most ``share`` of the time since it began.
+        affordable = self.share <= 0 or since * self.share >= self.cost
+        by_steps = self.every_steps > 0 and steps >= self.every_steps and affordable
+        by_time = self.every_seconds > 0 and since >= self.every_seconds
+        return "snapshot" if by_steps or by_time else None
+
+    def upload(self, kind: str, unit: int, generation: int, model_state: Any, optimizer_state: Any) -> float:
+        """Copy the state (on the caller's thread) and send it from a background thread; returns
+        the seconds the copy took (what the step loop pays)."""
+        started = time.monotonic()
+        self.flush()  # one at a time (only a due checkpoint can find one in flight)
+        record = state_record(
+            self.schedule, unit, self.framework, self.batch_size, _copy(model_state), _copy(optimizer_state)
+        )
+        copied = time.monotonic() - started
+        self.mark(kind, unit)
+        self._thread = threading.Thread(
+            target=self._send, args=(kind, unit, generation, record, copied), name="fabric-upload", daemon=True
+        )
+        self._thread.start()
+        return copied
+
+    def mark(self, kind: str, unit: int) -> None:
+        """An upload of ``unit`` started: the next snapshot counts from it."""
+        if kind == "checkpoint":
+            self.written = unit
+        self._last_steps, self._last_time = self.schedule.steps_before(unit), time.monotonic()
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until the upload in flight, if any, is sent."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _send(self, kind: str, unit: int, generation: int, record: dict[str, Any], copied: float) -> None:
+        started = time.monotonic()
+        try:
+            data = memoryview(encode_state(record))
+            del record  # the copy is not needed once serialized
+            count = max(1, -(-len(data) // CHUNK_BYTES))
+            for i in range(count):
+                part = bytes(data[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES])
+                self.channel.send(p.StateChunk(generation, unit, kind, i, part, last=i == count - 1))
+        except (OSError, EOFError) as exc:  # the driver is gone: the inbox thread ends the process
+            log.warning("%s of unit %d not sent: %s", kind, unit, exc)
+            return
+        sent = time.monotonic() - started
+        # Wall time, not this thread's CPU time: on busy cores it is what the steps lost meanwhile.
+        self.cost = copied + sent
+        log.info("%s of unit %d sent: %d bytes in %.3f s", kind, unit, len(data), sent)
+
+
+def _copy(tree: Any) -> Any:
+    """A copy of a state's nest whose tensors the training loop can no longer change."""
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _copy(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_copy(v) for v in tree)
+    return tree  # plain values are immutable (numbers, strings) or rebuilt above (containers)

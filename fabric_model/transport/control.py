@@ -1,0 +1,313 @@
+"""The control plane: authenticated message channels between the driver and its workers.
+
+Built on :mod:`multiprocessing.connection`, whose ``Listener(authkey=...)`` runs an HMAC
+challenge-response before the first message, so nothing is unpickled from a peer that has
+not proven it holds the job's secret. Messages are the dataclasses of
+:mod:`fabric_model.transport.protocol` (docs/architecture.md, "The protocol").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
+from typing import Any, Literal, Protocol
+
+from . import protocol as p
+
+log = logging.getLogger(__name__)
+
+#: Seconds a new connection has to complete the handshake before it is cut off.
+HANDSHAKE_TIMEOUT = 10.0
+
+
+def _dumps(message: Any) -> bytes:
+    # Plain pickle, not Connection.send's ForkingPickler: with torch loaded that one ships
+    # tensors as shared-memory file descriptors, which only work between local processes.
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+class Channel:
+    """One end of a driver/worker connection; ``send`` may be called from several threads.
+
+    Messages go out in the order they are given, held ones (:meth:`send_soon`) included."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+        self._held: list[Any] = []  # messages waiting for the next frame (send_soon)
+        self.holding = threading.Event()  # set while _held is not empty (the heartbeat thread waits on it)
+        self._written = 0.0  # time.monotonic() of the last frame sent
+
+    def send(self, message: Any) -> None:
+        """Send one message of :mod:`fabric_model.transport.protocol`, after any held ones."""
+        data = _dumps(message)  # outside the lock: a 4 MiB state chunk does not hold up the others
+        with self._lock:
+            self._write_held()
+            self._conn.send_bytes(data)
+            self._written = time.monotonic()
+
+    def send_soon(self, message: Any, within: float) -> None:
+        """Send ``message`` now if no frame went out in the last ``within`` seconds, else hold it
+        for the next frame (any :meth:`send`, or :meth:`flush`).
+
+        A fast step's report then shares a frame, and the driver one wake-up, with the next
+        ones (docs/architecture.md, "What a step costs beyond the math"). Held messages die
+        with the process; only step reports are held, which the driver can do without."""
+        with self._lock:
+            self._held.append(message)
+            if time.monotonic() - self._written >= within:
+                self._write_held()
+            else:
+                self.holding.set()
+
+    def flush(self, older_than: float = 0.0) -> None:
+        """Send the held messages if the last frame went out ``older_than`` seconds ago or more."""
+        with self._lock:
+            if self._held and time.monotonic() - self._written >= older_than:
+                self._write_held()
+
+    def _write_held(self) -> None:
+        """Under the lock: the held messages, as one frame."""
+        if not self._held:
+            return
+        held, self._held = self._held, []
+        self.holding.clear()
+        self._conn.send_bytes(_dumps(held[0] if len(held) == 1 else p.Batch(tuple(held))))
+        self._written = time.monotonic()
+
+    def recv(self, timeout: float | None = None) -> Any:
+        """Next message; raises ``TimeoutError`` after ``timeout`` seconds, ``EOFError`` on close."""
+        if timeout is not None and not self._conn.poll(timeout):
+            raise TimeoutError(f"no message from the peer within {timeout:.1f} s")
+        return pickle.loads(self._conn.recv_bytes())
+
+    def send_bytes(self, data: bytes) -> None:
+        """Send one raw frame (the store's, :mod:`fabric_model.transport.store.wire`)."""
+        with self._lock:
+            self._conn.send_bytes(data)
+
+    def recv_bytes(self) -> bytes:
+        """Next raw frame; ``EOFError`` on close."""
+        return self._conn.recv_bytes()
+
+    def fence(self, message: Any) -> None:
+        """Send ``message``, then end our half of the stream (the peer reads it, then EOF)."""
+        try:
+            self.send(message)
+            sock = socket.socket(fileno=os.dup(self._conn.fileno()))
+        except (OSError, EOFError):
+            return
+        try:
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+    def close(self) -> None:
+        # Under the send lock: a reader thread closing the connection while the driver sends
+        # on it would otherwise hand the send a closed (or reused) descriptor mid-write.
+        with self._lock:
+            try:
+                self._conn.close()
+            except OSError:
+                pass
+
+    def shutdown(self) -> None:
+        """Close, waking a thread blocked reading this channel (closing alone does not)."""
+        _shut_down(self._conn)
+        self.close()
+
+
+def connect(address: tuple[str, int], secret: bytes) -> Channel:
+    """A worker's connection to the driver at ``address``, authenticated with ``secret``."""
+    return Channel(Client(address, family="AF_INET", authkey=secret))
+
+
+class StoreHandler(Protocol):
+    """What serves a store connection (:class:`fabric_model.transport.store.server.StoreService`)."""
+
+    def serve(self, channel: Channel, worker_id: int) -> None:
+        """Answer the connection's requests on the calling thread until it closes."""
+
+
+class ControlServer:
+    """The driver's listener: accepts authenticated workers and funnels their messages.
+
+    Every message from every worker lands on one queue as ``(worker_id, message)``, so the
+    driver is a single loop over events. ``worker_id`` is learned from the worker's first
+    message (:class:`~fabric_model.transport.protocol.Hello`); a closed connection becomes a
+    :class:`~fabric_model.transport.protocol.ConnectionLost` event. A connection that opens with
+    :class:`~fabric_model.transport.protocol.StoreOpen` is handed to ``store`` on its own thread
+    instead: the rendezvous store shares this port and its authentication.
+    """
+
+    def __init__(
+        self,
+        secret: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        allocate_id: Callable[[], int] | None = None,
+        store: StoreHandler | None = None,
+    ) -> None:
+        self._allocate_id = allocate_id
+        self._store = store
+        self._secret = secret
+        # No authkey here: Listener.accept() would then run the handshake on the accept thread,
+        # where one idle or garbage-sending peer stalls (or, on OSError, ends) all registration.
+        # A deep backlog: with the default of 1, a burst of connections (honest or not) waits
+        # for SYN retransmits while the accept thread is busy.
+        self._listener = Listener((host, port), family="AF_INET", backlog=64)
+        self.events: queue.Queue[tuple[int, Any]] = queue.Queue()
+        self.channels: dict[int, Channel] = {}
+        # Workers whose reader is still reading (their every message may not be queued yet),
+        # and those whose connection ended (its ConnectionLost follows all they sent).
+        self._reading: set[int] = set()
+        self._ended: set[int] = set()
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._accept_loop, name="fabric-accept", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self._listener.address
+        return str(host), int(port)
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn = self._listener.accept()
+            except OSError:
+                if self._closed.is_set():
+                    return  # listener closed
+                log.warning("control plane: accepting a connection failed", exc_info=True)
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="fabric-conn", daemon=True).start()
+
+    def _serve(self, conn: Connection) -> None:
+        """One connection's life, on its own thread: the handshake, then its messages."""
+        if self._authenticate(conn):
+            self._read_loop(Channel(conn))
+
+    def _authenticate(self, conn: Connection) -> bool:
+        """The HMAC challenge both ways, within ``HANDSHAKE_TIMEOUT`` seconds; nothing is
+        unpickled before it succeeds. A peer that fails it or stays silent is cut off."""
+        timer = threading.Timer(HANDSHAKE_TIMEOUT, _shut_down, args=(conn,))
+        timer.start()
+        try:
+            deliver_challenge(conn, self._secret)
+            answer_challenge(conn, self._secret)
+            return True
+        except (AuthenticationError, EOFError, OSError, ValueError) as exc:
+            if not self._closed.is_set():
+                log.warning("control plane: rejected a connection that failed authentication (%s)", type(exc).__name__)
+            conn.close()
+            return False
+        finally:
+            timer.cancel()
+
+    def _read_loop(self, channel: Channel) -> None:
+        worker_id = -1
+        try:
+            hello = channel.recv(timeout=60.0)
+            if isinstance(hello, p.StoreOpen) and self._store is not None:
+                self._store.serve(channel, int(hello.worker_id))
+                return
+            if not isinstance(hello, p.Hello):
+                raise ValueError(f"expected Hello first, got {type(hello).__name__}")
+            if hello.worker_id is None:
+                if self._allocate_id is None:
+                    raise ValueError("a worker without an id connected, and this server assigns none")
+                worker_id = self._allocate_id()
+                channel.send(p.Assigned(worker_id))
+            else:
+                worker_id = int(hello.worker_id)
+            with self._lock:
+                self.channels[worker_id] = channel
+                self._reading.add(worker_id)
+            self.events.put((worker_id, hello))
+            while True:
+                message = channel.recv()
+                for one in message.messages if isinstance(message, p.Batch) else (message,):
+                    self.events.put((worker_id, one))
+        except (EOFError, OSError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+            if worker_id >= 0:
+                self.events.put((worker_id, p.ConnectionLost(repr(exc))))
+        finally:
+            channel.close()
+            with self._lock:
+                self._reading.discard(worker_id)
+                if worker_id >= 0:
+                    self._ended.add(worker_id)
+
+    def connection(self, worker_id: int) -> Literal["none", "open", "ended"]:
+        """``worker_id``'s connection: never made, ``open`` (being read: a message it sent may
+        not be on the queue yet), or ``ended`` (its :class:`~fabric_model.transport.protocol.ConnectionLost`
+        is on the queue after everything it sent)."""
+        with self._lock:
+            if worker_id in self._reading:
+                return "open"
+            return "ended" if worker_id in self._ended else "none"
+
+    def send(self, worker_id: int, message: Any) -> bool:
+        """Send a message to a worker; False when it is gone."""
+        with self._lock:
+            channel = self.channels.get(worker_id)
+        if channel is None:
+            return False
+        try:
+            channel.send(message)
+            return True
+        except (OSError, EOFError):
+            return False
+
+    def fence(self, worker_id: int, reason: str) -> None:
+        """Tell a removed worker why (:class:`~fabric_model.transport.protocol.Stop`) and close our side.
+
+        On a thread: a peer behind a partition cannot block the driver's loop. The write side
+        is shut after the message, so it arrives before the end of the stream even when the
+        partition heals later; the reader thread ends when the peer closes."""
+        with self._lock:
+            channel = self.channels.get(worker_id)
+        if channel is not None:
+            threading.Thread(target=channel.fence, args=(p.Stop(reason),), name="fabric-fence", daemon=True).start()
+
+    def close(self) -> None:
+        self._closed.set()
+        # A thread blocked in accept() is not woken by close(); a throw-away connection is.
+        try:
+            socket.create_connection(self.address, timeout=1.0).close()
+        except OSError:
+            pass
+        self._thread.join(timeout=2.0)
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+        with self._lock:
+            for channel in self.channels.values():
+                channel.close()
+            self.channels.clear()
+
+
+def _shut_down(conn: Connection) -> None:
+    """Wake a thread blocked reading ``conn`` (closing the descriptor alone does not)."""
+    try:
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+    except OSError:
+        return  # already closed
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.close()

@@ -1,0 +1,266 @@
+"""The control-plane protocol: every message between the driver and its workers.
+
+Each message is a frozen dataclass, sent as it is over the authenticated channel of
+:mod:`fabric_model.transport.control` and dispatched by its type on arrival. Nothing is unpickled
+before the peer has proven it holds the job's secret (docs/architecture.md, "The protocol").
+
+A worker's life in messages::
+
+    worker                           driver
+    Hello ------------------------->
+          <------------------------- Assigned (only when the worker had no id)
+          <------------------------- JobSpec
+    Ready ------------------------->                 (set up: job, datasets, device)
+          <------------------------- EnterGeneration (rank, world size, where to resume)
+    StepDone / EvalDone / Heartbeat / StateChunk ...
+          <------------------------- JoinPending     (vote to switch after a step)
+          <------------------------- Abort           (a member was lost: give up collectives)
+    LeftGeneration ---------------->                 (how far it got), then EnterGeneration again
+    Finished ---------------------->
+          <------------------------- SendFinalState
+    FinalState -------------------->
+          <------------------------- Stop
+    WorkerFailed (at any time: an exception, with its traceback)
+
+A second connection, opened with ``StoreOpen``, carries the rendezvous store's frames
+(:mod:`fabric_model.transport.store.wire`), not these messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+#: The job's secret (hex), in a worker's environment; never on its command line.
+SECRET_ENV = "FABRIC_MODEL_SECRET"
+#: Set by the driver's launcher: the worker dies with the driver and leaves Ctrl-C to it.
+LAUNCHED_ENV = "FABRIC_MODEL_LAUNCHED"
+#: ``0`` turns off the replacement of lost local workers.
+REPLACE_WORKERS_ENV = "EDT_REPLACE_WORKERS"
+#: Failed pulls after which a joining worker gives up.
+PULL_FAILED_LIMITS_ENV = "EDT_PULL_FAILED_LIMITS"
+#: ``N``: on a host without a GPU, allow up to N CPU workers (default: one per usable core).
+CPU_WORKERS_ENV = "FABRIC_MODEL_CPU_WORKERS"
+#: ``N``: up to N local workers share each GPU (default 1); shared GPUs reduce over gloo, not NCCL.
+WORKERS_PER_GPU_ENV = "FABRIC_MODEL_WORKERS_PER_GPU"
+#: The GPUs a process may use; the launcher drops it for workers when the script changed it.
+CUDA_VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
+#: Rank 0 uploads a snapshot of the state every this many committed steps (0: not by steps).
+SNAPSHOT_STEPS_ENV = "FABRIC_MODEL_SNAPSHOT_STEPS"
+#: ... or once this many seconds have passed since the last one (0: not by time).
+SNAPSHOT_SECONDS_ENV = "FABRIC_MODEL_SNAPSHOT_SECONDS"
+#: The steps' rule waits while snapshots would take more than this share of the time (0: never).
+SNAPSHOT_SHARE_ENV = "FABRIC_MODEL_SNAPSHOT_SHARE"
+#: ``0``: local workers start as fresh interpreters, not as forks of the warm process;
+#: ``fresh``: the warm process is a fresh interpreter, never a fork of the caller
+#: (launchers/local.WARM_STARTS).
+WARM_START_ENV = "FABRIC_MODEL_WARM_START"
+#: ``0``: workers leave glibc's mmap and trim thresholds alone (worker/allocator.py).
+KEEP_FREED_MEMORY_ENV = "FABRIC_MODEL_KEEP_FREED_MEMORY"
+
+
+# -- worker -> driver -----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Hello:
+    """The first message on a connection. ``worker_id`` None asks the driver to assign one."""
+
+    worker_id: int | None
+    pid: int
+    host: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Ready:
+    """Set up (job, datasets, device) and waiting to enter a generation; ``attempt`` counts pulls."""
+
+    attempt: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LeftGeneration:
+    """The worker left ``generation`` at ``next_unit`` (-1: it never entered it).
+
+    ``failed`` False: it stopped after the step its generation voted to switch at;
+    True: a collective failed (a peer died or the driver aborted) and the step was undone."""
+
+    generation: int
+    next_unit: int
+    failed: bool
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Heartbeat:
+    """Sent from a thread at a fixed interval: a frozen process goes silent."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepDone:
+    """Rank ``rank`` of ``world_size`` finished step ``step`` of ``epoch`` having computed
+    ``micro_batches``; ``stats`` are the step's reduced stat sums (loss, metrics..., count)."""
+
+    generation: int
+    epoch: int
+    step: int
+    rank: int
+    world_size: int
+    micro_batches: tuple[int, ...]
+    stats: tuple[float, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """Messages sent in one frame, in order: a worker's step reports of fast steps, held back
+    briefly so that the driver is woken once for several (``Channel.send_soon``)."""
+
+    messages: tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalDone:
+    """A validation's reduced stat sums (loss, metrics..., count)."""
+
+    epoch: int
+    stats: tuple[float, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """The schedule is done; ``digest`` fingerprints the replica's weights and optimizer state."""
+
+    digest: str
+    next_unit: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FinalState:
+    """The trained state, sent by the one finished worker the driver asks."""
+
+    model_state: dict[str, Any]
+    optimizer_state: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerFailed:
+    """An exception in the worker. ``exception`` is the cloudpickled exception (None if it
+    does not pickle); ``collective`` marks failures that are not the user's code's."""
+
+    traceback: str
+    exception: bytes | None
+    collective: bool
+
+
+# -- driver -> worker -----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Assigned:
+    """The id the driver gave a worker that connected without one."""
+
+    worker_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """The job: the cloudpickled :class:`~fabric_model.setup.job.Job`, its configuration (timeouts
+    included, resolved once in the caller) and plan, device and threads. The rendezvous store
+    is at the address the worker reached the driver at (a :class:`StoreOpen` connection)."""
+
+    payload: bytes
+    config: Any  # fabric_model.setup.config.TrainConfig
+    plan: Any  # fabric_model.step.plan.Plan
+    device: str | None
+    threads: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSettings:
+    """The driver's checkpoint bookkeeping as a generation sees it: the driver's ``checkpoints/``
+    (informational: the driver writes the files), the framework, the newest checkpoint the
+    driver has, and the name of the state every member loads first (``EnterGeneration.state``)."""
+
+    directory: str
+    framework: str
+    written: int
+    restore: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EnterGeneration:
+    """Enter ``generation`` as ``rank`` of ``world_size`` and resume at ``resume_unit``; the
+    member at ``source_rank`` (-1: none) broadcasts the state. ``attempt`` answers a Ready.
+    ``state``: the bytes of a checkpoint or snapshot every member loads first (a resumed run, or
+    no holder of the state left; docs/architecture.md, "Elasticity"), None to keep its own."""
+
+    generation: int
+    rank: int
+    world_size: int
+    resume_unit: int
+    source_rank: int
+    checkpoint: CheckpointSettings
+    attempt: int = 1
+    state: bytes | None = dataclasses.field(default=None, repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class JoinPending:
+    """A worker waits to join: vote to switch to ``generation`` after the next step."""
+
+    generation: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Abort:
+    """A member of ``generation`` was lost: give up that generation's collectives."""
+
+    generation: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SendFinalState:
+    """Send :class:`FinalState`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """Exit now. A ``reason`` means the driver turned this worker away (a join refused, or a
+    worker removed from the job and fenced out): it prints it and exits non-zero."""
+
+    reason: str = ""
+
+
+# -- worker -> driver: the state, uploaded (docs/architecture.md, "Elasticity", "Run directory") --
+@dataclasses.dataclass(frozen=True)
+class StateChunk:
+    """Part ``index`` of the state of ``unit`` that rank 0 of ``generation`` uploads: ``kind``
+    "checkpoint" (the driver writes it to ``checkpoints/``) or "snapshot" (kept in memory).
+    The bytes are one ``torch.save`` of a checkpoint's dict, cut into chunks so that heartbeats
+    and step reports travel between them; ``last`` marks the final chunk."""
+
+    generation: int
+    unit: int
+    kind: str
+    index: int
+    data: bytes = dataclasses.field(repr=False)
+    last: bool
+
+
+# -- inside the driver ----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ConnectionLost:
+    """Raised by the driver's reader thread when a worker's connection closes."""
+
+    reason: str
+
+
+# -- worker -> driver, opening a store connection ----------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class StoreOpen:
+    """The first message on a worker's second connection: it carries rendezvous-store frames
+    (:mod:`fabric_model.transport.store.wire`), served to ``worker_id`` while it is a member."""
+
+    worker_id: int
+
+
+WorkerMessage = (
+    Hello | Ready | LeftGeneration | Heartbeat | StepDone | EvalDone | Finished | FinalState | WorkerFailed
+) | StateChunk
+DriverMessage = Assigned | JobSpec | EnterGeneration | JoinPending | Abort | SendFinalState | Stop

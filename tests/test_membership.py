@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from fabric_model.driver.commands import Formed, Kill, Limits, RestorePoint, RollBack, Send, Settle, Start
+from fabric_model.driver.commands import (
+    AbortGeneration,
+    Formed,
+    Kill,
+    Limits,
+    RestorePoint,
+    RollBack,
+    Send,
+    Settle,
+    Start,
+)
 from fabric_model.driver.membership import USER_ERROR_LIMIT, Membership, WorkerState
 from fabric_model.errors import JobError
 from fabric_model.transport import protocol as p
@@ -37,7 +47,11 @@ def machine(workers: int = 2, checkpoints: tuple[int, ...] = (), replace: bool =
 
 
 def sent(commands, kind) -> dict[int, object]:
-    return {c.worker_id: c.message for c in commands if isinstance(c, Send) and isinstance(c.message, kind)}
+    """The messages of ``kind`` the commands send, by worker (an ``AbortGeneration`` sends each member an ``Abort``)."""
+    out = {c.worker_id: c.message for c in commands if isinstance(c, Send) and isinstance(c.message, kind)}
+    if kind is p.Abort:
+        out |= {m: p.Abort(c.generation) for c in commands if isinstance(c, AbortGeneration) for m in c.members}
+    return out
 
 
 def formed(commands) -> Formed:

@@ -18,6 +18,15 @@ class Send:
 
 
 @dataclasses.dataclass(frozen=True)
+class AbortGeneration:
+    """Give up generation ``generation``: its ``members`` stop its collectives (a peer was lost or
+    froze), and the rendezvous store fails the ranks still forming its group."""
+
+    generation: int
+    members: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Kill:
     """Make sure the process of a lost worker is dead (a frozen one cannot come back half-alive);
     a worker on another host is told ``reason`` and cut off (docs/architecture.md, "Processes")."""
@@ -76,11 +85,11 @@ class RestorePoint:
     data: bytes = dataclasses.field(repr=False)
 
 
-Command = Send | Kill | Start | Settle | Formed | RollBack
+Command = Send | AbortGeneration | Kill | Start | Settle | Formed | RollBack
 
 
 class Checkpoints(Protocol):
-    """What membership asks of the run's saved states (``driver.snapshots.StateBook``)."""
+    """What membership asks of the run's saved states (:class:`~fabric_model.state.book.StateBook`)."""
 
     def restore_point(self, limit: int) -> RestorePoint | None:
         """The newest state the driver has (a checkpoint on disk or a snapshot in memory) at or

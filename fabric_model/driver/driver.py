@@ -21,7 +21,9 @@ from typing import Any
 from ..errors import rebuild_exception
 from ..launchers.base import Launcher
 from ..launchers.local import LocalLauncher
+from ..run.hooks import Hooks
 from ..run.metrics_log import MetricsLog
+from ..run.rundir import RunDirectory
 from ..setup.config import TrainConfig
 from ..state.best import BestCheckpoints, epoch_logs
 from ..state.book import StateBook
@@ -32,7 +34,7 @@ from ..transport import protocol as p
 from ..transport.control import ControlServer
 from ..transport.network import DEFAULT_BIND_ADDRESS, advertised_address
 from ..transport.store.server import StoreService
-from .commands import Command, Formed, Kill, Limits, RollBack, Send, Settle, Start
+from .commands import AbortGeneration, Command, Formed, Kill, Limits, RollBack, Send, Settle, Start
 from .ledger import Progress
 from .membership import Membership
 
@@ -110,8 +112,8 @@ class Driver:
     def __init__(
         self,
         setup: DriverSetup,
-        run_dir: Any,
-        hooks: Any,
+        run_dir: RunDirectory,
+        hooks: Hooks,
         launcher_factory: LauncherFactory | None = None,
     ) -> None:
         self.setup, self.run_dir, self.hooks = setup, run_dir, hooks
@@ -133,7 +135,7 @@ class Driver:
             epoch_logs=lambda e: epoch_logs(self.progress.train_history, self.progress.test_history, e),
         )
         # Checkpoints and snapshots that rank 0 uploads (docs/architecture.md, "Elasticity").
-        self.states = StateBook(self.checkpoints)
+        self.states = StateBook(self.checkpoints, self.progress.committed)
         limits = Limits(
             max_workers=max(len(setup.devices), setup.max_workers or 0),
             total_units=self.schedule.total_units,
@@ -143,11 +145,9 @@ class Driver:
             replace_workers=timeouts.replace_workers,
             local_slots=len(setup.devices),
         )
-        self.membership = Membership(limits, self.states, self._log_tails)
+        self.membership = Membership(limits, self.states, self._log_tails, self.progress.committed)
         if setup.resume is not None and history is not None:
             self.progress.start_at(setup.resume.unit, *history)
-            self.membership.committed(setup.resume.unit)
-            self.states.committed(setup.resume.unit)
         self._launcher_factory = launcher_factory or self._local_launcher
         self._hosts: dict[int, str] = {}  # worker id -> where it runs (its Hello, or the launcher's word)
         self._final: FinalState | None = None
@@ -291,13 +291,11 @@ class Driver:
         if message.generation != self.membership.generation:
             return  # older generations' reports were settled when they ended
         self.membership.step_reported(worker_id)
-        unit = self.progress.step_done(message)
-        if unit is not None:
-            self.membership.committed(unit)
-            self.states.committed(unit)
+        if self.progress.step_done(message) is not None:
+            self._moved_on()
 
     def _on_state_chunk(self, worker_id: int, message: p.StateChunk) -> None:
-        # Fenced: only rank 0 of the current generation may upload (driver/snapshots.py).
+        # Fenced: only rank 0 of the current generation may upload (state/book.py).
         self.states.chunk(worker_id, message, self.membership.generation, self.membership.members)
 
     def _on_finished(self, worker_id: int, message: p.Finished) -> None:
@@ -331,25 +329,32 @@ class Driver:
     def _execute(self, commands: list[Command]) -> None:
         for command in commands:
             if isinstance(command, Send):
-                if isinstance(command.message, p.Abort):  # ranks still forming the group fail now
-                    self._store.abort(command.message.generation)
                 self._server.send(command.worker_id, command.message)
+            elif isinstance(command, AbortGeneration):
+                self._store.abort(command.generation)  # ranks still forming its group fail now
+                for member in command.members:
+                    self._server.send(member, p.Abort(command.generation))
             elif isinstance(command, Kill):
                 self._server.fence(command.worker_id, command.reason)  # a worker we cannot kill learns why
                 self._launcher.kill(command.worker_id)
             elif isinstance(command, Start):
                 self._launcher.start(command.worker_id, self.setup.devices[command.slot])
-            elif isinstance(command, Settle):
-                unit = self.progress.settle(command.resume_unit, command.upto_generation)
-                if unit is not None:  # settling commits steps below resume_unit only (see RollBack)
-                    self.membership.committed(min(unit, command.resume_unit))
-                    self.states.committed(min(unit, command.resume_unit))
+            elif isinstance(command, Settle):  # commits steps below resume_unit only (see RollBack)
+                if self.progress.settle(command.resume_unit, command.upto_generation) is not None:
+                    self._moved_on()
             elif isinstance(command, RollBack):  # no holder was left: redo the steps from command.unit
                 self.progress.roll_back(command.unit)
                 self.states.rolled_back(command.unit)
             elif isinstance(command, Formed):  # before the members are told: the store must admit them
                 self._store.admit(command.generation, command.members)
                 self._record_generation(command)
+
+    def _moved_on(self) -> None:
+        """The one commit path: the ledger committed steps (its ``CommittedUnit``, shared with
+        membership and the state book, moved); they act on it."""
+        unit = self.progress.committed_unit
+        self.membership.committed(unit)  # resets the backoff of slots that train steadily
+        self.states.committed(unit)  # drops held states no longer needed
 
     def _record_generation(self, formed: Formed) -> None:
         hosts = [self._hosts.get(w, "?") for w in formed.members]

@@ -9,8 +9,9 @@ computed exactly once (invariant 1, docs/architecture.md, "Invariants").
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
+from ..run.hooks import Hooks
+from ..run.metrics_log import MetricsLog
 from ..step.metrics import EpochAverage, stat_means
 from ..step.plan import Plan, Schedule, assigned_micro_batches
 from ..transport import protocol as p
@@ -22,6 +23,24 @@ class ReplicaDivergenceError(AssertionError):
 
 class ExactlyOnceError(AssertionError):
     """A committed step's micro-batches were not computed exactly once (a framework bug)."""
+
+
+class CommittedUnit:
+    """How far training got: every unit below ``unit`` is committed. One record, shared by the
+    ledger (which advances it as steps commit), membership (which resumes a generation from it,
+    and lowers it when no holder of the state was left) and the state book (which keeps the
+    newest saved state at or below it): docs/architecture.md, "Elasticity"."""
+
+    def __init__(self, unit: int = 0) -> None:
+        self.unit = unit
+
+    def advance(self, unit: int) -> None:
+        """Units below ``unit`` are committed too (it never moves back here)."""
+        self.unit = max(self.unit, unit)
+
+    def roll_back(self, unit: int) -> None:
+        """The run goes back to ``unit`` (no holder of the committed state was left), or a resumed run starts there."""
+        self.unit = unit
 
 
 @dataclasses.dataclass
@@ -41,11 +60,13 @@ class Progress:
         hooks: the driver's hooks (the user's logger or the progress display).
     """
 
-    def __init__(self, plan: Plan, schedule: Schedule, stat_names: list[str], metrics: Any, hooks: Any) -> None:
+    def __init__(
+        self, plan: Plan, schedule: Schedule, stat_names: list[str], metrics: MetricsLog, hooks: Hooks
+    ) -> None:
         self.plan, self.schedule, self.stat_names = plan, schedule, stat_names
         self.metrics, self.hooks = metrics, hooks
         self.iteration = 0  # steps committed
-        self.committed_unit = 0  # every unit below this is committed
+        self.committed = CommittedUnit()  # the run's one record of it (shared with membership and the state book)
         self.train_history: list[dict[str, float]] = []
         self.test_history: list[dict[str, float]] = []
         self.replica_digests: dict[int, str] = {}
@@ -56,7 +77,8 @@ class Progress:
 
     def start_at(self, unit: int, train_history: list[dict[str, float]], test_history: list[dict[str, float]]) -> None:
         """A resumed run: the position and the history below ``unit`` (replayed from the log)."""
-        self.committed_unit, self.iteration = unit, self.schedule.steps_before(unit)
+        self.committed.roll_back(unit)
+        self.iteration = self.schedule.steps_before(unit)
         self.train_history, self.test_history = train_history, test_history
 
     def roll_back(self, unit: int) -> None:
@@ -119,7 +141,7 @@ class Progress:
             )
         assert reports.stats is not None
         self.iteration += 1
-        self.committed_unit = max(self.committed_unit, self.schedule.unit(epoch, step) + 1)
+        self.committed.advance(self.schedule.unit(epoch, step) + 1)
         self._stats[(epoch, step)] = reports.stats
         averages = self._average.add(epoch, reports.stats)
         if step == self.plan.steps_per_epoch - 1:
@@ -137,7 +159,12 @@ class Progress:
         )
         self.hooks.record_step(step_metrics, self.iteration, epoch, reports.world_size)
         self.hooks.log_train_metrics(averages, self.iteration, epoch, reports.world_size)
-        return self.committed_unit
+        return self.committed.unit
+
+    @property
+    def committed_unit(self) -> int:
+        """Every unit below this is committed."""
+        return self.committed.unit
 
     def eval_done(self, message: p.EvalDone, workers: int) -> None:
         """A validation's result (every rank reports it; the first report of an epoch counts)."""
@@ -160,8 +187,7 @@ class Progress:
         finished = {w: d for w, d in self.replica_digests.items() if self.done_units.get(w, -1) >= total}
         # A callback stopped every replica early (worker/loop.py, "_stopping"): the history is shorter.
         stopped = len(self.train_history) - 1 if len(self.train_history) < self.schedule.epochs else None
-        digests = {str(k): v for k, v in sorted(finished.items())}
-        self.metrics.end(iteration=self.iteration, replica_digests=digests, stopped_after_epoch=stopped)
+        self.metrics.end(iteration=self.iteration, replica_digests=finished, stopped_after_epoch=stopped)
         self.replica_digests = finished
         if len(set(finished.values())) > 1:
             raise ReplicaDivergenceError(f"replicas ended with different states: {finished}")

@@ -26,7 +26,20 @@ from collections.abc import Callable
 
 from ..errors import JobError
 from ..transport import protocol as p
-from .commands import Checkpoints, Command, Formed, Kill, Limits, RestorePoint, RollBack, Send, Settle, Start
+from .commands import (
+    AbortGeneration,
+    Checkpoints,
+    Command,
+    Formed,
+    Kill,
+    Limits,
+    RestorePoint,
+    RollBack,
+    Send,
+    Settle,
+    Start,
+)
+from .ledger import CommittedUnit
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +88,18 @@ class Membership:
     """The membership state machine of one job. Every public method is an event and returns
     the commands it causes; an unrecoverable state raises (``JobError`` or the user's error)."""
 
-    def __init__(self, limits: Limits, checkpoints: Checkpoints, log_tail: Callable[[list[int]], str]) -> None:
+    def __init__(
+        self,
+        limits: Limits,
+        checkpoints: Checkpoints,
+        log_tail: Callable[[list[int]], str],
+        committed: CommittedUnit | None = None,
+    ) -> None:
         self.limits, self.checkpoints, self._log_tail = limits, checkpoints, log_tail
         self.workers: dict[int, WorkerRecord] = {}
         self.generation = -1
         self.members: list[int] = []
-        self.committed_unit = 0  # every unit below this is committed
+        self._committed = committed or CommittedUnit()  # the driver's ledger's, shared
         self.finishing = False
         self.final_from = -1
         self._change: _Change | None = None
@@ -175,9 +194,14 @@ class Membership:
     def step_reported(self, worker_id: int) -> None:
         self.workers[worker_id].steps += 1
 
+    @property
+    def committed_unit(self) -> int:
+        """Every unit below this is committed."""
+        return self._committed.unit
+
     def committed(self, unit: int) -> None:
         """Progress committed every unit below ``unit``: training moved on."""
-        self.committed_unit = max(self.committed_unit, unit)
+        self._committed.advance(unit)
         self._last_user_error = None  # an earlier error is not this run's cause any more
         for member in self.members:
             record = self.workers[member]
@@ -317,7 +341,8 @@ class Membership:
         if self._aborted_generation == self.generation:
             return []
         self._aborted_generation = self.generation
-        return [Send(m, p.Abort(self.generation)) for m in self._in(WorkerState.MEMBER) if m in self.members]
+        members = tuple(m for m in self._in(WorkerState.MEMBER) if m in self.members)
+        return [AbortGeneration(self.generation, members)]
 
     def _try_complete_change(self, now: float) -> list[Command]:
         change = self._change
@@ -364,7 +389,8 @@ class Membership:
         source = members.index(holders[0]) if needs_state else -1
         restore, rolled_back_from = self._restore_point(resume) if not survivors and resume > 0 else (None, None)
         if rolled_back_from is not None:
-            resume = self.committed_unit = restore.unit if restore is not None else 0
+            resume = restore.unit if restore is not None else 0
+            self._committed.roll_back(resume)
         commands: list[Command] = [Settle(resume, self.generation)]
         if rolled_back_from is not None:
             commands.append(RollBack(resume))

@@ -20,6 +20,7 @@ import dataclasses
 import logging
 
 from ..driver.commands import RestorePoint
+from ..driver.ledger import CommittedUnit
 from ..transport import protocol as p
 from .checkpoint import checkpoint_name
 from .writer import CheckpointBook
@@ -46,10 +47,10 @@ class StateBook:
     not all committed yet (usually none): one copy of the state, two at most.
     """
 
-    def __init__(self, checkpoints: CheckpointBook) -> None:
+    def __init__(self, checkpoints: CheckpointBook, committed: CommittedUnit | None = None) -> None:
         self.checkpoints = checkpoints
         self.held: list[RestorePoint] = []  # by unit, oldest first
-        self.committed_unit = 0
+        self._committed = committed or CommittedUnit()  # the driver's ledger's, shared
         self._uploads: dict[int, _Upload] = {}  # sender -> its upload in progress (one at most)
         self.refused = 0  # chunks refused by the fence (for tests and logs)
 
@@ -105,6 +106,11 @@ class StateBook:
         self.held.append(state)
         self._prune()
 
+    @property
+    def committed_unit(self) -> int:
+        """Every unit below this is committed."""
+        return self._committed.unit
+
     def _prune(self) -> None:
         """Keep the newest state at or below the committed unit, and the newer ones."""
         below = [i for i, s in enumerate(self.held) if s.unit <= self.committed_unit]
@@ -113,12 +119,13 @@ class StateBook:
 
     # -- progress -----------------------------------------------------------------------------
     def committed(self, unit: int) -> None:
-        self.committed_unit = max(self.committed_unit, unit)
+        """Units below ``unit`` are committed: older held states are no longer needed."""
+        self._committed.advance(unit)
         self._prune()
 
     def rolled_back(self, unit: int) -> None:
         """Progress went back to ``unit``: newer states belong to steps that will be redone."""
-        self.committed_unit = unit
+        self._committed.roll_back(unit)
         self.held = [s for s in self.held if s.unit <= unit]
         self._uploads.clear()
 

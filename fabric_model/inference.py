@@ -25,14 +25,14 @@ class InferenceMixin:
         ``datasets_function``), sample-weighted means keyed as in ``test_history``. Torch:
         in eval mode without gradients; Keras: ``model.evaluate`` (the model comes back compiled)."""
         adapter, dataset = self._inference_input("evaluate", dataset, batch_size)
-        return dict(self._framework.evaluate_trained(adapter, dataset, batch_size))
+        return dict(self._framework.trained.evaluate(adapter, dataset, batch_size))
 
     def predict(self, dataset: Any, batch_size: int = 32) -> Any:
         """The trained model's outputs on ``dataset``'s samples, in order, concatenated along the
         batch dimension (torch: a tensor on the model's device; Keras: ``model.predict``'s arrays).
         The samples' targets, if any, are ignored."""
         adapter, dataset = self._inference_input("predict", dataset, batch_size)
-        return self._framework.predict_trained(adapter, dataset, batch_size)
+        return self._framework.trained.predict(adapter, dataset, batch_size)
 
     def _inference_input(self, method: str, dataset: Any, batch_size: Any) -> tuple[Any, Any]:
         if self._trained_adapter is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -13,6 +14,8 @@ from fabric_model import FabricModel
 from fabric_model.step.plan import Plan
 
 from .helpers import accuracy, fresh_model_and_optimizer, make_data, records
+
+pytestmark = pytest.mark.processes
 
 DATA = make_data(100)
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fabric_model import FabricModel, control
+from fabric_model import FabricModel
 from fabric_model.state.checkpoint import (
     FORMAT,
     checkpoint_due,
@@ -37,6 +37,7 @@ from fabric_model.state.checkpoint import (
 )
 from fabric_model.step.plan import Plan, Schedule
 from fabric_model.testing import CheckpointFault, FaultInjector, Kill
+from fabric_model.transport import control
 from fabric_model.transport import protocol as p
 
 from .helpers import fresh_model_and_optimizer, make_data, max_rel_diff, records, reference_train
@@ -125,6 +126,7 @@ def test_loading_never_unpickles_arbitrary_objects(tmp_path):
     assert newest_checkpoint(tmp_path) is None
 
 
+@pytest.mark.processes
 def test_prune_keeps_the_newest_k_and_removes_dead_writers_leftovers(tmp_path):
     for unit in (10, 21, 32, 43):
         _write(tmp_path, unit)
@@ -160,6 +162,7 @@ def test_full_disk_mid_write_keeps_the_previous_checkpoint(tmp_path):
     load_checkpoint(tmp_path / checkpoint_name(10), PLAN)
 
 
+@pytest.mark.processes
 def test_resume_refuses_what_it_cannot_continue(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     _write(run_dir / "checkpoints", 21)  # epoch 1 done
@@ -271,6 +274,7 @@ def steps_after_last_resume(run_dir: Path) -> list[tuple[int, int]]:
     return sorted((r["epoch"], r["step"]) for r in lines[last:] if r["type"] == "train")
 
 
+@pytest.mark.processes
 def test_whole_job_killed_mid_epoch_resumes_to_the_undisturbed_weights(tmp_path, reference):
     run_dir = tmp_path / "run"
     ckpt_dir = run_dir / "checkpoints"
@@ -318,6 +322,7 @@ def test_whole_job_killed_mid_epoch_resumes_to_the_undisturbed_weights(tmp_path,
     assert max_rel_diff(model.state_dict(), reference) < 1e-5
 
 
+@pytest.mark.processes
 def test_writer_killed_mid_write_leaves_the_previous_checkpoint(run_dir, tmp_path, reference):
     # The driver writes the checkpoints that rank 0 uploads: it dies writing epoch 1's.
     fault = f'[CheckpointFault("kill", {ckpt_unit(1)})]'
@@ -340,6 +345,7 @@ def test_writer_killed_mid_write_leaves_the_previous_checkpoint(run_dir, tmp_pat
     assert units_in(ckpt_dir) == [ckpt_unit(e) for e in range(EPOCHS)]
 
 
+@pytest.mark.processes
 def test_full_disk_keeps_training_and_resume_uses_the_last_good_checkpoint(run_dir, tmp_path, caplog, reference):
     full_disk = FaultInjector([CheckpointFault("enospc", 21)], tmp_path)  # every checkpoint from epoch 1's on fails
     with caplog.at_level(logging.WARNING, logger="fabric_model"):
@@ -360,6 +366,7 @@ def test_full_disk_keeps_training_and_resume_uses_the_last_good_checkpoint(run_d
     assert len(result.history) == EPOCHS and len(result.test_history) == EPOCHS
 
 
+@pytest.mark.processes
 def test_losing_every_worker_right_after_a_checkpoint_goes_on_from_it(run_dir, tmp_path, reference, monkeypatch):
     """The only worker dies a few steps after epoch 0's checkpoint (its upload, from a thread,
     is sent by then); its replacement loads that checkpoint. The driver reads step reports
@@ -389,6 +396,7 @@ def test_losing_every_worker_right_after_a_checkpoint_goes_on_from_it(run_dir, t
     assert len(result.history) == EPOCHS
 
 
+@pytest.mark.processes
 def test_result_dir_holds_the_run_and_the_newest_three_checkpoints_by_default(tmp_path, monkeypatch):
     """Without run_dir, RESULT_DIR is the run directory (docs/architecture.md, "Run directory");
     keep_checkpoints defaults to 3."""

@@ -19,6 +19,8 @@ from fabric_model.testing import FaultInjector, Kill
 
 from .helpers import accuracy, fresh_model_and_optimizer, make_data, max_rel_diff, records, sample_indices_of_steps
 
+pytestmark = pytest.mark.processes
+
 REPO = Path(__file__).resolve().parents[1]
 DATA = make_data(120)
 

@@ -162,6 +162,7 @@ def test_overflow_asks_for_a_redo_on_a_wider_grid_and_zeros_stay_exact():
     assert out[:2].isnan().all()  # as a float sum would propagate it
 
 
+@pytest.mark.processes
 def test_bad_values_are_refused_in_the_caller(run_dir):
     model, opt = fresh()
     with pytest.raises(TypeError, match="deterministic"):
@@ -169,6 +170,7 @@ def test_bad_values_are_refused_in_the_caller(run_dir):
 
 
 # -- whole runs ------------------------------------------------------------------------------
+@pytest.mark.processes
 @pytest.mark.parametrize("workers", [2, 3])
 def test_bitwise_equal_for_any_worker_count(workers, reference, run_dir):
     model, opt = train(run_dir, workers)
@@ -192,6 +194,7 @@ def test_fresh_terms_added_then_plus_zero_have_the_bits_of_terms_made_in_zeros()
     assert not (g[0].clone() + g[1] + g[2]).view(torch.int32).equal(zeros.view(torch.int32))  # without the +0
 
 
+@pytest.mark.processes
 def test_two_micro_batches_a_step_are_summed_by_the_plain_allreduce_bitwise_alike(run_dir, tmp_path):
     """2 micro-batches a step: a lone worker adds its two terms in order; 2 workers (one term each)
     sum them with the float32 allreduce. Each epoch ends with a step of 8 + 4 samples
@@ -201,6 +204,7 @@ def test_two_micro_batches_a_step_are_summed_by_the_plain_allreduce_bitwise_alik
     assert_bitwise_equal(final_state(*train(tmp_path / "two", 2, data=data, effective_batch_size=16)), lone)
 
 
+@pytest.mark.processes
 def test_the_sum_is_chosen_by_the_runs_configuration_never_its_size():
     """Up to MAX_TERMS micro-batches a step and no custom step: the ordered float32 sum; else fixed point."""
     model, opt = fresh()
@@ -211,6 +215,7 @@ def test_the_sum_is_chosen_by_the_runs_configuration_never_its_size():
     assert isinstance(make_deterministic("torch", adapter, 2), ExactTorchAdapter)
 
 
+@pytest.mark.processes
 def test_the_fixed_point_sum_is_bitwise_equal_through_a_kill_and_a_join(run_dir, tmp_path):
     """5 micro-batches a step (the fixed-point sum), and each epoch ends with a step of one
     (88 = 40 + 40 + 8), which a lone worker rounds where its fresh gradients are. A feature at
@@ -226,6 +231,7 @@ def test_the_fixed_point_sum_is_bitwise_equal_through_a_kill_and_a_join(run_dir,
     assert sizes[:2] == [3, 2] and sizes[-1] == 3, sizes  # the kill happened, the replacement joined
 
 
+@pytest.mark.processes
 def test_bitwise_equal_after_a_kill_a_replacement_and_a_freeze(reference, run_dir, tmp_path, monkeypatch):
     """Killed just before the step's exchange (the terms are gathered: 3 micro-batches a step),
     replaced; later another worker freezes (SIGSTOP) there and is removed by its heartbeat."""
@@ -252,6 +258,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.processes
 def test_bitwise_equal_after_a_whole_job_kill_and_resume(reference, tmp_path):
     run_dir = tmp_path / "run"
     script = tmp_path / "job.py"

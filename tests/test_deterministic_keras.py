@@ -12,6 +12,8 @@ from fabric_model.testing import FaultInjector, HoldForJoin, Kill
 
 from .helpers import records
 
+pytestmark = pytest.mark.processes
+
 with quiet_tensorflow():
     import keras
 

@@ -62,6 +62,7 @@ def piped_run(tmp_path_factory):
     return run_dir, out.stderr
 
 
+@pytest.mark.processes
 def test_a_pipe_gets_plain_lines_start_up_lines_first(piped_run):
     run_dir, text = piped_run
     assert "\r" not in text and "\x1b" not in text  # no redraws in a pipe or a log file
@@ -81,6 +82,7 @@ def test_a_pipe_gets_plain_lines_start_up_lines_first(piped_run):
     assert "run directory" in (run_dir / "logs" / "driver.log").read_text()  # the full log on disk
 
 
+@pytest.mark.processes
 def test_tensorboard_files_hold_the_scalars_and_the_csv_parses(piped_run):
     run_dir, _ = piped_run
     events = scalars(run_dir / "tensorboard")
@@ -103,6 +105,7 @@ def test_tensorboard_files_hold_the_scalars_and_the_csv_parses(piped_run):
     assert float(rows[1]["val_loss"]) > 0 and float(rows[1]["samples_per_s"]) > 0
 
 
+@pytest.mark.processes
 def test_status_prints_the_table(piped_run):
     run_dir, _ = piped_run
     out = subprocess.run(
@@ -133,6 +136,7 @@ def read_pty(master: int, proc: subprocess.Popen, timeout: float) -> str:
     return b"".join(chunks).decode("utf-8", "replace")
 
 
+@pytest.mark.processes
 def test_a_terminal_of_80_columns_gets_one_bar_with_eta_and_no_stale_text(tmp_path):
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
@@ -160,6 +164,7 @@ def test_a_terminal_of_80_columns_gets_one_bar_with_eta_and_no_stale_text(tmp_pa
     assert "run directory:" in text and "epoch 2/2 validation: val_loss=" in text
 
 
+@pytest.mark.processes
 def test_ctrl_c_says_how_to_resume_and_leaves_no_process(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
@@ -193,6 +198,7 @@ def test_ctrl_c_says_how_to_resume_and_leaves_no_process(tmp_path):
     assert wait_gone(children, 10) == []
 
 
+@pytest.mark.processes
 def test_plot_draws_the_worker_count_of_a_run_with_a_kill_and_a_join(tmp_path, monkeypatch, capfd):
     from tests.test_elastic import train as elastic_train
 
@@ -227,6 +233,7 @@ def test_plot_draws_the_worker_count_of_a_run_with_a_kill_and_a_join(tmp_path, m
     assert [int(e.value) for e in events.Scalars("generation")] == [0, 1, 2]
 
 
+@pytest.mark.processes
 def test_verbose_and_tensorboard_are_checked_in_the_caller(tmp_path):
     import torch
     import torch.nn.functional as F

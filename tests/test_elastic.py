@@ -22,6 +22,8 @@ from .helpers import (
     sample_indices_of_steps,
 )
 
+pytestmark = pytest.mark.processes
+
 SEED, EPOCHS, BATCH, GLOBAL = 99, 3, 8, 24
 DATA = make_data(240)  # 10 steps an epoch, 30 in all
 PLAN = Plan(len(DATA), BATCH, GLOBAL // BATCH, SEED)

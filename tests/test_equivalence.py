@@ -24,6 +24,8 @@ from .helpers import (
     sample_indices_of_steps,
 )
 
+pytestmark = pytest.mark.processes
+
 SEED, EPOCHS, BATCH, GLOBAL = 1234, 2, 16, 48  # 250 samples: the last step of each epoch is short
 DATA = make_data(250)
 

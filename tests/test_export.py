@@ -266,6 +266,7 @@ def test_keras_without_tf2onnx_gives_the_install_hint(keras_deps, tmp_path, monk
 # ------------------------------------------------------------------------------------ through FabricModel
 
 
+@pytest.mark.processes
 def test_fabric_model_writes_a_checked_onnx_file_for_torch(onnx_deps, run_dir):
     from fabric_model import FabricModel
 
@@ -291,6 +292,7 @@ def onnx_records(run_dir) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in ("type", "time")} for r in found if r["type"] == "onnx"]
 
 
+@pytest.mark.processes
 def test_fabric_model_warns_when_the_export_fails_and_keeps_the_trained_model(onnx_deps, run_dir):
     from fabric_model import FabricModel
 
@@ -315,6 +317,7 @@ def test_fabric_model_warns_when_the_export_fails_and_keeps_the_trained_model(on
     assert record["path"] is None and "could not trace" in record["error"]
 
 
+@pytest.mark.processes
 def test_fabric_model_writes_a_checked_onnx_file_for_keras(keras_deps, run_dir):
     from fabric_model import FabricModel
 

@@ -18,6 +18,8 @@ from fabric_model.errors import RemoteTraceback
 
 from .helpers import fresh_model_and_optimizer, make_data
 
+pytestmark = pytest.mark.processes
+
 DATA = make_data(200)
 REPO = Path(__file__).resolve().parents[1]
 

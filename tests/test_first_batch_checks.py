@@ -14,6 +14,8 @@ from fabric_model.launchers.local import LocalLauncher
 
 from .helpers import MLP, make_data
 
+pytestmark = pytest.mark.processes
+
 DATA = make_data(40)
 FLOAT_LABELS = [(x, float(y)) for x, y in DATA]
 NAN_DATA = [(x * float("nan"), y) for x, y in DATA]

@@ -34,6 +34,8 @@ from .helpers import fresh_model_and_optimizer, max_rel_diff, reference_train
 from .ray_cluster import cluster_fixture, two_nodes_fixture  # noqa: F401 (fixtures)
 from .test_elastic import assert_invariants, generations, train, undisturbed  # noqa: F401 (a fixture)
 
+pytestmark = pytest.mark.processes
+
 
 class _RunsCode:
     """Unpickling this creates ``path``: the proof that something was unpickled."""

@@ -14,6 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+pytestmark = pytest.mark.processes
+
 TIMEOUT = 150
 REPO = Path(__file__).resolve().parents[1]
 

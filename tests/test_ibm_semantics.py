@@ -72,6 +72,7 @@ def ibm_step(model, data, eva, train_loader, fn_args):
     return eva(output, target), loss
 
 
+@pytest.mark.processes
 def test_datasets_function_keyword_default_accuracy_and_old_logger_in_percent(run_dir):
     model, opt = fresh_model_and_optimizer()
     logger = LossAccLogger()
@@ -94,6 +95,7 @@ def test_datasets_function_keyword_default_accuracy_and_old_logger_in_percent(ru
     assert len(logger.test) == 2 and 0.0 <= logger.test[-1][1] <= 1.0
 
 
+@pytest.mark.processes
 def test_eva_is_callable_and_fn_test_returning_a_float_is_the_loss(run_dir):
     """A custom step's eva(outputs, labels) is the accuracy as a fraction; fn_test's float is the loss;
     the rank whose test shard is empty does not call fn_test (IBM's divides by zero there)."""
@@ -124,6 +126,7 @@ def failing_fn_test(model, test_iter, fn_args):
     raise ZeroDivisionError("fn_test failed on purpose")
 
 
+@pytest.mark.processes
 def test_a_failing_fn_test_fails_the_job(run_dir):
     model, opt = fresh_model_and_optimizer()
     fm = FabricModel(model, lambda: (DATA, DATA[:16]), F.cross_entropy, opt, fn_test=failing_fn_test)
@@ -131,6 +134,7 @@ def test_a_failing_fn_test_fails_the_job(run_dir):
         fm.train(1, 8, 2, seed=3, run_dir=run_dir)
 
 
+@pytest.mark.processes
 def test_regression_output_shows_no_default_accuracy(run_dir):
     torch.manual_seed(0)
     model = torch.nn.Linear(12, 1)
@@ -140,6 +144,7 @@ def test_regression_output_shows_no_default_accuracy(run_dir):
     assert set(result.history[-1]) == {"epoch", "loss"} or "accuracy" not in result.history[-1]
 
 
+@pytest.mark.processes
 def test_an_empty_metrics_list_shows_the_loss_alone(run_dir):
     """metrics=None is IBM's default accuracy; metrics=[] asks for none (as Keras' metrics=[])."""
     model, opt = fresh_model_and_optimizer()
@@ -149,6 +154,7 @@ def test_an_empty_metrics_list_shows_the_loss_alone(run_dir):
     assert set(result.history[-1]) == {"epoch", "loss"}
 
 
+@pytest.mark.processes
 def test_engines_number_is_capped_by_the_cores(run_dir, monkeypatch, capfd):
     """A script's default of 16 starts at most one worker per usable core on a CPU-only host."""
     monkeypatch.delenv("FABRIC_MODEL_CPU_WORKERS", raising=False)
@@ -161,6 +167,7 @@ def test_engines_number_is_capped_by_the_cores(run_dir, monkeypatch, capfd):
         assert f"starting {min(16, cores)} worker(s) on CPU" in err and "engines_number=16" in err
 
 
+@pytest.mark.processes
 def test_constructor_names_and_aliases():
     model, opt = fresh_model_and_optimizer()
     with pytest.raises(TypeError, match="`get_datasets` and `datasets_function`"):
@@ -173,7 +180,7 @@ def test_constructor_names_and_aliases():
 
 
 def test_launcher_gives_workers_the_cuda_devices_the_process_started_with(monkeypatch, tmp_path):
-    from fabric_model import devices
+    from fabric_model.setup import devices
 
     launcher = LocalLauncher(("127.0.0.1", 1), b"x" * 32, lambda i: tmp_path / f"{i}.log", threads=1)
     monkeypatch.setattr(devices, "_CUDA_VISIBLE_AT_START", "3")
@@ -211,6 +218,7 @@ def _recording_flow(directory: str):
     return datasets
 
 
+@pytest.mark.processes
 def test_keras_flow_with_shuffle_uses_every_item_once_per_epoch_on_two_workers(run_dir, tmp_path):
     reads = tmp_path / "reads"
     reads.mkdir()

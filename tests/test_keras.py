@@ -90,6 +90,7 @@ def tape_reference():
     return trainable(model)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(("workers", "batch"), [(1, 3 * BATCH), (1, BATCH), (2, BATCH), (3, BATCH)])
 def test_same_weights_for_1_2_3_workers_as_a_gradient_tape_loop(workers, batch, tape_reference, run_dir, tmp_path):
     """(1, 48): one worker, one micro-batch a step, which runs the whole step in one function."""
@@ -152,6 +153,7 @@ def undisturbed(tmp_path_factory):
     return floats(model)
 
 
+@pytest.mark.processes
 def test_kill_and_join_keep_the_result_for_a_keras_model(run_dir, tmp_path, monkeypatch, undisturbed):
     """Dropout and BatchNorm on: a kill re-divides micro-batches, a join pulls weights, the
     optimizer's momentum and BatchNorm statistics, and the result does not change."""
@@ -213,6 +215,7 @@ class Subclassed(keras.Model):
         return {**super().get_config(), "hidden": self.hidden}
 
 
+@pytest.mark.processes
 def test_subclassed_model_with_custom_layer_needs_keras_custom_objects(run_dir):
     keras.utils.set_random_seed(1)
     model = Subclassed()
@@ -252,6 +255,7 @@ class Forgetful(keras.layers.Layer):
         return super().get_config()
 
 
+@pytest.mark.processes
 def test_a_model_rebuilt_into_another_function_fails_early(run_dir):
     """Same weights, other outputs: the workers would train another model, so it fails in the caller."""
     model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(8), Forgetful(3.0), keras.layers.Dense(3)])
@@ -261,6 +265,7 @@ def test_a_model_rebuilt_into_another_function_fails_early(run_dir):
     assert not run_dir.exists()
 
 
+@pytest.mark.processes
 def test_samples_the_model_cannot_take_fail_early_naming_get_datasets(run_dir):
     samples = [((x[:6], x[6:]), y) for x, y in DATA]  # two inputs for a one-input model
     with pytest.raises(ValueError, match=r"(?s)fails on the first training batch.*tuple of 2.*`datasets_function`"):
@@ -291,6 +296,7 @@ def test_keras_set_random_seed_fixes_the_drawn_seed():
     assert _draw_seed("keras") != first
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     ("kwargs", "argument", "suggestion"),
     [
@@ -308,6 +314,7 @@ def test_misspelled_names_fail_early_with_close_matches(kwargs, argument, sugges
     assert f"`{argument}`" in message and repr(suggestion) in message, message
 
 
+@pytest.mark.processes
 def test_instances_are_checked_too():
     with pytest.raises(TypeError, match="optimizer"):
         FabricModel(mlp(), lambda: (DATA, None), "mse", keras.optimizers.SGD)
@@ -358,6 +365,7 @@ def pydataset_reference(batches: Batches, epochs: int, micro_batches: int) -> li
     return trainable(model)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("workers", [1, 2])
 def test_pydataset_batches_are_micro_batches(run_dir, tmp_path, workers):
     """250 samples in batches of 16: 16 batches, the last of 10, two to a step."""
@@ -378,6 +386,7 @@ def test_pydataset_batches_are_micro_batches(run_dir, tmp_path, workers):
     assert result.test_history and np.isfinite(result.test_history[0]["loss"])
 
 
+@pytest.mark.processes
 def test_pydataset_batch_size_must_be_its_own(run_dir):
     with pytest.raises(ValueError, match=r"Expected `batch_size` to be the batch size.*batch_size=32.*batch_size=16"):
         FabricModel(mlp(), lambda: (Batches(DATA, BATCH), None), LOSS, sgd()).train(1, 32, 2, run_dir=run_dir)
@@ -426,6 +435,7 @@ def run_keras_script(tmp_path, run_dir, name, *, resume, delay=0.0):
     return proc, progress
 
 
+@pytest.mark.processes
 def test_keras_job_killed_whole_resumes_to_the_undisturbed_weights(tmp_path, undisturbed):
     """Driver and workers SIGKILLed mid-epoch after a checkpoint; a new job resumes from it (on 2
     workers, and on 1 accumulating the same global batch) and ends with the undisturbed weights.
@@ -472,6 +482,7 @@ def test_keras_job_killed_whole_resumes_to_the_undisturbed_weights(tmp_path, und
     assert max_rel_diff(floats(model), undisturbed) < 1e-5
 
 
+@pytest.mark.processes
 def test_functional_model_with_named_dict_inputs(run_dir):
     """Samples ({"a": array, "b": array}, y): stacked per key and fed to the named inputs."""
     keras.utils.set_random_seed(2)
@@ -493,6 +504,7 @@ def scheduled_sgd() -> keras.optimizers.Optimizer:
     return keras.optimizers.SGD(learning_rate=schedule, momentum=0.9)
 
 
+@pytest.mark.processes
 def test_a_learning_rate_schedule_resumes_and_the_model_comes_back_compiled(run_dir):
     """A LearningRateSchedule reads the optimizer's iteration count, which the checkpoint carries:
     1 epoch, then a resume to 2, ends with the weights of a GradientTape loop under the same
@@ -520,6 +532,7 @@ def test_a_learning_rate_schedule_resumes_and_the_model_comes_back_compiled(run_
     assert fm.predict(test).shape == (40, 3)
 
 
+@pytest.mark.processes
 def test_gradient_clip_norm_clips_the_reduced_step_gradient_as_global_clipnorm_does(run_dir, tape_reference):
     """Two workers: Keras' optimizer clips the step's reduced gradient, as ``global_clipnorm``
     does on the GradientTape loop's whole-batch gradient; the user's optimizer is left as given."""
@@ -549,6 +562,7 @@ with quiet_tensorflow():
 """
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("level", ["2", "0"])
 def test_quiet_tensorflow_drops_only_the_start_up_notices(level):
     """TensorFlow writes its oneDNN and absl notices to descriptor 2 whatever TF_CPP_MIN_LOG_LEVEL
@@ -560,6 +574,7 @@ def test_quiet_tensorflow_drops_only_the_start_up_notices(level):
     assert ("oneDNN custom operations" in done.stderr) == (level == "0")
 
 
+@pytest.mark.processes
 def test_a_keras_model_built_under_mixed_bfloat16_trains_in_bfloat16(run_dir):
     """What the `precision` error tells a Keras user to do instead: the dtype policy travels with
     the model to the workers (float32 variables, bfloat16 compute), and training goes as usual."""
@@ -578,10 +593,11 @@ def test_a_keras_model_built_under_mixed_bfloat16_trains_in_bfloat16(run_dir):
     assert result.history[-1]["loss"] < result.history[0]["loss"]
 
 
+@pytest.mark.processes
 def test_verbose_2_shows_tensorflow_s_notices_in_the_worker_logs(run_dir):
     """The default keeps them out (test_gradient_clip_norm_... checks that); verbose=2 lets them in."""
     FabricModel(mlp(), lambda: (DATA, None), LOSS, sgd()).train(
         1, BATCH, 1, effective_batch_size=3 * BATCH, seed=SEED, run_dir=run_dir, verbose=2
     )
     assert "oneDNN custom operations" in (run_dir / "logs" / "worker-0.log").read_text()
-    assert "FABRIC_MODEL_TF_NOTICES" not in os.environ  # the caller's environment is left as it was
+    assert "_FABRIC_MODEL_TF_NOTICES" not in os.environ  # the caller's environment is left as it was

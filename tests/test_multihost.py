@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fabric_model.setup.settings import SECRET
 from fabric_model.transport import control
-from fabric_model.transport import protocol as p
 from fabric_model.transport.network import (
     advertised_address,
     interface_addresses,
@@ -52,7 +52,7 @@ def worker_command(*options: str) -> list[str]:
 
 def worker_env() -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *sys.path]), PYTHONUNBUFFERED="1")
-    env.pop(p.SECRET_ENV, None)
+    env.pop(SECRET.name, None)
     return env
 
 
@@ -68,6 +68,7 @@ def assert_exactly_once(run_dir: Path) -> None:
 
 
 # -- on loopback ---------------------------------------------------------------------------------
+@pytest.mark.processes
 def test_a_bad_bind_address_fails_in_the_caller(run_dir, tmp_path):
     with pytest.raises(ValueError, match=r"`bind_address`.*cannot listen on 192\.0\.2\.254.*Received: bind_address="):
         job.train(str(run_dir), "192.0.2.254", str(tmp_path / "flag"))
@@ -90,6 +91,7 @@ def test_interfaces_follow_the_route_to_the_driver_unless_the_user_chose(caplog)
     assert advertised_address("127.0.0.1") == "127.0.0.1"
 
 
+@pytest.mark.processes
 def test_the_command_line_lists_the_worker_and_its_options():
     out = subprocess.run([PY, "-m", "fabric_model", "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0
@@ -97,6 +99,7 @@ def test_the_command_line_lists_the_worker_and_its_options():
         assert option in out.stdout.replace("fabric-model run [--keras2-optimizers] SCRIPT", "run SCRIPT")
 
 
+@pytest.mark.processes
 def test_a_wrong_secret_or_no_driver_exits_non_zero_saying_why(tmp_path):
     server = control.ControlServer(b"s" * 32)
     try:
@@ -154,6 +157,7 @@ class HandStarter:
                     proc.wait()
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(150)
 def test_a_hand_started_worker_joins_and_one_too_many_is_refused(run_dir, tmp_path, monkeypatch, undisturbed):
     monkeypatch.setenv("FABRIC_MODEL_CPU_WORKERS", "1")  # one local worker; engines_number=2 leaves a slot
@@ -250,6 +254,7 @@ def wait_for(what: str, predicate, timeout: float, driver: subprocess.Popen, dri
     raise AssertionError(f"{what}: not within {timeout:.0f} s; driver:\n{driver_log.read_text()[-4000:]}")
 
 
+@pytest.mark.processes
 @pytest.mark.multihost
 @pytest.mark.timeout(240)
 def test_a_job_across_hosts_survives_a_host_crash_a_new_host_and_a_healed_partition(network, tmp_path, undisturbed):

@@ -32,6 +32,8 @@ from .helpers import max_rel_diff, records
 from .test_multihost import AddressWatch, assert_exactly_once, in_test_network, wait_for, worker_env
 from .test_multihost import _address as socket_address
 
+pytestmark = pytest.mark.processes
+
 # Skipped without Ray, except where the test environment promises every extra (tox): there it fails.
 if not os.environ.get("FABRIC_MODEL_TEST_ALL_EXTRAS"):
     pytest.importorskip("ray")

@@ -60,6 +60,7 @@ def train(epochs, run_dir, data=DATA, workers=2, resume=False, **options):
     return model, opt, result
 
 
+@pytest.mark.processes
 def test_clipping_equals_clip_grad_norm_on_the_plain_loop_s_whole_step_gradient(run_dir):
     """Two workers, three micro-batches a step: clipped once, on the reduced gradient."""
     clipped, _ = reference(2, clip=CLIP)
@@ -69,6 +70,7 @@ def test_clipping_equals_clip_grad_norm_on_the_plain_loop_s_whole_step_gradient(
     assert max_rel_diff(model.state_dict(), clipped) < 1e-5
 
 
+@pytest.mark.processes
 def test_bf16_mixed_trains_like_the_autocast_loop_and_resumes(run_dir):
     """bf16-mixed: the plain loop under autocast(bfloat16); 2 epochs then a resume to 3 end where
     an uninterrupted run ends; the weights stay float32."""
@@ -84,6 +86,7 @@ def test_bf16_mixed_trains_like_the_autocast_loop_and_resumes(run_dir):
     assert result.test_history  # validation runs under autocast too
 
 
+@pytest.mark.processes
 def test_16_mixed_keeps_one_loss_scale_through_a_kill(run_dir, tmp_path):
     """16-mixed on large inputs: float16 overflows in the first steps and the scale backs off, as
     torch.amp.GradScaler's does. A worker killed after that is replaced by one that pulls the
@@ -104,6 +107,7 @@ def test_16_mixed_keeps_one_loss_scale_through_a_kill(run_dir, tmp_path):
     assert set(opt.state_dict()) == {"state", "param_groups"}  # the scale stays ours
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     ("kwargs", "argument", "accepted"),
     [
@@ -120,6 +124,7 @@ def test_bad_options_fail_in_the_constructor_naming_the_argument(kwargs, argumen
     assert "Received" in str(info.value) and accepted in str(info.value)
 
 
+@pytest.mark.processes
 def test_a_bf16_model_and_16_mixed_with_deterministic_fail_before_any_worker(run_dir):
     model, opt = fresh_model_and_optimizer()
     model.to(torch.bfloat16)

@@ -69,6 +69,7 @@ def our_processes() -> list[str]:
     return found
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_a_ray_job_trains_to_the_reference_weights(two_nodes, undisturbed, run_dir, tmp_path):
     model, result = train(run_dir, 2, worker_logger=Pace(str(tmp_path)))
@@ -94,6 +95,7 @@ def worker_log_files() -> set[Path]:
     return set(Path(tempfile.gettempdir()).glob("fabric-model-worker-*.log"))
 
 
+@pytest.mark.processes
 def test_a_lost_node_leaves_and_a_new_node_joins(two_nodes, undisturbed, run_dir, tmp_path):
     cluster = two_nodes
     logs_before = worker_log_files()
@@ -119,6 +121,7 @@ def test_a_lost_node_leaves_and_a_new_node_joins(two_nodes, undisturbed, run_dir
     assert worker_log_files() <= logs_before  # the lost node's actor had no close(): nothing left behind
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_a_pending_actor_is_placed_when_a_node_joins(two_nodes, undisturbed, run_dir, tmp_path):
     cluster = two_nodes
@@ -143,6 +146,7 @@ def test_a_pending_actor_is_placed_when_a_node_joins(two_nodes, undisturbed, run
     assert not our_processes()
 
 
+@pytest.mark.processes
 def test_bad_cluster_values_fail_in_the_caller(monkeypatch, run_dir):
     model, opt = fresh_model_and_optimizer()
     fm = FabricModel(model, datasets, F.cross_entropy, opt)
@@ -183,6 +187,7 @@ def test_the_uploaded_folder_is_the_scripts_never_a_command_folder(monkeypatch, 
     assert script_folder() == script.parent.resolve()
 
 
+@pytest.mark.processes
 def test_import_and_local_runs_never_import_ray():
     code = (
         "import sys, fabric_model, fabric_model.setup.cluster as c; assert c.check_cluster(None) == 'local';"
@@ -222,6 +227,7 @@ def datasets():
 """
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(150)
 def test_a_script_starts_its_own_ray_and_stops_it_and_its_modules_reach_the_workers(tmp_path):
     project = tmp_path / "project"

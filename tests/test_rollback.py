@@ -11,7 +11,7 @@ import pytest
 import torch.nn.functional as F
 
 from fabric_model import FabricModel
-from fabric_model.setup.config import Timeouts
+from fabric_model.setup.config import SnapshotCadence
 from fabric_model.state.book import StateBook
 from fabric_model.state.checkpoint import checkpoint_name, decode_state, encode_state, state_record
 from fabric_model.state.uploader import StateUploader
@@ -69,6 +69,7 @@ def rollbacks(run_dir) -> list[dict]:
 
 
 # -- whole jobs ------------------------------------------------------------------------------
+@pytest.mark.processes
 @pytest.mark.timeout(240)
 def test_the_issue_schedule_kill_kill_then_freeze_the_last_survivor(undisturbed, run_dir, tmp_path, monkeypatch):
     """3 engines, per-epoch checkpoints, replacement on: SIGKILL at steps 9 and 23, SIGSTOP the
@@ -81,6 +82,7 @@ def test_the_issue_schedule_kill_kill_then_freeze_the_last_survivor(undisturbed,
         assert g["resume_unit"] <= g["rolled_back_from"] and g["restored"] in ("checkpoint", "snapshot")
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     "checkpoint_freq, snapshot_steps, restored",
@@ -176,8 +178,8 @@ def test_the_newest_state_at_or_below_the_committed_unit_is_restored(tmp_path):
 
 
 def test_rank_0_uploads_due_checkpoints_and_snapshots_every_n_steps():
-    timeouts = types.SimpleNamespace(snapshot_steps=4, snapshot_seconds=0, snapshot_share=0)
-    config = types.SimpleNamespace(checkpoint_freq=1, batch_size=BATCH, timeouts=timeouts)
+    snapshots = SnapshotCadence(steps=4, seconds=0, share=0)
+    config = types.SimpleNamespace(checkpoint_freq=1, batch_size=BATCH, snapshots=snapshots)
     uploads = StateUploader(channel=None, schedule=SCHEDULE, config=config)  # type: ignore[arg-type]
     uploads.entered(p.CheckpointSettings("", "torch", written=-1), resume_unit=0)
     due = {}
@@ -201,8 +203,8 @@ def test_rank_0_uploads_due_checkpoints_and_snapshots_every_n_steps():
 
 
 def test_snapshots_by_steps_wait_while_they_would_cost_more_than_their_share():
-    timeouts = types.SimpleNamespace(snapshot_steps=4, snapshot_seconds=0, snapshot_share=0.01)
-    config = types.SimpleNamespace(checkpoint_freq=1, batch_size=BATCH, timeouts=timeouts)
+    snapshots = SnapshotCadence(steps=4, seconds=0, share=0.01)
+    config = types.SimpleNamespace(checkpoint_freq=1, batch_size=BATCH, snapshots=snapshots)
     uploads = StateUploader(channel=None, schedule=SCHEDULE, config=config)  # type: ignore[arg-type]
     uploads.entered(p.CheckpointSettings("", "torch", written=-1), resume_unit=0)
     uploads.cost = 10.0  # the last upload took 10 s: at 1%, the next waits 1000 s
@@ -223,6 +225,6 @@ def test_snapshots_by_steps_wait_while_they_would_cost_more_than_their_share():
 def test_a_bad_snapshot_share_is_refused_naming_the_variable(monkeypatch, raw):
     monkeypatch.setenv("FABRIC_MODEL_SNAPSHOT_SHARE", raw)
     with pytest.raises(ValueError, match=r"FABRIC_MODEL_SNAPSHOT_SHARE.*fraction.*below 1.*Received"):
-        Timeouts.from_environment()
+        SnapshotCadence.from_environment()
     monkeypatch.setenv("FABRIC_MODEL_SNAPSHOT_SHARE", "0.05")
-    assert Timeouts.from_environment().snapshot_share == 0.05
+    assert SnapshotCadence.from_environment().share == 0.05

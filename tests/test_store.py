@@ -83,6 +83,7 @@ class _Workers:
                 proc.stdout.close()  # type: ignore[union-attr]
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_gloo_groups_form_over_the_store_a_zombie_is_fenced_and_an_aborted_formation_fails_at_once(store):
     service, server, _ = store

@@ -64,6 +64,7 @@ def scheduled_model(epochs: int, **kwargs):
     return fm, model, scheduler
 
 
+@pytest.mark.processes
 def test_a_per_step_scheduler_gives_torch_s_learning_rates_through_a_kill_and_a_resume(run_dir, tmp_path):
     """OneCycleLR stepped per step: the weights and the last learning rate of the plain loop,
     with a worker killed mid-epoch and replaced (its replacement pulls the scheduler's state),
@@ -98,6 +99,7 @@ class LogsRecorder(Callback):
             f.write(json.dumps({"epoch": epoch, **(logs or {})}) + "\n")
 
 
+@pytest.mark.processes
 def test_early_stopping_stops_every_replica_at_the_same_step(run_dir, tmp_path):
     """A min_delta nothing can beat: the first epoch sets the best, the second fails to improve
     and patience=1 stops there, on both workers, one of them a replacement for a killed worker;
@@ -130,6 +132,7 @@ def test_early_stopping_stops_every_replica_at_the_same_step(run_dir, tmp_path):
             assert logs["val_accuracy"] == pytest.approx(result.test_history[epoch]["accuracy"], rel=1e-9)
 
 
+@pytest.mark.processes
 def test_best_checkpoints_are_kept_and_evaluate_and_predict_use_the_trained_model(run_dir):
     """keep_checkpoints=1 with the best by val_loss in "max" mode (the worst, so it is an old one):
     the best epoch's checkpoint stays next to the newest, named in best.json. Then evaluate() gives
@@ -157,6 +160,7 @@ def test_best_checkpoints_are_kept_and_evaluate_and_predict_use_the_trained_mode
     assert outputs.shape == (40, 3) and torch.allclose(outputs, expected, atol=1e-6)
 
 
+@pytest.mark.processes
 def test_feature_arguments_fail_in_the_caller_naming_the_argument(run_dir):
     model, opt = fresh_model_and_optimizer()
     _, other = fresh_model_and_optimizer()

@@ -154,7 +154,7 @@ def test_cpu_workers_variable_is_checked(monkeypatch):
 
 def test_workers_get_cuda_visible_devices_as_the_process_started(monkeypatch):
     """A script's CUDA_VISIBLE_DEVICES="" is its driver's own; a value from before the process started is kept."""
-    from fabric_model import devices
+    from fabric_model.setup import devices
 
     monkeypatch.setattr(devices, "_CUDA_VISIBLE_AT_START", "0,1")
     assert devices.cuda_visible_for_workers("0,1") == (False, "0,1")  # a cluster's allocation

@@ -13,6 +13,8 @@ from fabric_model import FabricModel
 
 from .helpers import MLP, make_data
 
+pytestmark = pytest.mark.processes
+
 DATA = make_data(40)
 
 

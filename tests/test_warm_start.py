@@ -25,10 +25,14 @@ from fabric_model.launchers.fork_safety import fork_blockers
 from fabric_model.launchers.local import worker_environment
 from fabric_model.launchers.warm_client import WarmProcess
 from fabric_model.setup.config import threads_per_worker
+from fabric_model.setup.settings import LAUNCHED, SECRET
 from fabric_model.testing import FaultInjector
-from fabric_model.transport.protocol import LAUNCHED_ENV, SECRET_ENV
 
 from .helpers import fresh_model_and_optimizer, make_data
+
+pytestmark = pytest.mark.processes
+
+LAUNCHED_ENV, SECRET_ENV = LAUNCHED.name, SECRET.name
 
 DATA = make_data(128)
 WARM = "fabric_model.launchers.warm"

@@ -14,9 +14,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fabric_model import Callback, FabricModel
-from fabric_model.transport.protocol import KEEP_FREED_MEMORY_ENV
+from fabric_model.setup.settings import KEEP_FREED_MEMORY
 
 from .helpers import make_data
+
+pytestmark = pytest.mark.processes
+
+KEEP_FREED_MEMORY_ENV = KEEP_FREED_MEMORY.name
 
 #: A 64 MiB buffer: over glibc's largest dynamic mmap threshold (32 MiB), so by default each
 #: one is mapped, faulted in page by page (16,384 pages) and unmapped.

@@ -125,7 +125,8 @@ class UserObjects:
 
 class Framework(abc.ABC):
     """One framework seen from the caller's process: checks the user's arguments, makes the
-    adapter that travels to the workers, and handles the trained model afterwards."""
+    adapter that travels to the workers (deterministic or not), and puts the trained state back
+    into the user's objects; what is done with the trained model after that is :attr:`trained`'s."""
 
     #: The framework's name, as run records, checkpoints and messages spell it.
     name: ClassVar[str]
@@ -200,23 +201,41 @@ class Framework(abc.ABC):
     def save_model(self, model_dir: Path, model: Any, model_state: dict[str, Any]) -> Path:
         """Write the trained model into ``model_dir`` in the framework's own format (aside, then renamed)."""
 
+    @abc.abstractmethod
+    def deterministic(self, adapter: FrameworkAdapter, max_micro_batches: int) -> FrameworkAdapter:
+        """The adapter of ``deterministic=True`` for steps of up to ``max_micro_batches``: step sums
+        that do not depend on which worker added what (docs/deterministic.md)."""
+
+    @property
+    @abc.abstractmethod
+    def trained(self) -> TrainedModel:
+        """What is done with the trained model in the caller: inference and the ONNX export."""
+
+
+class TrainedModel(abc.ABC):
+    """One framework's trained model in the caller: ``FabricModel.evaluate``/``predict`` and the
+    ONNX export (:mod:`fabric_model.frameworks.export`), apart from training's :class:`Framework`."""
+
+    def __init__(self, framework: Framework) -> None:
+        self.framework = framework
+        self.name = framework.name
+
     def export_inputs(self, adapter: FrameworkAdapter, train_set: Any) -> Any:
         """Model inputs of a real training batch (up to 4 samples), to trace and check an export on."""
         if is_batch_level(train_set):
             batch = train_set[0]
         else:
             batch = adapter.collate([train_set[i] for i in range(min(len(train_set), 4))])
-        return self.split_batch(batch)[0]
+        return self.framework.split_batch(batch)[0]
 
-    def evaluate_trained(self, adapter: FrameworkAdapter, dataset: Any, batch_size: int) -> dict[str, float]:
+    @abc.abstractmethod
+    def evaluate(self, adapter: FrameworkAdapter, dataset: Any, batch_size: int) -> dict[str, float]:
         """``FabricModel.evaluate``: the loss and metrics of the caller's trained model on ``dataset``."""
-        raise NotImplementedError
 
-    def predict_trained(self, adapter: FrameworkAdapter, dataset: Any, batch_size: int) -> Any:
+    @abc.abstractmethod
+    def predict(self, adapter: FrameworkAdapter, dataset: Any, batch_size: int) -> Any:
         """``FabricModel.predict``: the caller's trained model's outputs on ``dataset``."""
-        raise NotImplementedError
 
-    # -- ONNX (see fabric_model.frameworks.export) --------------------------------------------------------
     @abc.abstractmethod
     def onnx_requirements(self) -> tuple[str, ...]:
         """The modules an ONNX export needs (checked before training)."""

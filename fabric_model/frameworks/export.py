@@ -134,7 +134,7 @@ def _ort_session(path: str, framework: str, model: Any) -> Any:
 
 def _feeds(session: Any, framework: Framework, model: Any, batch: Any) -> dict[str, np.ndarray]:
     inputs = session.get_inputs()
-    arrays = [_to_numpy(x) for x in framework.onnx_inputs(batch, [i.name for i in inputs])]
+    arrays = [_to_numpy(x) for x in framework.trained.onnx_inputs(batch, [i.name for i in inputs])]
     if len(arrays) != len(inputs):
         raise _error(framework.name, model, f"the file has {len(inputs)} inputs, the sample {len(arrays)}")
     return {i.name: a.astype(_ORT_DTYPES.get(i.type, a.dtype), copy=False) for i, a in zip(inputs, arrays)}
@@ -164,7 +164,7 @@ def _compare(
         except Exception as exc:
             shapes = {key: a.shape for key, a in feeds.items()}
             raise _error(name, model, f"onnxruntime failed on inputs of shapes {shapes}", exc) from exc
-        expected, names = framework.inference_outputs(model, batch)
+        expected, names = framework.trained.inference_outputs(model, batch)
         if names is not None and set(names) <= set(output_names):  # the file's outputs carry the names
             got = [got[output_names.index(key)] for key in names]
         if len(got) != len(expected):
@@ -225,7 +225,7 @@ def export_onnx(framework: str | Framework, model: Any, sample_input: Any, path:
 
 def _export_and_check(framework: Framework, model: Any, sample_input: Any, staged: str) -> tuple[float, float]:
     """Export to ``staged``, check its batch dimension is dynamic, compare it on two batch sizes."""
-    framework.write_onnx(model, sample_input, staged)
+    framework.trained.write_onnx(model, sample_input, staged)
     if not os.path.exists(staged):
         raise _error(framework.name, model, "the exporter wrote no file")
     if not _batch_is_dynamic(staged, framework.name, model):
@@ -235,14 +235,14 @@ def _export_and_check(framework: Framework, model: Any, sample_input: Any, stage
             "the exported batch dimension is fixed",
             hint="the model's code fixes the batch size (a reshape to a constant batch?); use -1 or x.shape[0]",
         )
-    return _compare(staged, framework, model, [sample_input, framework.grow_batch(sample_input)])
+    return _compare(staged, framework, model, [sample_input, framework.trained.grow_batch(sample_input)])
 
 
 # -- after train(): the run's model/model.onnx ----------------------------------------------------------
 def check_onnx_available(framework: Framework, model: Any) -> None:
     """Fail before training, not after it, when ``save_to_onnx=True`` lacks a package."""
     try:
-        for module in framework.onnx_requirements():
+        for module in framework.trained.onnx_requirements():
             _require(module, framework.name, model)
     except ExportError as exc:
         raise ImportError(f"save_to_onnx=True needs the ONNX packages: {exc}") from None
@@ -258,7 +258,7 @@ def export_final_model(
     from ..run.metrics_log import MetricsLog
 
     try:
-        inputs = framework.export_inputs(adapter, train_set)
+        inputs = framework.trained.export_inputs(adapter, train_set)
         diff = export_onnx(framework, model, inputs, run.model / "model.onnx")
     except ExportError as exc:
         with MetricsLog(run.metrics, append=True) as metrics:

@@ -26,10 +26,10 @@ import zipfile
 from pathlib import Path
 
 from ..run.rundir import RunDirectory
+from ..setup.settings import DATA_DIR, FABRIC_HOME, KERAS2_OPTIMIZERS, LOG_DIR, RESULT_DIR, TRAINING_ID
 
 USAGE = "usage: fabric-model run [--keras2-optimizers] SCRIPT [ARGS...]\n"
 MODULES = Path(__file__).resolve().parent / "modules"
-KERAS2_ENV = "FABRIC_KERAS2_OPTIMIZERS"
 
 
 def build_zip(target: Path) -> Path:
@@ -45,23 +45,24 @@ def build_zip(target: Path) -> Path:
 
 def prepare_environment(script: Path) -> Path:
     """Set IBM's variables in ``os.environ`` (keeping the user's) and return the zip's path."""
-    env = os.environ
-    if not env.get("RESULT_DIR"):
-        env["RESULT_DIR"] = str(RunDirectory.resolve(None).path.resolve())
-    result_dir = Path(env["RESULT_DIR"])
-    env.setdefault("LOG_DIR", str(result_dir / "logs"))
-    env.setdefault("DATA_DIR", str(script.parent))
-    env.setdefault("FABRIC_HOME", str(result_dir / "fabric_home"))
-    env.setdefault("TRAINING_ID", result_dir.name)
-    Path(env["LOG_DIR"]).mkdir(parents=True, exist_ok=True)
-    fabric_zip = Path(env["FABRIC_HOME"]) / "libs" / "fabric.zip"
+    result_dir = RESULT_DIR.get() or str(RunDirectory.resolve(None).path)
+    ibm = {
+        RESULT_DIR.name: result_dir,
+        LOG_DIR.name: LOG_DIR.get() or str(Path(result_dir, "logs")),
+        DATA_DIR.name: DATA_DIR.get() or str(script.parent),
+        FABRIC_HOME.name: FABRIC_HOME.get() or str(Path(result_dir, "fabric_home")),
+        TRAINING_ID.name: TRAINING_ID.get() or Path(result_dir).name,
+    }
+    os.environ.update(ibm)  # for the script and the workers it starts
+    Path(ibm[LOG_DIR.name]).mkdir(parents=True, exist_ok=True)
+    fabric_zip = Path(ibm[FABRIC_HOME.name]) / "libs" / "fabric.zip"
     if not fabric_zip.exists():
         build_zip(fabric_zip)
     # Workers are fresh interpreters: they find the script's modules and the runtime's here.
     paths = [str(script.parent), str(fabric_zip)]
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
-    env["PYTHONPATH"] = os.pathsep.join(paths)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [*paths, os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else paths
+    )
     return fabric_zip
 
 
@@ -76,7 +77,11 @@ def _exit_code(exc: SystemExit) -> int:
 
 def main(argv: list[str]) -> int:
     """Run ``argv = [--keras2-optimizers] SCRIPT ARGS...``; returns the exit code."""
-    keras2 = os.environ.get(KERAS2_ENV, "") not in ("", "0")
+    try:
+        keras2 = KERAS2_OPTIMIZERS.get()
+    except ValueError as exc:
+        sys.stderr.write(f"fabric-model run: {exc}\n")
+        return 2
     while argv and argv[0].startswith("-"):
         if argv[0] == "--keras2-optimizers":
             keras2 = True

@@ -27,7 +27,7 @@ from typing import IO
 
 from ..setup.cluster import check_cluster
 from ..setup.devices import cuda_visible_for_workers
-from ..transport.protocol import CUDA_VISIBLE_ENV, LAUNCHED_ENV, SECRET_ENV, WARM_START_ENV
+from ..setup.settings import CUDA_VISIBLE, LAUNCHED, SECRET, WARM_START
 from .base import Launcher, module_command
 from .fork_safety import fork_blockers
 from .warm_client import ForkedWorker, WarmProcess
@@ -65,8 +65,8 @@ class LocalLauncher(Launcher):
 
     def _environment(self) -> dict[str, str]:
         env = worker_environment(self.threads, self.address[0])
-        env[SECRET_ENV] = self.secret.hex()
-        env[LAUNCHED_ENV] = "1"
+        env[SECRET.name] = self.secret.hex()
+        env[LAUNCHED.name] = "1"
         return env
 
     def start(self, worker_id: int, device: str | None) -> None:
@@ -149,10 +149,10 @@ def warm_environment() -> dict[str, str]:
     env = dict(os.environ)
     changed, cuda_visible = cuda_visible_for_workers()
     if changed:  # the script's own choice for the driver, not the job's allocation
-        env.pop(CUDA_VISIBLE_ENV, None)
+        env.pop(CUDA_VISIBLE.name, None)
         if cuda_visible is not None:
-            env[CUDA_VISIBLE_ENV] = cuda_visible
-    env.pop(SECRET_ENV, None)
+            env[CUDA_VISIBLE.name] = cuda_visible
+    env.pop(SECRET.name, None)
     # The worker must import what the caller could import (modules next to the script; "" is
     # the working directory of an interactive caller, which the worker's -P leaves out).
     paths = [os.path.abspath(p or os.curdir) for p in sys.path if os.path.isdir(p or os.curdir)]
@@ -170,20 +170,9 @@ def worker_environment(threads: int, host: str) -> dict[str, str]:
     return env
 
 
-#: ``FABRIC_MODEL_WARM_START``'s values: no warm process; a fork of the caller where it is fit
-#: for one, else a fresh interpreter (``1``, the default, or ``fork``); always a fresh
-#: interpreter; always a fork (its OpenMP probe the only check: for diagnosis). See
-#: docs/architecture.md, "Start-up".
-WARM_STARTS = ("0", "1", "fresh", "fork", "fork-always")
-
-
 def warm_start_mode() -> str:
-    """``$FABRIC_MODEL_WARM_START``, checked: one of :data:`WARM_STARTS`."""
-    mode = os.environ.get(WARM_START_ENV, "1").strip().lower()
-    if mode not in WARM_STARTS:
-        accepted = ", ".join(repr(m) for m in WARM_STARTS)
-        raise ValueError(f"Expected `{WARM_START_ENV}` to be one of {accepted}. Received: {WARM_START_ENV}={mode!r}")
-    return mode
+    """``$FABRIC_MODEL_WARM_START``, checked: one of :data:`~fabric_model.setup.settings.WARM_STARTS`."""
+    return WARM_START.get()
 
 
 def start_warm_process(framework: str, log_path: Path | None = None) -> WarmProcess | None:

@@ -23,6 +23,7 @@ from typing import Any
 
 import ray
 
+from ..setup.settings import LAUNCHED
 from .base import Launcher
 from .ray_host import WorkerHost
 
@@ -76,7 +77,7 @@ class RayLauncher(Launcher):
         self._last_logs = 0.0
 
     def _child_env(self) -> dict[str, str]:
-        env = {"FABRIC_MODEL_LAUNCHED": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.threads)}
+        env = {LAUNCHED.name: "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.threads)}
         if self.address[0].startswith("127.") or self.address[0] == "localhost":
             env["GLOO_SOCKET_IFNAME"] = "lo"  # one host: keep gloo on loopback with the driver
         return env

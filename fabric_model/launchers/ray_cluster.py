@@ -13,8 +13,6 @@ its ``runtime_env`` entries are merged over ours.
 
 from __future__ import annotations
 
-import json
-import os
 import site
 import sys
 import sysconfig
@@ -22,28 +20,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..setup.settings import RAY_ACTOR_OPTIONS, RAY_IGNORE_GITIGNORE
 from .base import Launcher
 
-#: A JSON object of Ray actor options for every worker actor (see the module docstring).
-ACTOR_OPTIONS_ENV = "FABRIC_MODEL_RAY_ACTOR_OPTIONS"
 #: Never uploaded with the script's folder: version control, caches, earlier runs.
 EXCLUDES = [".git", "**/__pycache__", "fabric_runs", ".tox", ".venv", "venv"]
 
 
 def _actor_options_from_environment() -> dict[str, Any]:
-    raw = os.environ.get(ACTOR_OPTIONS_ENV)
-    if not raw:
-        return {}
-    try:
-        options = json.loads(raw)
-    except ValueError:
-        options = None
-    if not isinstance(options, dict):
-        raise ValueError(
-            f"Expected {ACTOR_OPTIONS_ENV} to be a JSON object of Ray actor options, e.g. "
-            f'{{"num_cpus": 4, "num_gpus": 1}}. Received: {ACTOR_OPTIONS_ENV}={raw!r}'
-        )
-    return options
+    """``$FABRIC_MODEL_RAY_ACTOR_OPTIONS``, a JSON object (checked by the registry), else none."""
+    return RAY_ACTOR_OPTIONS.get() or {}
 
 
 def script_folder() -> Path:
@@ -84,7 +70,7 @@ def _upload(env: dict[str, Any]) -> dict[str, Any]:
 
     node: Any = ray._private.worker.global_worker.node
     scratch = node.get_runtime_env_dir_path()
-    gitignore = os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0") != "1"
+    gitignore = not RAY_IGNORE_GITIGNORE.get()  # as Ray's own uploads read it
     env = upload_py_modules_if_needed(env, include_gitignore=gitignore, scratch_dir=scratch)
     env = upload_working_dir_if_needed(env, include_gitignore=gitignore, scratch_dir=scratch)
     env.pop("excludes", None)

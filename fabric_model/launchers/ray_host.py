@@ -2,7 +2,7 @@
 
 A light, threaded actor: it imports neither torch nor the worker, and starts the ordinary
 worker command line (``python -m fabric_model worker ...``) as a child process, so a worker on
-Ray is the same program as a local one. The child runs with ``FABRIC_MODEL_LAUNCHED`` set, so
+Ray is the same program as a local one. The child runs with ``_FABRIC_MODEL_LAUNCHED`` set, so
 it dies with this actor (``PR_SET_PDEATHSIG``, armed against the thread that started it: that
 thread lives exactly as long as the child). Ray sets ``CUDA_VISIBLE_DEVICES`` in the actor to
 the GPUs it was given; the child inherits it. The job's secret arrives as a task argument and
@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 
+from ..setup.settings import SECRET
 from .base import module_command
 
 #: Most log bytes one ``read_log`` call returns.
@@ -48,7 +49,7 @@ class WorkerHost:
 
         child_env = dict(os.environ)
         child_env.update(env)
-        child_env["FABRIC_MODEL_SECRET"] = secret_hex
+        child_env[SECRET.name] = secret_hex
         # The child imports what this actor can: the job's working_dir (this actor's working
         # directory, which module_command's -P leaves out) and py_modules come first.
         paths = [os.getcwd(), *(p for p in sys.path if p and os.path.isdir(p))]

@@ -2,7 +2,7 @@
 "Run directory").
 
 One JSON object a line, with a ``type`` and the wall-clock ``time``; the shapes are
-documented in the README and read by tests, so each has one method here and nobody builds
+documented in docs/run-directory.md and read by tests, so each has one method here and nobody builds
 the JSON by hand. A leaf module (no torch).
 """
 

@@ -10,7 +10,7 @@ Layout::
     <run_dir>/checkpoints/           ``ckpt-unit-<unit>.pt`` (:mod:`fabric_model.state.checkpoint`)
     <run_dir>/model/                 the final model
 
-A leaf module: it imports nothing of the package above it, and no torch.
+A leaf module: it imports nothing of the package but the settings registry, and no torch.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-#: The environment variable naming the run directory when ``run_dir`` is not given.
-RESULT_DIR_ENV = "RESULT_DIR"
+from ..setup.settings import RESULT_DIR
+
 #: Where runs go when neither ``run_dir`` nor ``$RESULT_DIR`` is given.
 DEFAULT_PARENT = "fabric_runs"
 
@@ -51,8 +51,9 @@ class RunDirectory:
         """
         if run_dir is not None:
             return cls(run_dir)
-        if os.environ.get(RESULT_DIR_ENV):
-            return cls(os.environ[RESULT_DIR_ENV])
+        result_dir = RESULT_DIR.get()
+        if result_dir is not None:
+            return cls(result_dir)
         if for_resume:
             raise ValueError(
                 "Expected `run_dir` (or the RESULT_DIR environment variable) to name the run to continue with "

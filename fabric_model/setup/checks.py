@@ -1,14 +1,75 @@
 """Argument checks, run in the caller's process before any worker starts.
 
-Every error names the argument, the value received and what is accepted.
+Every error names the argument, the value received and what is accepted. :data:`ARGUMENT_CHECKS`
+says where each argument of ``FabricModel()`` and ``train()`` is checked (a test keeps it
+complete): the checks that need no framework are here; the framework's own (loss, metrics,
+optimizer) are its :class:`~fabric_model.frameworks.base.Framework`'s; the ones that need the
+data run on its first batch (:mod:`.first_batch`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import TYPE_CHECKING, Any
 
 from ..run.hooks import HOOKS
 from ..step.data import is_map_dataset
+from . import compat
+
+if TYPE_CHECKING:
+    from ..api import FabricModel
+    from .run_setup import LoopOptions
+
+log = logging.getLogger("fabric_model")
+
+_SELF = "fabric_model.setup.checks"
+_FRAMEWORK = "fabric_model.frameworks.base:Framework"
+#: argument -> "module:function" that checks it (for ``FabricModel()``, then ``train()``).
+ARGUMENT_CHECKS: dict[str, dict[str, str]] = {
+    "FabricModel": {
+        "model": "fabric_model.frameworks:framework_name",
+        "datasets_function": f"{_SELF}:check_callable",
+        "loss_function": f"{_FRAMEWORK}.check_loss",
+        "optimizer": f"{_FRAMEWORK}.check_optimizer",
+        "metrics": f"{_FRAMEWORK}.check_metrics",
+        "worker_logger_callback": f"{_SELF}:check_logger",
+        "driver_logger_callback": f"{_SELF}:check_logger",
+        "save_to_onnx": f"{_SELF}:check_bool",
+        "keras_custom_objects": f"{_FRAMEWORK}.check_options",
+        "fn_batch_collate": f"{_SELF}:check_callable",
+        "fn_step_train": f"{_SELF}:check_callable",
+        "fn_test": f"{_SELF}:check_callable",
+        "fn_args": "",  # anything: handed to the user's own fn_step_train and fn_test
+        "user_callback": f"{_SELF}:check_user_callbacks",
+        "driver_logger": "fabric_model.setup.compat:pick",  # IBM's name of driver_logger_callback
+        "worker_logger": "fabric_model.setup.compat:pick",  # IBM's name of worker_logger_callback
+        "enable_onnx": "fabric_model.setup.compat:pick",  # IBM's name of save_to_onnx
+        "get_datasets": "fabric_model.setup.compat:pick",  # this package's old name of datasets_function
+        "lr_scheduler": "fabric_model.step.loop_state:check_lr_scheduler",
+        "precision": "fabric_model.step.options:check_step_options",
+        "gradient_clip_norm": "fabric_model.step.options:check_step_options",
+    },
+    "train": {
+        "epoch_number": f"{_SELF}:check_positive_int",
+        "batch_size": f"{_SELF}:check_positive_int",
+        "engines_number": f"{_SELF}:check_positive_int",
+        "num_dataloader_threads": f"{_SELF}:check_positive_int",
+        "validation_freq": f"{_SELF}:check_positive_int",
+        "checkpoint_freq": f"{_SELF}:check_positive_int",
+        "effective_batch_size": f"{_SELF}:check_effective_batch",
+        "seed": f"{_SELF}:check_train_arguments",
+        "run_dir": "fabric_model.run.rundir:RunDirectory.resolve",
+        "resume": f"{_SELF}:check_bool",
+        "keep_checkpoints": f"{_SELF}:check_positive_int",
+        "worker_memory": "",  # IBM's, accepted and ignored (said in the log)
+        "driver_memory": "",  # IBM's, accepted and ignored (said in the log)
+        "bind_address": "fabric_model.transport.network:chosen_bind_address",
+        "cluster": "fabric_model.setup.cluster:check_cluster",
+        "verbose": "fabric_model.run.display:check_verbose",
+        "tensorboard": f"{_SELF}:check_bool",
+        "deterministic": f"{_SELF}:check_bool",
+    },
+}
 
 
 def _show(value: Any) -> str:
@@ -150,3 +211,67 @@ def require(**arguments: Any) -> None:
     missing = [name for name, value in arguments.items() if value is None]
     if missing:
         raise TypeError(f"FabricModel() is missing required argument(s): {', '.join(missing)}. Received: None")
+
+
+def check_constructor_arguments(
+    self: FabricModel, metrics: Any, user_callback: Any
+) -> tuple[list[Any] | None, list[Any]]:
+    """Check the constructor's arguments (messages name the argument); return the metrics and callbacks."""
+    framework = self._framework
+    framework.check_options(
+        fn_step_train=self.fn_step_train, fn_test=self.fn_test, keras_custom_objects=self.keras_custom_objects
+    )
+    check_callable(
+        "datasets_function",
+        self.datasets_function,
+        hint=" HINT: pass the function itself, datasets_function=my_fn, not its result my_fn().",
+    )
+    framework.check_loss(self.loss_function)
+    checked_metrics = framework.check_metrics(metrics)
+    check_logger("worker_logger_callback", self.worker_logger_callback)
+    check_logger("driver_logger_callback", self.driver_logger_callback)
+    check_bool("save_to_onnx", self.save_to_onnx)
+    check_callable("fn_batch_collate", self.fn_batch_collate, allow_none=True)
+    check_callable(
+        "fn_step_train",
+        self.fn_step_train,
+        allow_none=True,
+        hint=" HINT: step(model, data, eva, train_loader, fn_args) -> (metric, loss).",
+    )
+    check_callable(
+        "fn_test",
+        self.fn_test,
+        allow_none=True,
+        hint=" HINT: fn_test(model, test_iter, fn_args) -> (metric, loss).",
+    )
+    callbacks = check_user_callbacks(user_callback)
+    framework.check_optimizer(self.model, self.optimizer)
+    return checked_metrics, list(callbacks)
+
+
+def check_train_arguments(
+    epoch_number: Any,
+    batch_size: Any,
+    engines_number: Any,
+    effective_batch_size: Any,
+    loop: LoopOptions,
+    seed: Any,
+    resume: Any,
+    ignored: dict[str, Any],
+) -> None:
+    """Check ``train``'s arguments; note the IBM keywords that are accepted and ignored."""
+    for name, value in ignored.items():
+        if value is not None:
+            log.info("%s=%r is ignored: %s", name, value, compat.IGNORED_TRAIN_KEYWORDS[name])
+    check_positive_int("epoch_number", epoch_number)
+    check_positive_int("batch_size", batch_size)
+    check_positive_int("engines_number", engines_number, allow_none=True)
+    check_positive_int("num_dataloader_threads", loop.num_dataloader_threads, minimum=0, allow_none=True)
+    check_positive_int("validation_freq", loop.validation_freq)
+    check_positive_int("checkpoint_freq", loop.checkpoint_freq, minimum=0)
+    check_bool("resume", resume)
+    check_positive_int("keep_checkpoints", loop.keep_checkpoints)
+    check_bool("deterministic", loop.deterministic)
+    check_effective_batch(effective_batch_size, batch_size)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise TypeError(f"Expected `seed` to be a non-negative int or None. Received: seed={seed!r}")

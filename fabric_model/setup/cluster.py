@@ -8,28 +8,24 @@ checks the choice: it never imports Ray, so ``import fabric_model`` and local ru
 from __future__ import annotations
 
 import importlib.util
-import os
 from typing import TYPE_CHECKING
+
+from .settings import CLUSTER, CLUSTERS
 
 if TYPE_CHECKING:
     from ..launchers.ray_cluster import RayCluster
-
-#: Sets the default of ``train(cluster=...)``, for scripts that cannot be edited.
-CLUSTER_ENV = "FABRIC_MODEL_CLUSTER"
-#: The accepted values of ``cluster``.
-CLUSTERS = ("local", "ray")
 
 
 def check_cluster(cluster: str | None) -> str:
     """``cluster`` (or ``$FABRIC_MODEL_CLUSTER`` when None) as ``"local"`` or ``"ray"``.
 
     Raises:
-        ValueError: a value that is not one of :data:`CLUSTERS`.
+        ValueError: a value that is not one of :data:`~fabric_model.setup.settings.CLUSTERS`.
         ImportError: ``"ray"`` without Ray installed.
     """
     name, value = "cluster", cluster
     if cluster is None:
-        name, value = CLUSTER_ENV, os.environ.get(CLUSTER_ENV) or None
+        name, value = CLUSTER.name, CLUSTER.get()  # the registry checks the variable's value
     if value is None:
         return "local"
     if not isinstance(value, str) or value.strip().lower() not in CLUSTERS:

@@ -21,34 +21,34 @@ import subprocess
 import sys
 from typing import Any
 
-from ..transport.protocol import CPU_WORKERS_ENV, CUDA_VISIBLE_ENV, WORKERS_PER_GPU_ENV
 from .config import EngineSizing, _usable_cores
+from .settings import CPU_WORKERS, CUDA_VISIBLE, WORKERS_PER_GPU, Setting
 
 log = logging.getLogger("fabric_model")
 
 _UNSET = "\0unset"  # not a value an environment variable can hold
 
 
-def _starting_value(name: str) -> str | None:
-    """``name`` as this process's environment held it at exec time (Linux), else at import."""
+def _starting_value(setting: Setting[str | None]) -> str | None:
+    """``setting`` as this process's environment held it at exec time (Linux), else at import."""
     try:
         with open("/proc/self/environ", "rb") as f:
             entries = f.read().split(b"\0")
     except OSError:
-        return os.environ.get(name)
-    prefix = name.encode() + b"="
+        return setting.get()
+    prefix = setting.name.encode() + b"="
     for entry in entries:
         if entry.startswith(prefix):
             return entry[len(prefix) :].decode(errors="replace")
     return None
 
 
-_CUDA_VISIBLE_AT_START = _starting_value(CUDA_VISIBLE_ENV)
+_CUDA_VISIBLE_AT_START = _starting_value(CUDA_VISIBLE)
 
 
 def cuda_visible_for_workers(current: str | None = _UNSET) -> tuple[bool, str | None]:
     """(changed by the script?, the value workers get: None means unset)."""
-    now = os.environ.get(CUDA_VISIBLE_ENV) if current == _UNSET else current
+    now = CUDA_VISIBLE.get() if current == _UNSET else current
     if now == _CUDA_VISIBLE_AT_START:
         return False, now
     return True, _CUDA_VISIBLE_AT_START
@@ -62,9 +62,10 @@ def worker_gpu_count() -> int:
 
         return local_device_count()
     # torch in this process honours the script's value; count as the workers will, in a child.
-    env = {k: v for k, v in os.environ.items() if k != CUDA_VISIBLE_ENV}
+    env = dict(os.environ)
+    env.pop(CUDA_VISIBLE.name, None)
     if value is not None:
-        env[CUDA_VISIBLE_ENV] = value
+        env[CUDA_VISIBLE.name] = value
     code = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
     try:
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
@@ -75,26 +76,12 @@ def worker_gpu_count() -> int:
 
 def cpu_workers_from_environment() -> int | None:
     """``FABRIC_MODEL_CPU_WORKERS`` as a positive int, or None when unset."""
-    return _positive_setting(CPU_WORKERS_ENV)
+    return CPU_WORKERS.get()
 
 
 def workers_per_gpu() -> int:
     """``FABRIC_MODEL_WORKERS_PER_GPU``: how many local workers may share one GPU (default 1)."""
-    return _positive_setting(WORKERS_PER_GPU_ENV) or 1
-
-
-def _positive_setting(name: str) -> int | None:
-    """The variable ``name`` as a positive int, or None when unset or empty."""
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"Expected {name} to be a positive integer. Received: {name}={raw!r}")
-    return value
+    return WORKERS_PER_GPU.get()
 
 
 def collective_backend(gpus: int, per_gpu: int = 1) -> str:
@@ -117,10 +104,10 @@ def cap_workers(requested: int, *, gpus: int, cores: int, cpu_workers: int | Non
     """``min(requested, devices)``: GPUs (``per_gpu`` workers each) where there are any, else
     usable cores or ``cpu_workers``."""
     if gpus > 0:
-        shared = f", {WORKERS_PER_GPU_ENV}={per_gpu}" if per_gpu > 1 else ""
+        shared = f", {WORKERS_PER_GPU.name}={per_gpu}" if per_gpu > 1 else ""
         limit, device, what = gpus * per_gpu, "gpu", f"{gpus} GPU(s){shared}"
     elif cpu_workers is not None:
-        limit, device, what = cpu_workers, "cpu", f"{CPU_WORKERS_ENV}={cpu_workers}"
+        limit, device, what = cpu_workers, "cpu", f"{CPU_WORKERS.name}={cpu_workers}"
     else:
         limit, device, what = max(1, cores), "cpu", f"{cores} usable CPU core(s), no GPU"
     workers = max(1, min(requested, limit))
@@ -131,9 +118,9 @@ def cap_workers(requested: int, *, gpus: int, cores: int, cpu_workers: int | Non
         else f"engines_number={requested}, {what}"
     )
     if capped and device == "cpu" and cpu_workers is None:
-        why += f" (set {CPU_WORKERS_ENV}=N for more CPU workers)"
+        why += f" (set {CPU_WORKERS.name}=N for more CPU workers)"
     elif capped and device == "gpu":
-        why += f" (set {WORKERS_PER_GPU_ENV}=N to share each GPU among N workers)"
+        why += f" (set {WORKERS_PER_GPU.name}=N to share each GPU among N workers)"
     return WorkerCap(workers, device, capped, f"fabric_model: starting {workers} worker(s) on {device.upper()}: {why}.")
 
 

@@ -13,12 +13,19 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..run.rundir import RunDirectory
 from ..step.data import is_batch_level
-from . import checks as v
-from . import compat
-from .config import EngineSizing, Timeouts, TrainConfig, keep_freed_memory_setting, size_engines, threads_per_worker
+from .config import (
+    EngineSizing,
+    SnapshotCadence,
+    Timeouts,
+    TrainConfig,
+    keep_freed_memory_setting,
+    size_engines,
+    threads_per_worker,
+)
 from .devices import collective_backend, workers_per_gpu
 from .job import Job
 from .job import dumps as dump_job
+from .settings import DETERMINISTIC_THREADS
 
 if TYPE_CHECKING:
     from ..driver.driver import DriverSetup
@@ -30,41 +37,13 @@ LARGE_JOB_BYTES = 256 * 2**20
 
 
 class LoopOptions(NamedTuple):
-    """``train``'s knobs of the loop, as given (checked by :func:`check_train_arguments`)."""
+    """``train``'s knobs of the loop, as given (checked by :func:`~fabric_model.setup.checks.check_train_arguments`)."""
 
     num_dataloader_threads: Any
     validation_freq: Any
     checkpoint_freq: Any
     keep_checkpoints: Any
     deterministic: Any = False
-
-
-def check_train_arguments(
-    epoch_number: Any,
-    batch_size: Any,
-    engines_number: Any,
-    effective_batch_size: Any,
-    loop: LoopOptions,
-    seed: Any,
-    resume: Any,
-    ignored: dict[str, Any],
-) -> None:
-    """Check ``train``'s arguments; note the IBM keywords that are accepted and ignored."""
-    for name, value in ignored.items():
-        if value is not None:
-            log.info("%s=%r is ignored: %s", name, value, compat.IGNORED_TRAIN_KEYWORDS[name])
-    v.check_positive_int("epoch_number", epoch_number)
-    v.check_positive_int("batch_size", batch_size)
-    v.check_positive_int("engines_number", engines_number, allow_none=True)
-    v.check_positive_int("num_dataloader_threads", loop.num_dataloader_threads, minimum=0, allow_none=True)
-    v.check_positive_int("validation_freq", loop.validation_freq)
-    v.check_positive_int("checkpoint_freq", loop.checkpoint_freq, minimum=0)
-    v.check_bool("resume", resume)
-    v.check_positive_int("keep_checkpoints", loop.keep_checkpoints)
-    v.check_bool("deterministic", loop.deterministic)
-    v.check_effective_batch(effective_batch_size, batch_size)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise TypeError(f"Expected `seed` to be a non-negative int or None. Received: seed={seed!r}")
 
 
 def size_run(
@@ -115,19 +94,17 @@ def serialize_job(job: Job) -> bytes:
     return payload
 
 
-def train_config(
-    epoch_number: int, batch_size: int, sizing: EngineSizing, seed: int, loop: LoopOptions, gpus: int
-) -> TrainConfig:
+def train_config(epoch_number: int, batch_size: int, sizing: EngineSizing, loop: LoopOptions, gpus: int) -> TrainConfig:
     """What every worker is told of the run, its bounds included."""
     return TrainConfig(
         epochs=epoch_number,
         batch_size=batch_size,
         sizing=sizing,
-        seed=seed,
         num_dataloader_threads=loop.num_dataloader_threads,
         validation_freq=loop.validation_freq,
         checkpoint_freq=loop.checkpoint_freq,
         timeouts=Timeouts.from_environment(),  # read once, here; every worker gets the same bounds
+        snapshots=SnapshotCadence.from_environment(),
         backend=collective_backend(gpus, workers_per_gpu()),  # as the workers will see the GPUs
         keep_freed_memory=keep_freed_memory_setting(),
     )
@@ -147,17 +124,14 @@ def open_run(run_dir: str | os.PathLike[str] | None, setup: DriverSetup) -> RunD
     return run
 
 
-#: Intra-op threads of every CPU worker with ``deterministic=True`` (default 1): one count for any
-#: number of workers, since a GEMM may block, and round, differently with another thread count.
-DETERMINISTIC_THREADS_ENV = "FABRIC_MODEL_DETERMINISTIC_THREADS"
+#: The variable's name, as benchmarks/bench_deterministic.py imports it (declared in :mod:`.settings`).
+DETERMINISTIC_THREADS_ENV = DETERMINISTIC_THREADS.name
 
 
 def deterministic_threads() -> int:
-    """The intra-op thread count of ``deterministic=True`` (``$FABRIC_MODEL_DETERMINISTIC_THREADS``, default 1)."""
-    raw = os.environ.get(DETERMINISTIC_THREADS_ENV, "1")
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"Expected {DETERMINISTIC_THREADS_ENV} to be a positive integer. Received: {raw!r}")
-    return int(raw)
+    """The intra-op thread count of ``deterministic=True`` (``$FABRIC_MODEL_DETERMINISTIC_THREADS``, default 1):
+    one count for any number of workers, since a GEMM may block, and round, differently with another thread count."""
+    return DETERMINISTIC_THREADS.get()
 
 
 def worker_threads(deterministic: bool, ray_cluster: Any, gpus: int, max_workers: int) -> int:
@@ -168,23 +142,7 @@ def worker_threads(deterministic: bool, ray_cluster: Any, gpus: int, max_workers
 
 
 def make_deterministic(framework: str, adapter: Any, max_micro_batches: int) -> Any:
-    """The adapter of ``deterministic=True``: step sums that do not depend on who added what.
+    """The adapter of ``deterministic=True``: the framework chooses its exact step sums."""
+    from ..frameworks import framework_named
 
-    torch with at most ``MAX_TERMS`` micro-batches a step and no custom step: every term
-    gathered and added in micro-batch order; otherwise (and for Keras) the fixed-point sum."""
-    if framework == "torch" and adapter.grad_step.options.scales_loss:
-        raise ValueError(
-            "Expected `precision` to be '32' or 'bf16-mixed' with deterministic=True. Received: precision='16-mixed'. "
-            "HINT: float16's loss scale can overflow the exact fixed-point sum; bf16-mixed needs no scale."
-        )
-    if framework == "keras":
-        from ..frameworks.keras.exact import ExactKerasAdapter
-
-        return ExactKerasAdapter.from_adapter(adapter, max_micro_batches)
-    from ..frameworks.torch.ordered import MAX_TERMS, OrderedTorchAdapter
-
-    if adapter.step_fn is None and max_micro_batches <= MAX_TERMS:  # the run's configuration, never its size
-        return OrderedTorchAdapter.from_adapter(adapter, max_micro_batches)
-    from ..frameworks.torch.exact import ExactTorchAdapter
-
-    return ExactTorchAdapter.from_adapter(adapter, max_micro_batches)
+    return framework_named(framework).deterministic(adapter, max_micro_batches)

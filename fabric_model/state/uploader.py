@@ -39,15 +39,18 @@ class StateUploader:
     Args:
         channel: the worker's control channel (``send`` is thread-safe).
         schedule: the run's schedule.
-        config: the run's configuration (``checkpoint_freq``, ``batch_size``, the snapshot intervals).
+        config: the run's configuration (``checkpoint_freq``, ``batch_size``, ``snapshots``).
     """
 
     def __init__(self, channel: Channel, schedule: Schedule, config: TrainConfig) -> None:
         self.channel, self.schedule = channel, schedule
         self.freq, self.batch_size = config.checkpoint_freq, config.batch_size
-        self.every_steps = int(config.timeouts.snapshot_steps)
-        self.every_seconds = float(config.timeouts.snapshot_seconds)
-        self.share = float(config.timeouts.snapshot_share)
+        cadence = config.snapshots
+        self.every_steps, self.every_seconds, self.share = (
+            int(cadence.steps),
+            float(cadence.seconds),
+            float(cadence.share),
+        )
         self.cost = 0.0  # seconds the last upload took: its copy, then its thread's serializing and sending
         self.framework = ""
         self.written = -1  # the newest checkpoint the driver has

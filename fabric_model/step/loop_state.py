@@ -38,7 +38,7 @@ class LRScheduling:
     scheduler: Any
     interval: str = "epoch"
     monitor: str | None = None
-    #: How errors about its ``monitor`` name it (``best_checkpoints.check_monitors``).
+    #: How errors about its ``monitor`` name it (``state.best.check_monitors``).
     argument: ClassVar[str] = "lr_scheduler"
 
     @property

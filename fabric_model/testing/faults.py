@@ -196,7 +196,7 @@ class _FaultyCollective:
         setattr(self._inner, name, value)  # state lives in the real collective
 
     def all_reduce_start(self, tensor: Any) -> Any:
-        from .transport.collective import CollectiveError  # imports torch.distributed: only in a worker
+        from ..transport.collective import CollectiveError  # imports torch.distributed: only in a worker
 
         try:
             self._injector._fire("before_allreduce")
@@ -206,7 +206,7 @@ class _FaultyCollective:
 
     def all_gather_start(self, output: Any, tensor: Any) -> Any:
         """The step's first exchange when the ordered sum gathers (deterministic mode)."""
-        from .transport.collective import CollectiveError
+        from ..transport.collective import CollectiveError
 
         try:
             self._injector._fire("before_allreduce")

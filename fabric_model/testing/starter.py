@@ -16,6 +16,7 @@ from typing import Any
 from ..launchers.base import module_command
 from ..run.hooks import Hooks
 from ..run.rundir import RunDirectory
+from ..setup.settings import SECRET
 
 
 class WorkerStarter:
@@ -50,7 +51,8 @@ class WorkerStarter:
     def start(self, device: str | None = None) -> subprocess.Popen[bytes]:
         run = RunDirectory(self.run_dir)
         info = json.loads(run.join_json.read_text())
-        env = dict(os.environ, FABRIC_MODEL_SECRET=info["secret"], PYTHONPATH=os.pathsep.join(sys.path))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        env[SECRET.name] = info["secret"]
         cmd = module_command("fabric_model", "worker", "--driver", info["driver"])
         if device:
             cmd += ["--device", device]

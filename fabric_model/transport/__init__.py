@@ -1,2 +1,2 @@
 """How the processes talk: the control-plane protocol and channels, addresses, the
-rendezvous store and the collectives (docs/architecture.md, "Protocol")."""
+rendezvous store and the collectives (docs/architecture.md, "The protocol")."""

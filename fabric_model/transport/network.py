@@ -4,7 +4,7 @@ The driver's control plane and rendezvous store listen on one chosen address: lo
 default, another of this host's addresses for workers on other hosts, a wildcard only when
 asked for. A worker on another host picks the interface whose address routes to the driver
 for its collectives (gloo/NCCL would otherwise resolve the hostname, often to 127.0.0.1).
-See docs/architecture.md, "Processes". Standard library only; no torch.
+See docs/architecture.md, "Processes". Standard library and the settings registry only; no torch.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import socket
 import struct
 from collections.abc import MutableMapping
 
+from ..setup.settings import BIND_ADDRESS
+
 log = logging.getLogger(__name__)
 
-#: Where the driver listens when ``train(bind_address=...)`` is not given.
-BIND_ADDRESS_ENV = "FABRIC_MODEL_BIND_ADDRESS"
+#: Where the driver listens when neither ``train(bind_address=...)`` nor ``$FABRIC_MODEL_BIND_ADDRESS`` is given.
 DEFAULT_BIND_ADDRESS = "127.0.0.1"
 #: Addresses that mean "every interface": accepted only when named explicitly.
 WILDCARDS = ("0.0.0.0",)
@@ -38,10 +39,10 @@ def resolve_bind_address(bind_address: object) -> str:
     argument (or the variable), the value and what is accepted."""
     name = "bind_address"
     if bind_address is None:
-        bind_address = os.environ.get(BIND_ADDRESS_ENV) or None
+        bind_address = BIND_ADDRESS.get()
         if bind_address is None:
             return DEFAULT_BIND_ADDRESS
-        name = f"${BIND_ADDRESS_ENV}"
+        name = f"${BIND_ADDRESS.name}"
     if not isinstance(bind_address, str) or not bind_address.strip():
         raise TypeError(f"Expected `{name}` to be a string: {_ACCEPTED}. Received: {name}={bind_address!r}")
     text = bind_address.strip()
@@ -69,7 +70,7 @@ def chosen_bind_address(bind_address: object) -> str | None:
     """The address the user chose (``bind_address``, else ``$FABRIC_MODEL_BIND_ADDRESS``),
     checked as :func:`resolve_bind_address` does; None when they chose none (the launcher's
     default then applies: loopback, or the node's IP on Ray)."""
-    if bind_address is None and not os.environ.get(BIND_ADDRESS_ENV):
+    if bind_address is None and not BIND_ADDRESS.is_set():
         return None
     return resolve_bind_address(bind_address)
 

@@ -31,33 +31,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-#: The job's secret (hex), in a worker's environment; never on its command line.
-SECRET_ENV = "FABRIC_MODEL_SECRET"
-#: Set by the driver's launcher: the worker dies with the driver and leaves Ctrl-C to it.
-LAUNCHED_ENV = "FABRIC_MODEL_LAUNCHED"
-#: ``0`` turns off the replacement of lost local workers.
-REPLACE_WORKERS_ENV = "EDT_REPLACE_WORKERS"
-#: Failed pulls after which a joining worker gives up.
-PULL_FAILED_LIMITS_ENV = "EDT_PULL_FAILED_LIMITS"
-#: ``N``: on a host without a GPU, allow up to N CPU workers (default: one per usable core).
-CPU_WORKERS_ENV = "FABRIC_MODEL_CPU_WORKERS"
-#: ``N``: up to N local workers share each GPU (default 1); shared GPUs reduce over gloo, not NCCL.
-WORKERS_PER_GPU_ENV = "FABRIC_MODEL_WORKERS_PER_GPU"
-#: The GPUs a process may use; the launcher drops it for workers when the script changed it.
-CUDA_VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
-#: Rank 0 uploads a snapshot of the state every this many committed steps (0: not by steps).
-SNAPSHOT_STEPS_ENV = "FABRIC_MODEL_SNAPSHOT_STEPS"
-#: ... or once this many seconds have passed since the last one (0: not by time).
-SNAPSHOT_SECONDS_ENV = "FABRIC_MODEL_SNAPSHOT_SECONDS"
-#: The steps' rule waits while snapshots would take more than this share of the time (0: never).
-SNAPSHOT_SHARE_ENV = "FABRIC_MODEL_SNAPSHOT_SHARE"
-#: ``0``: local workers start as fresh interpreters, not as forks of the warm process;
-#: ``fresh``: the warm process is a fresh interpreter, never a fork of the caller
-#: (launchers/local.WARM_STARTS).
-WARM_START_ENV = "FABRIC_MODEL_WARM_START"
-#: ``0``: workers leave glibc's mmap and trim thresholds alone (worker/allocator.py).
-KEEP_FREED_MEMORY_ENV = "FABRIC_MODEL_KEEP_FREED_MEMORY"
-
 
 # -- worker -> driver -----------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)

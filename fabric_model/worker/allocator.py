@@ -3,7 +3,7 @@
 A training step allocates and frees the same large buffers (activations, gradients'
 temporaries) every time. With glibc's defaults, buffers over the dynamic mmap threshold are
 ``mmap``-ed and unmapped each step, and free memory at the heap's top is trimmed, so every
-step faults its pages in again: on the README's small CNN, ~4,000 minor faults and 6-9 ms
+step faults its pages in again: on the small CNN of benchmarks/README.md, ~4,000 minor faults and 6-9 ms
 of system time in a ~30 ms step. Raising the mmap and trim thresholds keeps those pages: the same effect
 PyTorch's CPU performance guides get from preloading jemalloc or tcmalloc, with no
 library to install. Resident memory then stays at the step's peak rather than dipping

@@ -4,7 +4,7 @@
 ``--secret-file PATH`` (a file holding the hex secret, or the run's ``join.json``), or
 ``--join PATH/join.json`` alone (the driver's address and the secret). The secret never rides
 on the command line, where other users of the host can read it. See docs/architecture.md,
-"Processes"; the README's "Workers on other hosts".
+"Processes"; docs/clusters.md, "Workers on other hosts".
 """
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 
-from ..transport.protocol import SECRET_ENV
+from ..setup.settings import SECRET
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--secret-file",
         metavar="PATH",
-        help=f"a file holding the job's hex secret, or the run's join.json (default: ${SECRET_ENV})",
+        help=f"a file holding the job's hex secret, or the run's join.json (default: ${SECRET.name})",
     )
     parser.add_argument(
         "--join", metavar="JOIN_JSON", help="the run's join.json: the driver's address and the secret in one file"
@@ -61,11 +60,11 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Worker
         info = _read_secret_file(option, path, parser)
         secret_hex = secret_hex or info.get("secret")
         driver = driver or info.get("driver")
-    secret_hex = secret_hex or os.environ.get(SECRET_ENV)
+    secret_hex = secret_hex or SECRET.get()
     if not driver:
         parser.error("the driver's address is missing: give --driver HOST:PORT or --join PATH/join.json")
     if not secret_hex:
-        parser.error(f"the job's secret is missing: give --secret-file PATH, --join PATH or set ${SECRET_ENV}")
+        parser.error(f"the job's secret is missing: give --secret-file PATH, --join PATH or set ${SECRET.name}")
     host, _, port = str(driver).rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         parser.error(f"expected the driver's address as HOST:PORT. Received: {driver!r}")

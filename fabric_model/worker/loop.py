@@ -64,7 +64,7 @@ class TrainingLoop:
     ) -> None:
         self.job, self.config, self.plan = job, config, plan
         self.adapter = job.adapter
-        self.channel, self.membership, self.collective = channel, inbox, collective
+        self.channel, self.inbox, self.collective = channel, inbox, collective
         self.train_set, self.test_set = datasets
         # Items are addressed as epoch * len + item, so each epoch draws its own sample order.
         self._epoch_items = own_shuffle(self.train_set)
@@ -77,11 +77,11 @@ class TrainingLoop:
         self.iterations = 0  # steps this worker took part in
         self.hooks = job.hooks
         # The scheduler, the epoch's sums and the callbacks' state: they travel with the optimizer state.
-        self.extras = LoopState(self.adapter.stat_names, job.lr_scheduling, self.hooks.callbacks)
+        self.loop_state = LoopState(self.adapter.stat_names, job.lr_scheduling, self.hooks.callbacks)
         # Asked once: the metrics a logger would get are not computed each step for nobody.
         self._logs_train = self.hooks.defines("log_train_metrics")
         self._logs_test = self.hooks.defines("log_test_metrics")
-        # Rank 0 uploads checkpoints and snapshots to the driver (worker/snapshots.py).
+        # Rank 0 uploads checkpoints and snapshots to the driver (state/uploader.py).
         self.uploads = StateUploader(channel, self.schedule, config)
 
     # -- generations ----------------------------------------------------------------------
@@ -105,7 +105,7 @@ class TrainingLoop:
     def _reenter(self) -> None:
         """Enter the driver's next generation; a failure while entering waits for the one after."""
         while True:
-            generation = self.membership.expect(p.EnterGeneration, self.recovery_timeout)
+            generation = self.inbox.expect(p.EnterGeneration, self.recovery_timeout)
             if generation.generation <= self.collective.generation:
                 continue  # a late answer for a generation already left
             try:
@@ -132,13 +132,13 @@ class TrainingLoop:
             state = decode_state(generation.state, self.plan, str(restore))
             if state["unit"] != generation.resume_unit:
                 raise RuntimeError(f"{restore} holds unit {state['unit']}, not {generation.resume_unit}")
-            self.adapter.load_state(state["model"], self.extras.unpack(state["optimizer"]))
+            self.adapter.load_state(state["model"], self.loop_state.unpack(state["optimizer"]))
         self.uploads.entered(generation.checkpoint, generation.resume_unit)
         if source >= 0:  # the members that lack the agreed state take it from the one that holds it
             mine = self._state() if self.collective.rank == source else None
             state = broadcast_state(self.collective, mine, source)
             if self.collective.rank != source:
-                self.adapter.load_state(state["model"], self.extras.unpack(state["optimizer"]))
+                self.adapter.load_state(state["model"], self.loop_state.unpack(state["optimizer"]))
         self.next_unit = generation.resume_unit
         log.info(
             "generation %d: rank %d/%d at unit %d (group %.3f s, state %s %.3f s)",
@@ -152,13 +152,13 @@ class TrainingLoop:
         )
 
     def _state(self) -> dict[str, Any]:
-        return {"model": self.adapter.model_state(), "optimizer": self.extras.pack(self.adapter.optimizer_state())}
+        return {"model": self.adapter.model_state(), "optimizer": self.loop_state.pack(self.adapter.optimizer_state())}
 
     def _upload_if_due(self) -> None:
         """Rank 0 uploads the checkpoint or snapshot due before ``next_unit`` (all replicas are identical)."""
         kind = self.uploads.kind_due(self.next_unit, self.collective.rank)
         if kind is not None:
-            state = (self.adapter.model_state(), self.extras.pack(self.adapter.optimizer_state()))
+            state = (self.adapter.model_state(), self.loop_state.pack(self.adapter.optimizer_state()))
             self.uploads.upload(kind, self.next_unit, self.collective.generation, *state)
 
     # -- one generation -------------------------------------------------------------------
@@ -190,15 +190,15 @@ class TrainingLoop:
     def _end_epoch(self, epoch: int, val_stats: list[float] | None) -> bool:
         """Keras' ``on_epoch_end(epoch, logs)``, after validation, then an epoch scheduler's step;
         returns whether a callback stopped training."""
-        logs = self.extras.epoch_logs(epoch, val_stats)
+        logs = self.loop_state.epoch_logs(epoch, val_stats)
         self.hooks.on_epoch_end(epoch, logs)
-        self.extras.epoch_done(logs)
+        self.loop_state.epoch_done(logs)
         return self._stopping()
 
     def _stopping(self) -> bool:
         """Every replica decides alike (same logs, same carried state): all skip to the schedule's
         end after the same unit, and the driver sees them finish (docs/architecture.md, "Training features")."""
-        if not self.extras.should_stop(self.adapter.model):
+        if not self.loop_state.should_stop(self.adapter.model):
             return False
         log.info("a callback stopped training at unit %d", self.next_unit)
         self.next_unit = self.schedule.total_units
@@ -206,7 +206,7 @@ class TrainingLoop:
 
     def _loader_for(self, dataset: Any) -> PrefetchLoader:
         """Reads ``dataset``'s micro-batches: in one gather where the framework can, and with
-        the loader threads the user asked for, else a share of this worker's cores (data.py)."""
+        the loader threads the user asked for, else a share of this worker's cores (step/data.py)."""
         batch_level = is_batch_level(dataset) or isinstance(dataset, EpochShuffledBatches)
         collate: Callable[[Any], Any] = first_of if batch_level else self.adapter.collate
         reader = None if batch_level else self.adapter.reader(dataset)
@@ -216,7 +216,7 @@ class TrainingLoop:
 
     def _check_abort(self) -> None:
         """Leave a long step or validation early when the driver ends this generation."""
-        if self.membership.abort_generation >= self.collective.generation:
+        if self.inbox.abort_generation >= self.collective.generation:
             raise CollectiveError(f"generation {self.collective.generation} aborted by the driver")
 
     def _abortable(self, batches: Iterator[tuple[Hashable, np.ndarray, Any]]) -> Iterator[tuple[np.ndarray, Any]]:
@@ -254,12 +254,12 @@ class TrainingLoop:
             seed = micro_batch_seed(plan.seed, epoch, step, j)
             adapter.train_micro_batch(batch, len(indices), step_samples, seed, last=position == len(mine) - 1)
         # The switch vote rides in the same allreduce, so every member reads the same sum.
-        if self.membership.pending_generation > collective.generation:
+        if self.inbox.pending_generation > collective.generation:
             adapter.vote_switch()
         adapter.all_reduce(collective)
         result = adapter.finish_step()
         stats, switch = result.stats, result.switch
-        self.extras.step_done(epoch, stats)
+        self.loop_state.step_done(epoch, stats)
         self.iterations += 1
         report = p.StepDone(
             collective.generation, epoch, step, collective.rank, collective.world_size, tuple(mine), tuple(stats)

@@ -25,8 +25,9 @@ import cloudpickle
 from ..context import WorkerContext, _install
 from ..errors import encode_exception, user_traceback
 from ..frameworks.keras.quiet import quiet_tensorflow
-from ..setup.config import Timeouts, get_timeout, heartbeat_interval
+from ..setup.config import Timeouts, heartbeat_interval
 from ..setup.job import Job
+from ..setup.settings import GLOO_SOCKET_IFNAME, HEARTBEAT_TIMEOUT, LAUNCHED, START_TIMEOUT
 from ..step.digest import state_digest
 from ..transport import control
 from ..transport import protocol as p
@@ -121,7 +122,7 @@ def _train(
         release_free_memory()
     loop.run_joined()
     loop.uploads.flush(timeouts.recovery)  # the last checkpoint reaches the driver before Finished
-    model_state, optimizer_state = job.adapter.model_state(), loop.extras.pack(job.adapter.optimizer_state())
+    model_state, optimizer_state = job.adapter.model_state(), loop.loop_state.pack(job.adapter.optimizer_state())
     digest = state_digest({"model": model_state, "optimizer": optimizer_state})
     channel.send(p.Finished(digest, loop.next_unit))
     collective.shutdown()
@@ -155,10 +156,10 @@ def run(address: tuple[str, int], secret: bytes, worker_id: int | None, device: 
     channel.send(p.Hello(worker_id, os.getpid(), socket.gethostname()))
     inbox = Inbox(channel)
     # Until the job brings the driver's bounds, this worker's own environment sets them.
-    heartbeat = Heartbeat(channel, heartbeat_interval(get_timeout("EDT_HEARTBEAT_TIME_OUT").total_seconds()))
+    heartbeat = Heartbeat(channel, heartbeat_interval(HEARTBEAT_TIMEOUT.get()))
     collective: Collective | None = None
     try:
-        start = get_timeout("EDT_START_TIME_OUT").total_seconds()
+        start = START_TIMEOUT.get()
         if worker_id is None:
             worker_id = inbox.expect(p.Assigned, start).worker_id
         spec = inbox.expect(p.JobSpec, start)
@@ -184,15 +185,13 @@ def main(argv: list[str]) -> int:
     args = cli.resolve(parser.parse_args(argv), parser)
     # TensorFlow's C++ INFO and WARNING chatter (oneDNN, CPU features) off unless the user asks for it.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    if os.environ.get(p.LAUNCHED_ENV):
+    if LAUNCHED.get():
         die_with_parent()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver owns Ctrl-C and stops us
     logging.basicConfig(level=logging.INFO, format="[worker] %(asctime)s %(levelname)s %(name)s: %(message)s")
     # Collectives go out on the interface that routes to the driver (docs/architecture.md, "Processes").
     interface = select_interfaces(args.address[0])
-    log.info(
-        "driver %s:%d, collectives on interface %s", *args.address, os.environ.get("GLOO_SOCKET_IFNAME", interface)
-    )
+    log.info("driver %s:%d, collectives on interface %s", *args.address, GLOO_SOCKET_IFNAME.get() or interface)
     code = run(args.address, args.secret, args.worker_id, args.device)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -66,10 +66,11 @@ def environ_kept() -> Iterator[None]:
     try:
         yield
     finally:
-        for key in set(os.environ) - set(before):
+        after = dict(os.environ)  # undo key by key: what the block left alone stays untouched
+        for key in after.keys() - before.keys():
             del os.environ[key]
         for key, value in before.items():
-            if os.environ.get(key) != value:
+            if after.get(key) != value:
                 os.environ[key] = value
 
 

@@ -6,13 +6,14 @@ reported) here, in the caller. TensorFlow is imported only when a Keras model is
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 
-from ..base import Framework, FrameworkAdapter, UserObjects
+from ..base import Framework, FrameworkAdapter, TrainedModel, UserObjects
 from .names import resolve_loss, resolve_metric, resolve_optimizer
 
 
@@ -95,44 +96,17 @@ class KerasFramework(Framework):
         os.replace(tmp, path)
         return path
 
-    def onnx_requirements(self) -> tuple[str, ...]:
-        """Keras' exporter converts with tf2onnx."""
-        return ("onnx", "onnxruntime", "tf2onnx")
+    def deterministic(self, adapter: FrameworkAdapter, max_micro_batches: int) -> FrameworkAdapter:
+        """The fixed-point sum of the step's gradients and variable deltas."""
+        from .exact import ExactKerasAdapter
 
-    def write_onnx(self, model: Any, sample: Any, path: str) -> None:
-        """Keras' exporter (or tf2onnx on a tf.function), leaving the process' environment as it was."""
-        from .export import environ_kept, export_keras
+        return ExactKerasAdapter.from_adapter(adapter, max_micro_batches)
 
-        with environ_kept():
-            export_keras(model, sample, path)
+    @functools.cached_property
+    def trained(self) -> TrainedModel:
+        from .trained import KerasTrainedModel
 
-    def onnx_inputs(self, batch: Any, input_names: list[str]) -> list[Any]:
-        """A dict batch by input name, else flattened as keras.tree does."""
-        from .export import keras_inputs
-
-        return keras_inputs(batch, input_names)
-
-    def inference_outputs(self, model: Any, batch: Any) -> tuple[list[np.ndarray], list[str] | None]:
-        """``model(batch, training=False)`` flattened; a dict's names, which the file's outputs carry."""
-        from .export import keras_outputs
-
-        return keras_outputs(model, batch)
-
-    def grow_batch(self, sample: Any) -> Any:
-        """Arrays and TensorFlow tensors grown by their first row."""
-        from .export import grow_keras_batch
-
-        return grow_keras_batch(sample)
-
-    def evaluate_trained(self, adapter: FrameworkAdapter, dataset: Any, batch_size: int) -> dict[str, float]:
-        from .inference import evaluate
-
-        return evaluate(adapter, dataset, batch_size)
-
-    def predict_trained(self, adapter: FrameworkAdapter, dataset: Any, batch_size: int) -> Any:
-        from .inference import predict
-
-        return predict(adapter, dataset, batch_size)
+        return KerasTrainedModel(self)
 
     def hand_over(self, adapter: FrameworkAdapter) -> None:
         """The user's model compiled with the loss, optimizer (holding the trained state) and metrics

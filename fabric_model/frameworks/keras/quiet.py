@@ -5,7 +5,7 @@ not reach its first lines ("oneDNN custom operations are on", the CPU-feature no
 straight to file descriptor 2. :func:`quiet_tensorflow` points descriptor 2 at a temporary file
 while TensorFlow loads, then writes back every line that is not one of those notices, so a real
 error still shows. ``TF_CPP_MIN_LOG_LEVEL=0`` or ``1`` set by the user turns it off, and so does
-``train(verbose=2)`` for the workers it starts (:data:`NOTICES_ENV`).
+``train(verbose=2)`` for the workers it starts (``_FABRIC_MODEL_TF_NOTICES``, an internal setting).
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 
-#: Set (to "1") in the environment of workers that should show TensorFlow's notices.
-NOTICES_ENV = "FABRIC_MODEL_TF_NOTICES"
+from ...setup.settings import TF_LOG_LEVEL, TF_NOTICES
 
 #: Fragments of the lines TensorFlow prints on every start, whatever the model.
 START_UP_NOTICES = (
@@ -38,8 +37,8 @@ def quiet_tensorflow() -> Iterator[None]:
         with quiet_tensorflow():
             import keras
     """
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    shown = os.environ["TF_CPP_MIN_LOG_LEVEL"] in ("0", "1") or os.environ.get(NOTICES_ENV) == "1"
+    os.environ.setdefault(TF_LOG_LEVEL.name, TF_LOG_LEVEL.default)  # for TensorFlow, when it loads
+    shown = TF_LOG_LEVEL.get() in ("0", "1") or TF_NOTICES.get()
     if "tensorflow" in sys.modules or shown:
         yield
         return
@@ -64,12 +63,12 @@ def quiet_tensorflow() -> Iterator[None]:
 @contextlib.contextmanager
 def notices_for_workers(show: bool) -> Iterator[None]:
     """While the block runs, workers started by it show TensorFlow's start-up notices if ``show``
-    (``train(verbose=2)``): they read :data:`NOTICES_ENV` from the environment they inherit."""
-    if not show or NOTICES_ENV in os.environ:
+    (``train(verbose=2)``): they read ``_FABRIC_MODEL_TF_NOTICES`` from the environment they inherit."""
+    if not show or TF_NOTICES.is_set():
         yield
         return
-    os.environ[NOTICES_ENV] = "1"
+    os.environ[TF_NOTICES.name] = "1"
     try:
         yield
     finally:
-        os.environ.pop(NOTICES_ENV, None)
+        os.environ.pop(TF_NOTICES.name, None)

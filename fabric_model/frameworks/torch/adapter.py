@@ -49,7 +49,7 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         self.model = model
         self.optimizer = optimizer
         self.loss_function = loss_function
-        # metrics None: IBM's default accuracy (torch_ibm.py), dropped for outputs it cannot apply
+        # metrics None: IBM's default accuracy (frameworks/torch/ibm.py), dropped for outputs it cannot apply
         # to (drop_default_accuracy); an empty list: the loss alone, as Keras' metrics=[].
         self.default_accuracy = metrics is None and step_fn is None
         self.metrics = [accuracy] if self.default_accuracy else list(metrics or ())

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any, ClassVar
 
-import numpy as np
-
 from ...setup import checks as v
-from ...step.tree import leaves
-from ..base import Framework, FrameworkAdapter, UserObjects
+from ..base import Framework, FrameworkAdapter, TrainedModel, UserObjects
 
 
 class TorchFramework(Framework):
@@ -59,7 +57,7 @@ class TorchFramework(Framework):
             )
 
     def prepare_for_shipping(self, adapter: FrameworkAdapter, first_batch: Any) -> FrameworkAdapter:
-        """Check the model, loss and metrics on the first batch (see :mod:`..first_batch_checks`), and
+        """Check the model, loss and metrics on the first batch (see :mod:`fabric_model.setup.first_batch`), and
         keep the default accuracy only if the model's output is a classifier's."""
         import torch
 
@@ -118,38 +116,27 @@ class TorchFramework(Framework):
         os.replace(tmp, path)
         return path
 
-    def onnx_requirements(self) -> tuple[str, ...]:
-        """torch.onnx's exporter needs onnxscript."""
-        return ("onnx", "onnxruntime", "onnxscript")
+    def deterministic(self, adapter: FrameworkAdapter, max_micro_batches: int) -> FrameworkAdapter:
+        """Up to ``MAX_TERMS`` micro-batches a step and no custom step: every term gathered and
+        added in micro-batch order; otherwise the fixed-point sum. float16's loss scale could
+        overflow the exact sum: refused (bf16-mixed needs no scale)."""
+        from .adapter import TorchAdapter
+        from .exact import ExactTorchAdapter
+        from .ordered import MAX_TERMS, OrderedTorchAdapter
 
-    def write_onnx(self, model: Any, sample: Any, path: str) -> None:
-        """torch.onnx.export over torch.export, every input's first dimension one shared dynamic batch."""
-        from .export import export_torch
+        assert isinstance(adapter, TorchAdapter)
+        if adapter.grad_step.options.scales_loss:
+            raise ValueError(
+                "Expected `precision` to be '32' or 'bf16-mixed' with deterministic=True. Received: "
+                "precision='16-mixed'. HINT: float16's loss scale can overflow the exact fixed-point sum; "
+                "bf16-mixed needs no scale."
+            )
+        if adapter.step_fn is None and max_micro_batches <= MAX_TERMS:  # the run's configuration, never its size
+            return OrderedTorchAdapter.from_adapter(adapter, max_micro_batches)
+        return ExactTorchAdapter.from_adapter(adapter, max_micro_batches)
 
-        export_torch(model, sample, path)
+    @functools.cached_property
+    def trained(self) -> TrainedModel:
+        from .trained import TorchTrainedModel
 
-    def onnx_inputs(self, batch: Any, input_names: list[str]) -> list[Any]:
-        """The batch's tensors in order, dicts in insertion order (as the exporter flattened them)."""
-        return leaves(batch)
-
-    def inference_outputs(self, model: Any, batch: Any) -> tuple[list[np.ndarray], list[str] | None]:
-        """``model(*batch)`` in eval mode without autograd, flattened; the file's outputs are in the same order."""
-        from .export import torch_outputs
-
-        return torch_outputs(model, batch), None
-
-    def grow_batch(self, sample: Any) -> Any:
-        """Tensors and arrays grown by their first row."""
-        from .export import grow_torch_batch
-
-        return grow_torch_batch(sample)
-
-    def evaluate_trained(self, adapter: FrameworkAdapter, dataset: Any, batch_size: int) -> dict[str, float]:
-        from .inference import evaluate
-
-        return evaluate(adapter, dataset, batch_size)
-
-    def predict_trained(self, adapter: FrameworkAdapter, dataset: Any, batch_size: int) -> Any:
-        from .inference import predict
-
-        return predict(adapter, dataset, batch_size)
+        return TorchTrainedModel(self)

@@ -22,6 +22,8 @@ import threading
 import time
 from typing import IO, Any
 
+from fabric_model.setup.settings import JOB_STATE_DIR, LOG_DIR, RESULT_DIR, TRAINING_ID
+
 __all__ = ["EMetrics"]
 
 _FILE_NAME = "evaluation-metrics.txt"
@@ -32,11 +34,12 @@ _lock = threading.Lock()
 
 
 def _log_folder() -> str:
-    if os.environ.get("LOG_DIR"):
-        return os.environ["LOG_DIR"]
-    if os.environ.get("JOB_STATE_DIR"):  # where IBM's runtime put the logs before LOG_DIR
-        return os.path.join(os.environ["JOB_STATE_DIR"], "logs")
-    return os.path.join(os.environ.get("RESULT_DIR", "."), "logs")
+    log_dir, job_state_dir = LOG_DIR.get(), JOB_STATE_DIR.get()
+    if log_dir:
+        return log_dir
+    if job_state_dir:  # where IBM's runtime put the logs before LOG_DIR
+        return os.path.join(job_state_dir, "logs")
+    return os.path.join(RESULT_DIR.get() or ".", "logs")
 
 
 def _encode(value: Any) -> dict[str, Any]:
@@ -78,7 +81,7 @@ class EMetrics:
             key = os.path.abspath(self.f.name)
             rindex = _counts.get(key, 0)
             _counts[key] = rindex + 1
-        meta: dict[str, Any] = {"training_id": os.environ.get("TRAINING_ID"), "time": int(time.time() * 1000)}
+        meta: dict[str, Any] = {"training_id": TRAINING_ID.get(), "time": int(time.time() * 1000)}
         meta["rindex"] = rindex
         if self.subId:
             meta["subid"] = self.subId
@@ -101,7 +104,7 @@ class EMetrics:
             self.f.close()
             self.f = None
         if self.subId:
-            folder = os.environ.get("RESULT_DIR", ".")
+            folder = RESULT_DIR.get() or "."
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, "val_dict_list.json"), "w", encoding="utf-8") as out:
                 json.dump(self.test_history, out, default=str)

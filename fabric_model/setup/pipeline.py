@@ -1,0 +1,175 @@
+"""``train()``'s pipeline once its arguments are checked: size and place the run, ship the job,
+run the driver with the display around it, and hand the trained state back to the user's objects
+(docs/architecture.md, "Processes", "Start-up")."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import TYPE_CHECKING, Any
+
+from ..run.hooks import Hooks
+from ..run.result import TrainResult
+from ..run.rundir import RunDirectory
+from ..state import checkpoint
+from ..state.best import best_of, check_monitors
+from ..step.loop_state import LoopState
+from ..step.plan import Plan
+from . import checks as v
+from . import run_setup
+from .devices import place_workers
+from .job import Job
+from .run_setup import LoopOptions, serialize_job, size_run, slot_devices, train_config
+
+if TYPE_CHECKING:
+    from ..api import FabricModel
+    from ..driver.driver import DriverSetup
+    from ..frameworks.base import FrameworkAdapter
+    from ..launchers.warm_client import WarmProcess
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSizes:
+    """``train()``'s sizes, as the user gave them."""
+
+    epoch_number: int
+    batch_size: int
+    engines_number: int | None
+    effective_batch_size: int | None
+
+
+def prepare(
+    fm: FabricModel,
+    sizes: RunSizes,
+    loop: LoopOptions,
+    seed: int | None,
+    run_dir: str | os.PathLike[str] | None,
+    resume: bool,
+    ignored: dict[str, Any],
+    ray_cluster: Any = None,
+) -> tuple[DriverSetup, FrameworkAdapter, Any]:
+    """Check ``train``'s arguments and the data, size the run, draw its seed, serialize the job;
+    returns what the driver needs, the adapter and the training set."""
+    from ..driver.driver import DriverSetup
+
+    epochs, batch_size = sizes.epoch_number, sizes.batch_size
+    v.check_train_arguments(
+        epochs, batch_size, sizes.engines_number, sizes.effective_batch_size, loop, seed, resume, ignored
+    )
+    framework = fm._framework
+    if fm.save_to_onnx:
+        from ..frameworks.export import check_onnx_available
+
+        check_onnx_available(framework, fm.model)  # a missing package fails now, not after training
+    train_set, test_set = v.check_datasets(fm.datasets_function)
+    items_per_micro_batch, sizing = size_run(train_set, batch_size, sizes.engines_number, sizes.effective_batch_size)
+    engines, (sizing, gpus) = sizing.max_workers, place_workers(sizing, ray_cluster)  # engines: all slots
+    resumed = None
+    if resume:  # the run's own seed and newest checkpoint; its plan is checked below
+        resumed, seed = checkpoint.find_resume_point(run_dir, seed)
+    seed = framework.draw_seed() if seed is None else seed
+    plan = Plan(len(train_set), items_per_micro_batch, sizing.micro_batches, seed)
+    if resumed is not None:
+        checkpoint.check_resumable(
+            resumed,
+            plan=plan,
+            framework=fm.framework,
+            epochs=epochs,
+            batch_size=batch_size,
+            engines_number=sizes.engines_number,
+            effective_batch_size=sizes.effective_batch_size,
+        )
+    exact = sizing.micro_batches if loop.deterministic else None  # the micro-batches per step
+    adapter, payload = ship(fm, train_set, test_set is not None, exact)
+    setup = DriverSetup(
+        payload=payload,
+        config=train_config(epochs, batch_size, sizing, loop, gpus),
+        plan=plan,
+        has_test=test_set is not None,
+        stat_names=adapter.stat_names,
+        devices=slot_devices(sizing.max_workers, gpus),
+        threads=run_setup.worker_threads(loop.deterministic, ray_cluster, gpus, sizing.max_workers),
+        framework=fm.framework,
+        keep_checkpoints=loop.keep_checkpoints,
+        keep_best=best_of(fm.user_callbacks),
+        resume=resumed,
+        max_workers=engines,
+    )
+    return setup, adapter, train_set
+
+
+def ship(fm: FabricModel, train_set: Any, has_test: bool, exact: int | None) -> tuple[FrameworkAdapter, bytes]:
+    """The adapter (deterministic for ``exact`` micro-batches per step) and the job every worker
+    receives, cloudpickled once, after what it monitors and its first batch are checked."""
+    adapter, framework = fm._make_adapter(), fm._framework
+    if exact is not None:
+        adapter = run_setup.make_deterministic(fm.framework, adapter, exact)
+    # EarlyStopping, BestCheckpoints, ReduceLROnPlateau: each monitor must name a metric of the run.
+    check_monitors([*fm.user_callbacks, fm.lr_scheduling], adapter.stat_names, has_test)
+    adapter = framework.prepare_for_shipping(adapter, framework.first_batch(adapter, train_set))
+    hooks = Hooks.for_worker(fm.worker_logger_callback, fm.user_callbacks)
+    return adapter, serialize_job(Job(adapter, fm.datasets_function, hooks, fm.lr_scheduling))
+
+
+def run_job(
+    fm: FabricModel,
+    setup: DriverSetup,
+    adapter: FrameworkAdapter,
+    train_set: Any,
+    run: RunDirectory,
+    ray_cluster: Any,
+    display: tuple[int, bool],
+    warm: WarmProcess | None,
+) -> TrainResult:
+    """Train with the driver (workers local, forked from ``warm`` when there is one, or on
+    ``ray_cluster``), then hand the result over."""
+    from ..driver.driver import Driver  # torch.distributed is imported only once training starts
+    from ..launchers.local import local_launcher_factory
+    from ..run.display import run_with_display
+
+    launcher = (
+        ray_cluster.launcher_factory(run.worker_log)
+        if ray_cluster
+        else local_launcher_factory(run.worker_log, setup.threads, warm)
+    )
+
+    def start(hooks: Hooks) -> tuple[Driver, Any]:
+        driver = Driver(setup, run, hooks, launcher)
+        return driver, driver.run()
+
+    try:
+        (driver, final), hooks = run_with_display(fm.driver_logger_callback, setup, run, display, start)
+    except BaseException as exc:  # a worker's error: its traceback is the cause, the driver's frames noise
+        from ..errors import RemoteTraceback
+
+        if isinstance(exc.__cause__, RemoteTraceback):
+            raise exc.with_traceback(None) from exc.__cause__
+        raise
+    finally:
+        if warm is not None:
+            warm.close()
+    onnx_diff = finish(fm, final, adapter, train_set, run, hooks)
+    return TrainResult(
+        run.path, driver.train_history, driver.test_history, setup.plan.seed, driver.replica_digests, onnx_diff
+    )
+
+
+def finish(
+    fm: FabricModel, final: Any, adapter: FrameworkAdapter, train_set: Any, run: RunDirectory, hooks: Hooks
+) -> float | None:
+    """The trained state into the user's model and optimizer, the model saved (and exported)."""
+    framework = fm._framework
+    fm._trained_adapter = adapter  # evaluate() and predict() use the trained model through it
+    # The scheduler's final state into the user's, as the optimizer's (callbacks stay: a next train() starts fresh).
+    own = LoopState(adapter.stat_names, fm.lr_scheduling, []).unpack(final.optimizer_state)
+    framework.load_final_state(adapter, final.model_state, own)
+    framework.save_model(run.model, fm.model, final.model_state)
+    framework.hand_over(adapter)  # Keras: the model comes back compiled
+    if not fm.save_to_onnx:
+        return None
+    from ..frameworks.export import export_final_model
+
+    onnx_diff = export_final_model(framework, fm.model, adapter, train_set, run)
+    if onnx_diff is not None:  # the progress display shows it (a user's logger may take note() too)
+        hooks.note(f"model/model.onnx written; onnxruntime vs {fm.framework}: max abs diff {onnx_diff:.3g}")
+    return onnx_diff

@@ -1,0 +1,241 @@
+"""The driver's commit ledger (``driver/ledger.py``), driven in-process with real step reports.
+
+What a user relies on (docs/architecture.md, "Invariants", "Elasticity"): a step counts once every
+member of its generation reported it; when a generation ends, the steps below the resume unit
+count (with the plan's shares for reports that were cut off) and the others are redone; a
+rollback un-counts steps, epoch averages and validations; and a committed step whose
+micro-batches were not computed exactly once fails the run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fabric_model.driver.ledger import ExactlyOnceError, Progress, ReplicaDivergenceError
+from fabric_model.run.hooks import Hooks
+from fabric_model.run.metrics_log import MetricsLog, read_records
+from fabric_model.step.plan import Plan, Schedule
+from fabric_model.transport import protocol as p
+
+#: 40 samples, micro-batches of 4, 4 a step: steps of 16, 16 and 8 samples (4, 4 and 2 micro-batches).
+PLAN = Plan(num_samples=40, batch_size=4, micro_batches=4, seed=0)
+SCHEDULE = Schedule(PLAN, epochs=2, validation_freq=1, has_test=True)  # 4 units an epoch: 3 steps, validation
+NAMES = ["loss", "accuracy"]
+
+
+class Recorder:
+    """A driver logger: what the hooks pass on, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def record_step(self, metrics: dict[str, float], iteration: int, epoch: int, workers: int) -> None:
+        self.calls.append(("step", iteration, epoch, workers, metrics))
+
+    def log_train_metrics(self, metrics: dict[str, float], iteration: int, epoch: int, workers: int) -> None:
+        self.calls.append(("train", iteration, epoch, workers, metrics))
+
+    def log_test_metrics(self, metrics: dict[str, float], iteration: int, epoch: int) -> None:
+        self.calls.append(("test", iteration, epoch, metrics))
+
+
+class Ledger:
+    """A ``Progress`` over a real metrics log in a temporary directory and real hooks."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / "logs" / "metrics.jsonl"
+        self.log = MetricsLog(self.path)
+        self.recorder = Recorder()
+        self.progress = Progress(PLAN, SCHEDULE, NAMES, self.log, Hooks([self.recorder]))
+
+    def records(self, kind: str) -> list[dict[str, Any]]:
+        """The log's records of ``kind``, once it is closed (step records are flushed once a second)."""
+        self.log.close()
+        return [r for r in read_records(self.path) if r["type"] == kind]
+
+
+@pytest.fixture
+def ledger(tmp_path: Path):
+    ledger = Ledger(tmp_path)
+    yield ledger
+    ledger.log.close()
+
+
+def samples(step: int) -> int:
+    return PLAN.step_samples(0, step)
+
+
+def report(
+    step: int,
+    rank: int,
+    world: int,
+    *,
+    epoch: int = 0,
+    generation: int = 0,
+    micro_batches: tuple[int, ...] | None = None,
+    loss: float = 0.5,
+    accuracy: float = 0.75,
+) -> p.StepDone:
+    """Rank ``rank``'s report of a step: its plan share unless told, and the step's reduced sums."""
+    if micro_batches is None:
+        micro_batches = tuple(range(rank, PLAN.num_micro_batches(epoch, step), world))
+    n = samples(step)
+    return p.StepDone(generation, epoch, step, rank, world, micro_batches, (loss * n, accuracy * n, float(n)))
+
+
+def test_a_step_commits_once_every_member_reported_it(ledger: Ledger):
+    progress = ledger.progress
+    assert progress.step_done(report(0, 1, 2)) is None  # one of two: nothing counts yet
+    assert (progress.committed_unit, progress.iteration, ledger.recorder.calls) == (0, 0, [])
+    assert progress.step_done(report(0, 0, 2)) == 1  # the second completes it: unit 0 is committed
+    assert (progress.committed_unit, progress.iteration) == (1, 1)
+    # The short last step has 2 micro-batches: the third member of 3 computed none and still reports.
+    assert progress.step_done(report(1, 0, 2, loss=1.0)) is None
+    assert progress.step_done(report(1, 1, 2, loss=1.0)) == 2
+    for rank in range(3):
+        unit = progress.step_done(report(2, rank, 3, generation=1, loss=2.0))
+    assert unit == 3 and progress.committed_unit == 3
+
+    # The epoch's averages are weighted by samples: (16 * 0.5 + 16 * 1.0 + 8 * 2.0) / 40.
+    assert progress.train_history == [{"epoch": 0, "loss": pytest.approx(1.0), "accuracy": pytest.approx(0.75)}]
+    step, train = [c for c in ledger.recorder.calls if c[1] == 1]
+    assert step == ("step", 1, 0, 2, {"loss": 0.5, "accuracy": 0.75})
+    assert train == ("train", 1, 0, 2, {"loss": 0.5, "accuracy": 0.75})
+    records = ledger.records("train")
+    assert [(r["step"], r["iteration"], r["workers"], r["micro_batches"]) for r in records] == [
+        (0, 1, 2, {"0": [0, 2], "1": [1, 3]}),
+        (1, 2, 2, {"0": [0, 2], "1": [1, 3]}),
+        (2, 3, 3, {"0": [0], "1": [1], "2": []}),
+    ]
+    assert not any(r.get("inferred") for r in records)
+    assert records[-1]["epoch_metrics"] == {"loss": pytest.approx(1.0), "accuracy": pytest.approx(0.75)}
+
+
+def test_reports_of_the_same_step_from_two_generations_are_never_added_up(ledger: Ledger):
+    """A step a generation started but did not finish is redone by the next one, whose members
+    may divide it differently: only the new generation's reports count."""
+    progress = ledger.progress
+    assert progress.step_done(report(0, 0, 2, generation=0)) is None  # rank 1 died before reporting
+    assert progress.settle(resume_unit=0, upto_generation=0) is None  # the step will be redone
+    assert progress.step_done(report(0, 0, 1, generation=1)) == 1  # alone, all 4 micro-batches
+    assert [r["micro_batches"] for r in ledger.records("train")] == [{"0": [0, 1, 2, 3]}]
+
+
+def test_settle_commits_the_reported_steps_below_the_resume_unit_and_drops_the_rest(ledger: Ledger):
+    """Rank 1 was lost after the allreduce of step 1 (its report cut off) and rank 0 reached step 2
+    before the abort: the next generation resumes at unit 2, so step 1 counts with rank 1's plan
+    share, and step 2's lone report is dropped (the step is redone)."""
+    progress = ledger.progress
+    progress.step_done(report(0, 0, 2))
+    assert progress.step_done(report(0, 1, 2)) == 1
+    assert progress.step_done(report(1, 0, 2, loss=1.0)) is None
+    assert progress.step_done(report(2, 0, 2, loss=9.0)) is None
+
+    assert progress.settle(resume_unit=2, upto_generation=0) == 2
+    assert (progress.committed_unit, progress.iteration) == (2, 2)
+    # Step 2 is redone by the next generation (rank 0 and a newcomer): had rank 0's old report
+    # been kept, micro-batch 0 would count twice (ExactlyOnceError).
+    assert progress.step_done(report(2, 0, 2, generation=1, loss=2.0)) is None
+    assert progress.step_done(report(2, 1, 2, generation=1, loss=2.0)) == 3
+    # Settling generation 0 again leaves the reports of generation 1 alone.
+    assert progress.step_done(report(0, 0, 2, epoch=1, generation=1)) is None
+    assert progress.settle(resume_unit=6, upto_generation=0) is None
+    assert progress.step_done(report(0, 1, 2, epoch=1, generation=1)) == 5
+    assert progress.train_history == [{"epoch": 0, "loss": pytest.approx(1.0), "accuracy": pytest.approx(0.75)}]
+
+    records = ledger.records("train")
+    assert [(r["epoch"], r["step"], r["generation"], r.get("inferred", False)) for r in records] == [
+        (0, 0, 0, False),
+        (0, 1, 0, True),
+        (0, 2, 1, False),
+        (1, 0, 1, False),
+    ]
+    assert records[1]["micro_batches"] == {"0": [0, 2], "1": [1, 3]}  # rank 1's share from the plan
+    assert records[1]["metrics"] == {"loss": 1.0, "accuracy": 0.75}
+
+
+def commit_epoch_0_and_its_validation(ledger: Ledger) -> None:
+    for step, loss in enumerate((0.5, 1.0, 2.0)):
+        ledger.progress.step_done(report(step, 0, 1, loss=loss))
+    ledger.progress.eval_done(p.EvalDone(0, (3.0, 2.0, 4.0)), workers=1)
+    ledger.progress.step_done(report(0, 0, 1, epoch=1, loss=4.0))
+
+
+def test_roll_back_uncommits_the_steps_their_epoch_average_and_the_validation(ledger: Ledger):
+    """No holder of the state was left and the run went back to unit 2 (epoch 0's last step): that
+    step, the validation and epoch 1's first step are redone; the epoch's average goes on from the
+    steps that stay committed, counting the redone step once, with its new result."""
+    progress = ledger.progress
+    commit_epoch_0_and_its_validation(ledger)
+    assert (progress.committed_unit, progress.iteration) == (5, 4)
+    assert progress.train_history == [{"epoch": 0, "loss": pytest.approx(1.0), "accuracy": pytest.approx(0.75)}]
+    assert progress.test_history == [{"epoch": 0, "loss": 0.75, "accuracy": 0.5}]
+
+    progress.roll_back(2)
+    assert (progress.committed_unit, progress.iteration) == (2, 2)
+    assert progress.train_history == [] and progress.test_history == []
+
+    assert progress.step_done(report(2, 0, 2, generation=1, micro_batches=(0,), loss=0.0)) is None
+    assert progress.step_done(report(2, 1, 2, generation=1, micro_batches=(1,), loss=0.0)) == 3
+    # (16 * 0.5 + 16 * 1.0 + 8 * 0.0) / 40: the first result of step 2 (2.0) is gone.
+    assert progress.train_history == [{"epoch": 0, "loss": pytest.approx(0.6), "accuracy": pytest.approx(0.75)}]
+    progress.eval_done(p.EvalDone(0, (1.0, 3.0, 4.0)), workers=2)  # the redone validation counts again
+    assert progress.test_history == [{"epoch": 0, "loss": 0.25, "accuracy": 0.75}]
+    progress.eval_done(p.EvalDone(0, (9.0, 9.0, 4.0)), workers=2)  # the other rank's report of it does not
+    assert progress.test_history == [{"epoch": 0, "loss": 0.25, "accuracy": 0.75}]
+    assert progress.iteration == 3
+
+    # In the log, the redone step's record comes again, later (a reader keeps the later one).
+    steps = [(r["epoch"], r["step"], r["iteration"], r["metrics"]["loss"]) for r in ledger.records("train")]
+    assert steps == [(0, 0, 1, 0.5), (0, 1, 2, 1.0), (0, 2, 3, 2.0), (1, 0, 4, 4.0), (0, 2, 3, 0.0)]
+    assert [r["metrics"]["loss"] for r in ledger.records("test")] == [0.75, 0.25]
+
+
+def test_a_roll_back_to_a_new_epoch_restarts_its_average(ledger: Ledger):
+    commit_epoch_0_and_its_validation(ledger)
+    ledger.progress.roll_back(4)  # epoch 1's first step is redone; epoch 0 stays as it was
+    assert ledger.progress.iteration == 3
+    assert ledger.progress.step_done(report(0, 0, 1, epoch=1, loss=3.0)) == 5
+    assert ledger.records("train")[-1]["epoch_metrics"] == {"loss": 3.0, "accuracy": 0.75}
+    assert len(ledger.progress.train_history) == 1 and len(ledger.progress.test_history) == 1
+
+
+@pytest.mark.parametrize(
+    ("shares", "computed"),
+    [
+        pytest.param({0: (0, 2), 1: (1, 2, 3)}, r"\[0, 1, 2, 2, 3\]", id="computed twice"),
+        pytest.param({0: (0, 2), 1: (1,)}, r"\[0, 1, 2\]", id="one missing"),
+    ],
+)
+def test_a_step_whose_micro_batches_were_not_each_computed_once_fails_the_run(
+    ledger: Ledger, shares: dict[int, tuple[int, ...]], computed: str
+):
+    """Invariant 1: the step is not committed, and the error names what was computed."""
+    progress = ledger.progress
+    progress.step_done(report(0, 0, 2, micro_batches=shares[0]))
+    with pytest.raises(ExactlyOnceError, match=rf"step 0 of epoch 0: micro-batches {computed}, expected 0\.\.3"):
+        progress.step_done(report(0, 1, 2, micro_batches=shares[1]))
+    assert (progress.committed_unit, progress.iteration) == (0, 0)
+    assert ledger.records("train") == []
+
+
+def test_settling_a_report_that_overlaps_the_plan_share_of_a_lost_member_fails_the_run(ledger: Ledger):
+    """A step settled with the plan's share for a member whose report was cut off is checked too."""
+    ledger.progress.step_done(report(0, 0, 2, micro_batches=(0, 1, 2)))  # more than rank 0's share
+    with pytest.raises(ExactlyOnceError, match=r"micro-batches \[0, 1, 1, 2, 3\]"):
+        ledger.progress.settle(resume_unit=1, upto_generation=0)
+
+
+def test_replicas_that_finished_with_different_states_fail_the_run(ledger: Ledger):
+    progress = ledger.progress
+    total = SCHEDULE.total_units
+    progress.finished(0, p.Finished("aaaa", total))
+    progress.finished(1, p.Finished("bbbb", total))
+    progress.finished(2, p.Finished("cccc", total - 3))  # left before the end: not compared
+    with pytest.raises(ReplicaDivergenceError, match="different states"):
+        progress.check_replicas()
+    (end,) = ledger.records("end")
+    assert end["replica_digests"] == {"0": "aaaa", "1": "bbbb"}

@@ -15,7 +15,7 @@ Each round runs the same small MLP job twice, 2 workers, one after the other:
 From each run's ``logs/metrics.jsonl`` it prints: ``train()`` to the first committed step,
 the loss (kill or node removal) to the next committed step, and the join's pause on the
 running workers (the gap between committed steps around the join, less the median step).
-Medians [min-max] over rounds. Not a test: the figures go in notes and the README.
+Medians [min-max] over rounds. Not a test: the figures go in benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -24,10 +24,11 @@ from ..launchers.local import LocalLauncher
 from ..run.hooks import Hooks
 from ..run.metrics_log import MetricsLog
 from ..run.rundir import RunDirectory
+from ..setup import settings
 from ..setup.config import TrainConfig
 from ..state.best import BestCheckpoints, epoch_logs
 from ..state.book import StateBook
-from ..state.checkpoint import CheckpointInfo
+from ..state.checkpoint import CheckpointInfo, decode_state
 from ..state.writer import CheckpointBook
 from ..step.plan import Plan, Schedule
 from ..transport import protocol as p
@@ -35,8 +36,10 @@ from ..transport.control import ControlServer
 from ..transport.network import DEFAULT_BIND_ADDRESS, advertised_address
 from ..transport.store.server import StoreService
 from .commands import AbortGeneration, Command, Formed, Kill, Limits, RollBack, Send, Settle, Start
+from .halt import Halt
 from .ledger import Progress
-from .membership import Membership
+from .membership import Membership, WorkerState
+from .replicas import Divergence, ReplicaChecks, ReplicaDivergenceError
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,7 @@ class DriverSetup:
         max_workers: the most workers at once, hand-started ones included (engines_number);
             None: one per local slot.
         keep_best: which older checkpoints to keep by a monitored metric (a ``BestCheckpoints`` in ``user_callback``).
+        check_steps: the members compare state fingerprints every this many steps (0: only at the end).
     """
 
     payload: bytes
@@ -89,14 +93,26 @@ class DriverSetup:
     bind_address: str = DEFAULT_BIND_ADDRESS
     max_workers: int | None = None
     keep_best: BestCheckpoints | None = None
+    check_steps: int = settings.DIVERGENCE_CHECK_STEPS.default
 
 
 @dataclasses.dataclass
 class FinalState:
-    """The trained model and optimizer state, as one finished replica sent them."""
+    """The trained model and optimizer state, as one replica sent them (or, when replicas
+    diverged and none could, the newest state the driver held).
+
+    Attributes:
+        worker, unit: who sent it (-1: a saved state), with every unit below ``unit`` done.
+        divergence: set when replicas diverged: the state is handed back, then the error raised.
+        source: for a person, whose state this is ("worker 0's final state").
+    """
 
     model_state: dict[str, Any]
     optimizer_state: dict[str, Any]
+    worker: int = -1
+    unit: int = -1
+    divergence: Divergence | None = None
+    source: str = ""
 
 
 class Driver:
@@ -146,6 +162,9 @@ class Driver:
             local_slots=len(setup.devices),
         )
         self.membership = Membership(limits, self.states, self._log_tails, self.progress.committed)
+        # Replica checks (docs/architecture.md, "Replica checks"): once they differ, training halts.
+        self.replicas = ReplicaChecks(lambda generation, unit: f"{self._position(unit)} (generation {generation})")
+        self._halt: Halt | None = None
         if setup.resume is not None and history is not None:
             self.progress.start_at(setup.resume.unit, *history)
         self._launcher_factory = launcher_factory or self._local_launcher
@@ -158,6 +177,7 @@ class Driver:
             p.Ready: lambda w, m: self._execute(self.membership.ready(w, m.attempt, time.monotonic())),
             p.Heartbeat: lambda w, m: None,
             p.StepDone: self._on_step,
+            p.Fingerprint: self._on_fingerprint,
             p.EvalDone: lambda w, m: self.progress.eval_done(m, len(self.membership.members)),
             p.StateChunk: self._on_state_chunk,
             p.LeftGeneration: lambda w, m: self._execute(self.membership.left(w, m, time.monotonic())),
@@ -200,14 +220,18 @@ class Driver:
             while self._final is None:
                 self._next_event()
             self.checkpoints.close(timeouts.stop)  # the last checkpoint is on disk when train() returns
-            self.progress.check_replicas()
-            if len(self.progress.train_history) < config.epochs:  # every replica skipped to the end alike
+            final = self._final
+            if final.divergence is None:
+                final = self._final = self._check_finished_replicas(final)
+            if final.divergence is None and len(self.progress.train_history) < config.epochs:
+                # every replica skipped to the end alike
                 log.info("training stopped by a callback after epoch %d", len(self.progress.train_history))
                 self.hooks.note(f"training stopped by a callback after epoch {len(self.progress.train_history)}")
             for worker_id in self.membership.alive():
                 self._server.send(worker_id, p.Stop())
             self._launcher.wait_all(timeouts.stop)
-            self.hooks.on_train_end()
+            if final.divergence is None:  # else train() hands the state back, then raises
+                self.hooks.on_train_end()
         finally:
             self.checkpoints.close(timeouts.stop)  # a failed job's last write may serve its resume
             self._launcher.stop_all(timeouts.stop)
@@ -249,6 +273,9 @@ class Driver:
     def handle(self, worker_id: int, message: Any) -> None:
         """Route one message from ``worker_id``."""
         alive = self.membership.seen(worker_id, time.monotonic())
+        if self._halt is not None and not isinstance(message, (p.StepDone, p.EvalDone)):
+            self._while_halted(worker_id, message)  # replicas diverged: only the state asked for matters
+            return
         # A gone worker's error still counts: its exit may have been noticed before its report.
         if alive or isinstance(message, (p.WorkerFailed, p.ConnectionLost)):
             self._handlers[type(message)](worker_id, message)
@@ -256,6 +283,12 @@ class Driver:
     def tick(self) -> None:
         """Periodic checks: ended processes, then membership's own (heartbeats, deadlines...)."""
         now = time.monotonic()
+        if self._halt is not None:
+            if self._final is None and (self._halt.overdue(now) or self._halt.asked in self._launcher.exited()):
+                log.warning("worker %d sent no state; asking the next member", self._halt.asked)
+                self._ask_for_state()
+            self.checkpoints.poll()
+            return
         self.membership.placement(self._launcher.pending(), now)
         for worker_id, code in self._launcher.exited().items():
             if self._drained(worker_id, now):
@@ -284,7 +317,7 @@ class Driver:
         slot = self.membership.slot_of(worker_id)
         device = self.setup.devices[slot] if slot is not None else None
         setup = self.setup
-        spec = p.JobSpec(setup.payload, setup.config, setup.plan, device, setup.threads)
+        spec = p.JobSpec(setup.payload, setup.config, setup.plan, device, setup.threads, setup.check_steps)
         self._server.send(worker_id, spec)
 
     def _on_step(self, worker_id: int, message: p.StepDone) -> None:
@@ -303,7 +336,85 @@ class Driver:
         self.progress.finished(worker_id, message)
 
     def _on_final(self, worker_id: int, message: p.FinalState) -> None:
-        self._final = FinalState(message.model_state, message.optimizer_state)
+        self._final = FinalState(message.model_state, message.optimizer_state, worker_id, message.unit)
+
+    # -- replica checks (docs/architecture.md, "Replica checks") ---------------------------
+    def _on_fingerprint(self, worker_id: int, message: p.Fingerprint) -> None:
+        if message.generation != self.membership.generation:
+            return  # a generation already left: its members were re-formed
+        divergence = self.replicas.add(worker_id, message)
+        if divergence is not None:
+            self._halt_training(divergence)
+
+    def _halt_training(self, divergence: Divergence) -> None:
+        """Stop training: abort the generation, then ask rank 0 for its state (then rank 1...)."""
+        members = [m for m in self.membership.members if self.membership.state(m) is not WorkerState.GONE]
+        log.error(
+            "replicas diverged %s: %s; training stops, asking rank 0 (worker %d) for its state",
+            divergence.where,
+            divergence.describe(),
+            members[0],
+        )
+        self._halt = Halt(divergence, members, self.setup.config.timeouts.recovery)
+        self._execute([AbortGeneration(self.membership.generation, tuple(members))])
+        self._ask_for_state()
+
+    def _ask_for_state(self) -> None:
+        halt = self._halt
+        assert halt is not None
+        while (worker := halt.next(time.monotonic())) is not None:
+            if self.membership.state(worker) is not WorkerState.GONE and self._server.send(worker, p.SendFinalState()):
+                return
+        self._final = self._saved_state(halt.divergence)
+
+    def _while_halted(self, worker_id: int, message: Any) -> None:
+        halt = self._halt
+        assert halt is not None
+        if worker_id != halt.asked:
+            return
+        if isinstance(message, p.FinalState):
+            rank = "rank 0, " if halt.divergence.reference == worker_id else ""
+            source = f"training stopped; worker {worker_id}'s state ({rank}{self._position(message.unit)})"
+            self._final = FinalState(
+                message.model_state, message.optimizer_state, worker_id, message.unit, halt.divergence, source
+            )
+        elif isinstance(message, (p.WorkerFailed, p.ConnectionLost)):
+            log.warning("worker %d could not send its state; asking the next member", worker_id)
+            self._ask_for_state()
+
+    def _saved_state(self, divergence: Divergence) -> FinalState:
+        """No member sent its state: the newest checkpoint or snapshot the driver holds."""
+        restore = self.states.restore_point(self.progress.committed_unit)
+        if restore is None:
+            raise ReplicaDivergenceError(
+                f"replicas diverged {divergence.where}: {divergence.describe()}. No member sent its state and the "
+                "driver holds no checkpoint or snapshot: no model was written",
+                divergence,
+            )
+        state = decode_state(restore.data, self.setup.plan, restore.name)
+        source = f"training stopped; no member sent its state, so the {restore.name} ({self._position(restore.unit)})"
+        return FinalState(state["model"], state["optimizer"], -1, restore.unit, divergence, source)
+
+    def _check_finished_replicas(self, final: FinalState) -> FinalState:
+        """Invariant 4 at the end: replicas that differ hand back the state asked for (rank 0's)."""
+        try:
+            self.progress.check_replicas(final.worker)
+        except ReplicaDivergenceError as exc:
+            log.error("%s", exc)
+            divergence = exc.divergence
+            if divergence is None:  # pragma: no cover - the ledger always says what differs
+                raise
+            return dataclasses.replace(final, divergence=divergence, source=f"worker {final.worker}'s final state")
+        return final
+
+    def _position(self, unit: int) -> str:
+        """Where ``unit`` is, for a person: the last unit done below it."""
+        if unit <= 0:
+            return "at the start"
+        if unit >= self.schedule.total_units:
+            return "at the end"
+        epoch, step = self.schedule.locate(unit - 1)
+        return f"after epoch {epoch}, step {step}" if step is not None else f"after epoch {epoch}'s validation"
 
     def _on_failed(self, worker_id: int, message: p.WorkerFailed) -> None:
         exc = rebuild_exception(message.exception, message.traceback, f"worker {worker_id}")

@@ -15,10 +15,7 @@ from ..run.metrics_log import MetricsLog
 from ..step.metrics import EpochAverage, stat_means
 from ..step.plan import Plan, Schedule, assigned_micro_batches
 from ..transport import protocol as p
-
-
-class ReplicaDivergenceError(AssertionError):
-    """Replicas ended with different weights (a framework bug, or non-determinism in user code)."""
+from .replicas import Divergence, ReplicaDivergenceError, compare
 
 
 class ExactlyOnceError(AssertionError):
@@ -70,6 +67,7 @@ class Progress:
         self.train_history: list[dict[str, float]] = []
         self.test_history: list[dict[str, float]] = []
         self.replica_digests: dict[int, str] = {}
+        self.replica_fingerprints: dict[int, dict[str, int]] = {}  # per tensor, to name what differs
         self.done_units: dict[int, int] = {}  # worker id -> next_unit when it finished
         self._steps: dict[tuple[int, int, int], _StepReports] = {}
         self._average = EpochAverage(stat_names)
@@ -180,9 +178,12 @@ class Progress:
     def finished(self, worker_id: int, message: p.Finished) -> None:
         self.done_units[worker_id] = message.next_unit
         self.replica_digests[worker_id] = message.digest
+        self.replica_fingerprints[worker_id] = message.fingerprint
 
-    def check_replicas(self) -> None:
-        """Invariant 4: every replica that finished holds the same weights and optimizer state."""
+    def check_replicas(self, reference: int | None = None) -> None:
+        """Invariant 4: every replica that finished holds the same weights and optimizer state;
+        else ``ReplicaDivergenceError`` names the tensors in which each differs from
+        ``reference``'s (the replica whose state is handed back; default: the lowest id)."""
         total = self.schedule.total_units
         finished = {w: d for w, d in self.replica_digests.items() if self.done_units.get(w, -1) >= total}
         # A callback stopped every replica early (worker/loop.py, "_stopping"): the history is shorter.
@@ -190,4 +191,13 @@ class Progress:
         self.metrics.end(iteration=self.iteration, replica_digests=finished, stopped_after_epoch=stopped)
         self.replica_digests = finished
         if len(set(finished.values())) > 1:
-            raise ReplicaDivergenceError(f"replicas ended with different states: {finished}")
+            divergence = self._divergence(finished, reference)
+            raise ReplicaDivergenceError(f"replicas ended with different states: {divergence.describe()}", divergence)
+
+    def _divergence(self, digests: dict[int, str], reference: int | None) -> Divergence:
+        first = reference if reference in digests else min(digests)
+        order = [first, *sorted(w for w in digests if w != first)]
+        where = "at the end of training"
+        found = compare({w: self.replica_fingerprints.get(w, {}) for w in order}, where)
+        # Digests cover every byte; fingerprints could (rarely) agree where digests do not.
+        return found or Divergence(first, {w: [] for w in order if digests[w] != digests[first]}, where)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..step.data import Reader, is_batch_level
+from ..step.digest import state_fingerprint
 from ..step.options import StepOptions
 
 if TYPE_CHECKING:  # annotations only: importing this module must not import torch
@@ -106,6 +107,18 @@ class FrameworkAdapter(abc.ABC):
     def optimizer_state(self) -> dict[str, Any]:
         """Optimizer state (moments, step counts), as CPU objects."""
 
+    def state_fingerprint(self) -> dict[str, int]:
+        """One integer per tensor of the model state (buffers included) and the optimizer state,
+        keyed ``"model/<name>"`` and ``"optimizer/<path>"`` (:func:`~fabric_model.step.digest.state_fingerprint`):
+        replicas compare these every few steps (docs/architecture.md, "Replica checks").
+
+        This default reads ``model_state()`` and ``optimizer_state()``, which copy every tensor;
+        an adapter that can reach its live tensors may fingerprint those instead, with the same keys."""
+        return {
+            **state_fingerprint(self.model_state(), "model"),
+            **state_fingerprint(self.optimizer_state(), "optimizer"),
+        }
+
 
 @dataclasses.dataclass(frozen=True)
 class UserObjects:
@@ -173,8 +186,8 @@ class Framework(abc.ABC):
         except Exception as exc:
             raise TypeError(
                 f"Could not make a batch from the first training sample: {exc}. Expected samples to be "
-                "(input, target) tuples or dicts with a 'target' or 'label' key, of tensors, numpy arrays or numbers "
-                "(or pass `fn_batch_collate` returning (inputs, target))."
+                "(input, target) tuples or dicts with a 'target', 'label' or 'labels' key, of tensors, numpy arrays "
+                "or numbers (or pass `fn_batch_collate` returning (inputs, target))."
             ) from exc
         return batch
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..run.hooks import Hooks
@@ -16,7 +17,7 @@ from ..state.best import best_of, check_monitors
 from ..step.loop_state import LoopState
 from ..step.plan import Plan
 from . import checks as v
-from . import run_setup
+from . import run_setup, settings
 from .devices import place_workers
 from .job import Job
 from .run_setup import LoopOptions, serialize_job, size_run, slot_devices, train_config
@@ -94,6 +95,7 @@ def prepare(
         keep_best=best_of(fm.user_callbacks),
         resume=resumed,
         max_workers=engines,
+        check_steps=settings.DIVERGENCE_CHECK_STEPS.get(),  # read here: every worker compares at the same steps
     )
     return setup, adapter, train_set
 
@@ -148,28 +150,54 @@ def run_job(
     finally:
         if warm is not None:
             warm.close()
-    onnx_diff = finish(fm, final, adapter, train_set, run, hooks)
+    path, onnx_diff = finish(fm, final, adapter, train_set, run, hooks)
+    if final.divergence is not None:
+        fm.run_dir = run.path  # download() zips the model written
+        raise diverged(final, path)
     return TrainResult(
         run.path, driver.train_history, driver.test_history, setup.plan.seed, driver.replica_digests, onnx_diff
     )
 
 
+def diverged(final: Any, path: Path) -> Exception:
+    """The error of a run whose replicas diverged, once the state handed back is written and loaded."""
+    from ..driver.replicas import ReplicaDivergenceError
+
+    divergence = final.divergence
+    return ReplicaDivergenceError(
+        f"replicas diverged {divergence.where}: {divergence.describe()}. {final.source[:1].upper()}{final.source[1:]} "
+        f"was written to {path} and loaded into the model. Replicas differ when code changes weights, buffers or "
+        "optimizer state differently on each worker: a forward that assigns a buffer a new tensor, a callback or "
+        "hook that acts on some workers, randomness not drawn from the step's seed. "
+        'See docs/architecture.md, "Replica checks"; FABRIC_MODEL_DIVERGENCE_CHECK_STEPS sets how often replicas '
+        "are compared",
+        divergence,
+        str(path),
+    )
+
+
 def finish(
-    fm: FabricModel, final: Any, adapter: FrameworkAdapter, train_set: Any, run: RunDirectory, hooks: Hooks
-) -> float | None:
-    """The trained state into the user's model and optimizer, the model saved (and exported)."""
+    fm: FabricModel,
+    final: Any,
+    adapter: FrameworkAdapter,
+    train_set: Any,
+    run: RunDirectory,
+    hooks: Hooks,
+) -> tuple[Path, float | None]:
+    """The trained state into the user's model and optimizer, the model saved (and exported, unless
+    the replicas diverged); returns the model's path and the ONNX comparison."""
     framework = fm._framework
     fm._trained_adapter = adapter  # evaluate() and predict() use the trained model through it
     # The scheduler's final state into the user's, as the optimizer's (callbacks stay: a next train() starts fresh).
     own = LoopState(adapter.stat_names, fm.lr_scheduling, []).unpack(final.optimizer_state)
     framework.load_final_state(adapter, final.model_state, own)
-    framework.save_model(run.model, fm.model, final.model_state)
+    path = framework.save_model(run.model, fm.model, final.model_state)
     framework.hand_over(adapter)  # Keras: the model comes back compiled
-    if not fm.save_to_onnx:
-        return None
+    if not fm.save_to_onnx or final.divergence is not None:
+        return path, None
     from ..frameworks.export import export_final_model
 
     onnx_diff = export_final_model(framework, fm.model, adapter, train_set, run)
     if onnx_diff is not None:  # the progress display shows it (a user's logger may take note() too)
         hooks.note(f"model/model.onnx written; onnxruntime vs {fm.framework}: max abs diff {onnx_diff:.3g}")
-    return onnx_diff
+    return path, onnx_diff

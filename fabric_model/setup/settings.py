@@ -306,6 +306,16 @@ SNAPSHOT_SHARE: Setting[float] = declare(
         "The steps' rule waits while snapshots would take more than this share of the time (`0`: never waits).",
     )
 )
+DIVERGENCE_CHECK_STEPS: Setting[int] = declare(
+    Setting(
+        "FABRIC_MODEL_DIVERGENCE_CHECK_STEPS",
+        50,
+        _whole,
+        "a whole number of steps, 0 or more",
+        "Replicas compare per-tensor fingerprints of their state every N steps and after each epoch's last step; "
+        "a difference ends training with rank 0's state written (`0`: only at the end of training).",
+    )
+)
 BIND_ADDRESS: Setting[str | None] = declare(
     Setting(
         "FABRIC_MODEL_BIND_ADDRESS",

@@ -13,6 +13,7 @@ A worker's life in messages::
     Ready ------------------------->                 (set up: job, datasets, device)
           <------------------------- EnterGeneration (rank, world size, where to resume)
     StepDone / EvalDone / Heartbeat / StateChunk ...
+    Fingerprint ------------------->                 (every N steps, in a generation of several)
           <------------------------- JoinPending     (vote to switch after a step)
           <------------------------- Abort           (a member was lost: give up collectives)
     LeftGeneration ---------------->                 (how far it got), then EnterGeneration again
@@ -21,6 +22,10 @@ A worker's life in messages::
     FinalState -------------------->
           <------------------------- Stop
     WorkerFailed (at any time: an exception, with its traceback)
+
+Replicas that diverged (their fingerprints differ) end training early: the driver sends the
+members ``Abort`` and rank 0 ``SendFinalState``, which rank 0 answers with ``FinalState`` in
+place of entering a next generation; then ``Stop``.
 
 A second connection, opened with ``StoreOpen``, carries the rendezvous store's frames
 (:mod:`fabric_model.transport.store.wire`), not these messages.
@@ -82,6 +87,19 @@ class StepDone:
 
 
 @dataclasses.dataclass(frozen=True)
+class Fingerprint:
+    """Rank ``rank`` of ``world_size`` holds a state whose tensors fingerprint to ``tensors``
+    (name -> :func:`~fabric_model.step.digest.tensor_fingerprint`) with every unit below
+    ``unit`` done; the driver compares the members' (docs/architecture.md, "Replica checks")."""
+
+    generation: int
+    unit: int
+    rank: int
+    world_size: int
+    tensors: dict[str, int] = dataclasses.field(repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
 class Batch:
     """Messages sent in one frame, in order: a worker's step reports of fast steps, held back
     briefly so that the driver is woken once for several (``Channel.send_soon``)."""
@@ -99,18 +117,22 @@ class EvalDone:
 
 @dataclasses.dataclass(frozen=True)
 class Finished:
-    """The schedule is done; ``digest`` fingerprints the replica's weights and optimizer state."""
+    """The schedule is done; ``digest`` (a SHA-256) and ``fingerprint`` (per tensor, to name
+    what differs) fingerprint the replica's weights and optimizer state."""
 
     digest: str
     next_unit: int
+    fingerprint: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
 class FinalState:
-    """The trained state, sent by the one finished worker the driver asks."""
+    """The trained state, sent by the one worker the driver asks (a finished one; rank 0 when
+    replicas diverged), with every unit below ``unit`` done."""
 
     model_state: dict[str, Any]
     optimizer_state: dict[str, Any]
+    unit: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,13 +157,15 @@ class Assigned:
 class JobSpec:
     """The job: the cloudpickled :class:`~fabric_model.setup.job.Job`, its configuration (timeouts
     included, resolved once in the caller) and plan, device and threads. The rendezvous store
-    is at the address the worker reached the driver at (a :class:`StoreOpen` connection)."""
+    is at the address the worker reached the driver at (a :class:`StoreOpen` connection).
+    ``check_steps``: members send a :class:`Fingerprint` every this many steps (0: never)."""
 
     payload: bytes
     config: Any  # fabric_model.setup.config.TrainConfig
     plan: Any  # fabric_model.step.plan.Plan
     device: str | None
     threads: int
+    check_steps: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +213,8 @@ class Abort:
 
 @dataclasses.dataclass(frozen=True)
 class SendFinalState:
-    """Send :class:`FinalState`."""
+    """Send :class:`FinalState`: at the end, or, while training, in place of entering a next
+    generation (replicas diverged: training ends with rank 0's state)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +259,6 @@ class StoreOpen:
 
 
 WorkerMessage = (
-    Hello | Ready | LeftGeneration | Heartbeat | StepDone | EvalDone | Finished | FinalState | WorkerFailed
-) | StateChunk
+    Hello | Ready | LeftGeneration | Heartbeat | StepDone | Fingerprint | EvalDone | Finished | FinalState
+) | (WorkerFailed | StateChunk)
 DriverMessage = Assigned | JobSpec | EnterGeneration | JoinPending | Abort | SendFinalState | Stop

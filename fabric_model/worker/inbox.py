@@ -30,6 +30,11 @@ REFUSED_EXIT, LOST_EXIT = 4, 3
 REPORT_WITHIN = 0.025
 
 
+class TrainingHalted(Exception):
+    """The driver asked for this worker's state before the schedule's end, in place of a next
+    generation: replicas diverged (docs/architecture.md, "Replica checks")."""
+
+
 def _exit(code: int, reason: str) -> None:
     """End the process now, saying why on its console (a hand-started worker's user reads it)."""
     if reason:
@@ -66,11 +71,15 @@ class Inbox:
             _exit(LOST_EXIT, f"lost the connection to the driver ({type(exc).__name__}); nothing left to train for")
 
     def expect(self, kind: type[M], timeout: float) -> M:
-        """The driver's next queued message, which must be a ``kind``; ``TimeoutError`` after ``timeout`` s."""
+        """The driver's next queued message, which must be a ``kind``; ``TimeoutError`` after ``timeout`` s.
+        A :class:`~fabric_model.transport.protocol.SendFinalState` where another message was
+        expected raises :class:`TrainingHalted`."""
         try:
             message = self._messages.get(timeout=timeout)
         except queue.Empty:
             raise TimeoutError(f"no {kind.__name__} message from the driver within {timeout:.0f} s") from None
+        if isinstance(message, p.SendFinalState) and kind is not p.SendFinalState:
+            raise TrainingHalted()
         if not isinstance(message, kind):
             raise RuntimeError(f"expected {kind.__name__} from the driver, received {type(message).__name__}")
         return message

@@ -37,6 +37,7 @@ from ..step.data import (
     own_shuffle,
     reads_at_once,
 )
+from ..step.digest import check_due, state_fingerprint
 from ..step.loop_state import LoopState
 from ..step.metrics import stat_means
 from ..step.plan import Plan, Schedule, assigned_micro_batches, epoch_permutation, eval_batches, micro_batch_seed
@@ -61,8 +62,10 @@ class TrainingLoop:
         collective: Collective,
         datasets: tuple[Any, Any],
         context: WorkerContext,
+        check_steps: int = 0,
     ) -> None:
         self.job, self.config, self.plan = job, config, plan
+        self.check_steps = check_steps  # replicas compare fingerprints every this many steps (0: never)
         self.adapter = job.adapter
         self.channel, self.inbox, self.collective = channel, inbox, collective
         self.train_set, self.test_set = datasets
@@ -86,7 +89,9 @@ class TrainingLoop:
 
     # -- generations ----------------------------------------------------------------------
     def run_joined(self) -> None:
-        """Train from the position of the generation entered (``enter``) to the schedule's end."""
+        """Train from the position of the generation entered (``enter``) to the schedule's end.
+        Raises :class:`~fabric_model.worker.inbox.TrainingHalted` when the driver asks for the
+        state in place of a next generation (replicas diverged)."""
         self.hooks.on_train_begin()
         while True:
             try:
@@ -154,6 +159,23 @@ class TrainingLoop:
     def _state(self) -> dict[str, Any]:
         return {"model": self.adapter.model_state(), "optimizer": self.loop_state.pack(self.adapter.optimizer_state())}
 
+    def fingerprint(self) -> dict[str, int]:
+        """Per tensor, a fingerprint of this replica's state: the model's, the optimizer's and the loop's."""
+        return {**self.adapter.state_fingerprint(), **state_fingerprint(self.loop_state.state(), "loop")}
+
+    def _send_fingerprint(self, step: int) -> None:
+        """Every ``check_steps`` steps and after each epoch's last, each member of a generation of
+        several sends its state's fingerprint; the driver compares them (docs/architecture.md,
+        "Replica checks"). Only then: it reads every tensor once."""
+        collective = self.collective
+        last_of_epoch = step == self.plan.steps_per_epoch - 1
+        if collective.world_size < 2 or not check_due(self.context.global_step, last_of_epoch, self.check_steps):
+            return
+        message = p.Fingerprint(
+            collective.generation, self.next_unit, collective.rank, collective.world_size, self.fingerprint()
+        )
+        self.channel.send(message)
+
     def _upload_if_due(self) -> None:
         """Rank 0 uploads the checkpoint or snapshot due before ``next_unit`` (all replicas are identical)."""
         kind = self.uploads.kind_due(self.next_unit, self.collective.rank)
@@ -182,6 +204,7 @@ class TrainingLoop:
                 switch = self._step(epoch, step, batches)
                 self.next_unit += 1
                 self.hooks.on_batch_end(step)
+                self._send_fingerprint(step)
                 if switch or self._stopping():
                     return
         finally:

@@ -37,7 +37,7 @@ from ..transport.network import select_interfaces
 from ..transport.store.client import RemoteStore
 from . import cli
 from .allocator import keep_freed_memory, release_free_memory
-from .inbox import Heartbeat, Inbox
+from .inbox import Heartbeat, Inbox, TrainingHalted
 from .loop import TrainingLoop
 from .native import die_with_parent
 
@@ -115,19 +115,24 @@ def _train(
     collective = job.hooks.wrap_collective(
         Collective(store, config.backend, timedelta(seconds=timeouts.collective), device, inbox.aborted)
     )
-    loop = TrainingLoop(job, config, plan, channel, inbox, collective, datasets, context)
+    loop = TrainingLoop(job, config, plan, channel, inbox, collective, datasets, context, spec.check_steps)
     if not _join(loop, inbox, channel, timeouts):
         return collective
     if config.keep_freed_memory:  # what set-up and the pull freed, not the steps' memory
         release_free_memory()
-    loop.run_joined()
-    loop.uploads.flush(timeouts.recovery)  # the last checkpoint reaches the driver before Finished
-    model_state, optimizer_state = job.adapter.model_state(), loop.loop_state.pack(job.adapter.optimizer_state())
-    digest = state_digest({"model": model_state, "optimizer": optimizer_state})
-    channel.send(p.Finished(digest, loop.next_unit))
-    collective.shutdown()
-    inbox.expect(p.SendFinalState, timeouts.recovery)
-    channel.send(p.FinalState(model_state, optimizer_state))
+    try:
+        loop.run_joined()
+    except TrainingHalted:  # replicas diverged: the driver hands the user this worker's state
+        log.error("the driver ended training at unit %d (replicas diverged); sending this state", loop.next_unit)
+        model_state, optimizer_state = job.adapter.model_state(), loop.loop_state.pack(job.adapter.optimizer_state())
+    else:
+        loop.uploads.flush(timeouts.recovery)  # the last checkpoint reaches the driver before Finished
+        model_state, optimizer_state = job.adapter.model_state(), loop.loop_state.pack(job.adapter.optimizer_state())
+        digest = state_digest({"model": model_state, "optimizer": optimizer_state})
+        channel.send(p.Finished(digest, loop.next_unit, loop.fingerprint()))
+        collective.shutdown()
+        inbox.expect(p.SendFinalState, timeouts.recovery)
+    channel.send(p.FinalState(model_state, optimizer_state, loop.next_unit))
     inbox.expect(p.Stop, timeouts.stop)  # the inbox exits the process on Stop
     return collective
 

@@ -1,0 +1,43 @@
+"""Ending training because replicas diverged, with a state for the user (docs/architecture.md,
+"Replica checks").
+
+Once the replicas' fingerprints differ, training stops: every member is sent ``Abort``, and the
+members are asked for their state one at a time, in rank order (rank 0 first), until one sends
+it. A member answers in place of entering a next generation, or at once if it had finished.
+Membership no longer acts: no new generation, no replacement. Pure: the driver does the sending.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .replicas import Divergence
+
+
+@dataclasses.dataclass
+class Halt:
+    """Who is asked for the state to hand back, and since when.
+
+    Attributes:
+        divergence: what differed.
+        candidates: the members still to ask, rank 0 first.
+        patience: seconds a member has to send its state before the next is asked.
+    """
+
+    divergence: Divergence
+    candidates: list[int]
+    patience: float
+    asked: int = -1
+    since: float = 0.0
+
+    def next(self, now: float) -> int | None:
+        """The next member to ask (it is asked from ``now``); None when none is left."""
+        if not self.candidates:
+            self.asked = -1
+            return None
+        self.asked, self.since = self.candidates.pop(0), now
+        return self.asked
+
+    def overdue(self, now: float) -> bool:
+        """The member asked has not answered within ``patience``."""
+        return self.asked >= 0 and now - self.since > self.patience

@@ -44,10 +44,14 @@ class FabricModel(InferenceMixin):
             optimizer and metrics": names are accepted for a Keras loss, optimizer and metrics).
         datasets_function: a function returning ``(train_dataset, test_dataset)``: map-style
             datasets (``__len__`` and ``__getitem__``) whose samples are ``(input, target)``
-            tuples or dicts with a ``target``/``label`` key; ``test_dataset`` may be None.
+            tuples or dicts with a ``target``/``label``/``labels`` key; ``test_dataset`` may be None.
+            torch calls the model as its forward takes a sample (a dict by keyword,
+            ``model(**inputs)``: docs/training.md, "Inputs and outputs").
             It is called once in the caller (to check it) and once in each worker.
-        loss_function: torch: ``loss(output, target)`` returning the batch-mean loss. Keras: a
-            ``keras.losses`` instance, a loss name, or ``loss(y_true, y_pred)`` (Keras' order).
+        loss_function: torch: ``loss(output, target)`` returning the batch-mean loss, the output as
+            the model returned it; None: the model computes its loss (``output.loss``, as Hugging
+            Face models do when the batch holds ``labels``). Keras: a ``keras.losses`` instance, a
+            loss name, or ``loss(y_true, y_pred)`` (Keras' order).
         optimizer: an optimizer over ``model``'s parameters (Keras: an instance or a name).
         metrics: torch: callables ``metric(output, target)`` returning a batch mean. Keras:
             names ("accuracy"), ``keras.metrics.Metric`` instances or ``metric(y_true, y_pred)``.
@@ -98,8 +102,9 @@ class FabricModel(InferenceMixin):
     ) -> None:
         # IBM's keyword names are aliases of ours (compat.pick); `get_datasets` is this package's old name.
         datasets_function = compat.pick("datasets_function", datasets_function, "get_datasets", get_datasets)
-        # Defaults exist only so `get_datasets=` can stand in for the second parameter; all three are required.
-        v.require(datasets_function=datasets_function, loss_function=loss_function, optimizer=optimizer)
+        # Defaults exist only so `get_datasets=` can stand in for the second parameter; both are required.
+        # loss_function=None is the framework's to judge (torch: the model computes its loss).
+        v.require(datasets_function=datasets_function, optimizer=optimizer)
         driver_logger_callback = compat.pick(
             "driver_logger_callback", driver_logger_callback, "driver_logger", driver_logger
         )

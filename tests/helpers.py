@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -149,3 +152,11 @@ def fresh_model_and_optimizer(seed: int = 0, lr: float = 0.1, momentum: float = 
 
 
 __all__ = ["np"]
+
+
+def need(module: str) -> Any:
+    """The optional package ``module``, or a skip without it, except where the test environment
+    promises them all (tox sets FABRIC_MODEL_TEST_ALL_EXTRAS): there a missing package fails."""
+    if os.environ.get("FABRIC_MODEL_TEST_ALL_EXTRAS"):
+        return importlib.import_module(module)
+    return pytest.importorskip(module)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from .helpers import need
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 MAX_README_LINES = 200
@@ -203,11 +205,8 @@ def readme_example() -> tuple[str, str]:
     return code.group(1), output.group(1).strip().splitlines()[-1]
 
 
-@pytest.mark.processes
-def test_readme_example_runs_as_pasted(tmp_path):
-    code, key_line = readme_example()
-    number = re.fullmatch(r"test accuracy (\d\.\d+)", key_line)
-    assert number, f"the README's example output should end with its test accuracy, not {key_line!r}"
+def run_example(code: str, tmp_path: Path) -> str:
+    """``code`` run as a script in a fresh interpreter (its run directory in ``tmp_path``); its last line."""
     script = tmp_path / "example.py"
     script.write_text(code, encoding="utf-8")
     env = {**os.environ, "RESULT_DIR": str(tmp_path / "run")}  # not ./fabric_runs of the repository
@@ -215,7 +214,33 @@ def test_readme_example_runs_as_pasted(tmp_path):
         [sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=EXAMPLE_TIMEOUT
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    last = done.stdout.strip().splitlines()[-1]
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.processes
+def test_readme_hugging_face_example_runs_as_pasted(tmp_path):
+    """The README's second example, a GPT-2 on its own loss, prints the losses the README says it ends with."""
+    need("transformers")
+    text = README.read_text(encoding="utf-8")
+    blocks = re.findall(r"^```python\n(.*?)^```$", text, re.S | re.M)
+    assert len(blocks) >= 2 and "transformers" in blocks[1], "README.md shows no Hugging Face example"
+    said = re.search(r"It ends with `loss (\d+\.\d+) -> (\d+\.\d+)`", text)
+    assert said, "the README should say what the Hugging Face example prints"
+    last = run_example(blocks[1], tmp_path)
+    printed = re.fullmatch(r"loss (\d+\.\d+) -> (\d+\.\d+)", last)
+    assert printed, f"the example printed {last!r}"
+    first, final = float(printed.group(1)), float(printed.group(2))
+    assert final < first
+    # Seeded: the figures repeat on one platform; another CPU may round differently.
+    assert abs(first - float(said.group(1))) <= 0.05 and abs(final - float(said.group(2))) <= 0.05, (last, said[0])
+
+
+@pytest.mark.processes
+def test_readme_example_runs_as_pasted(tmp_path):
+    code, key_line = readme_example()
+    number = re.fullmatch(r"test accuracy (\d\.\d+)", key_line)
+    assert number, f"the README's example output should end with its test accuracy, not {key_line!r}"
+    last = run_example(code, tmp_path)
     printed = re.fullmatch(r"test accuracy (\d\.\d+)", last)
     assert printed, f"the example printed {last!r}; the README says {key_line!r}"
     # Seeded, so the figure repeats on one platform; another CPU may round one sample differently.

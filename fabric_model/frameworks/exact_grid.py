@@ -65,3 +65,10 @@ class ExactGrid:
         if self._exact is not None:
             state[EXPONENTS_KEY] = self._exact.exponents.clone()
         return state
+
+    def _live_optimizer_state(self) -> dict[str, Any]:
+        """The torch adapter's live optimizer state (for its replica fingerprint), with the grid."""
+        state: dict[str, Any] = super()._live_optimizer_state()  # type: ignore[misc]
+        if self._exact is not None:
+            state[EXPONENTS_KEY] = self._exact.exponents
+        return state

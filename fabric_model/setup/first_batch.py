@@ -13,13 +13,8 @@ from typing import Any
 
 import torch
 
-
-def _describe(x: Any) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
-    if isinstance(x, (tuple, list)):
-        return f"{type(x).__name__} of [{', '.join(_describe(i) for i in x)}]"
-    return f"{type(x).__name__}"
+from ..frameworks.torch.calling import ModelCall
+from ..frameworks.torch.calling import describe as _describe
 
 
 def check_loss_object(loss_function: Any) -> None:
@@ -56,7 +51,7 @@ def _scalar_or_raise(value: Any, what: str, output: Any, target: Any, hint: str)
     return tensor
 
 
-def _call_loss(loss_function: Any, output: Any, target: Any) -> Any:
+def _call_loss(loss_function: Any, model_computes: bool, output: Any, target: Any) -> Any:
     """The loss on the first batch; its error, or torch's broadcasting warning, names the argument."""
     shapes = f"model output: {_describe(output)}; target: {_describe(target)}"
     with warnings.catch_warnings(record=True) as caught:
@@ -64,6 +59,8 @@ def _call_loss(loss_function: Any, output: Any, target: Any) -> Any:
         try:
             loss = loss_function(output, target)
         except Exception as exc:
+            if model_computes:  # calling.model_loss's own message names the argument and the fix
+                raise
             float_labels = isinstance(target, torch.Tensor) and target.is_floating_point() and "Long" in str(exc)
             hint = (
                 "class-index targets must be integers: make the labels torch.long in the dataset or fn_batch_collate."
@@ -83,13 +80,13 @@ def _call_loss(loss_function: Any, output: Any, target: Any) -> Any:
     return loss
 
 
-def forward_first_batch(model: torch.nn.Module, inputs: Any) -> Any:
-    """One forward pass (eval mode, no autograd); a failure names ``model``."""
+def forward_first_batch(model: torch.nn.Module, call: ModelCall, inputs: Any) -> Any:
+    """One forward pass (eval mode, no autograd), called as training calls it; a failure names ``model``."""
     was_training = model.training
     model.eval()  # no BatchNorm statistics updated, no dropout
     try:
         with torch.no_grad():
-            output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+            output = call(model, inputs)
     except Exception as exc:
         raise ValueError(
             f"`model` failed on the first training batch (input: {_describe(inputs)}): {type(exc).__name__}: {exc}"
@@ -99,10 +96,13 @@ def forward_first_batch(model: torch.nn.Module, inputs: Any) -> Any:
     return output
 
 
-def check_loss_and_metrics(loss_function: Any, metrics: list[Any], output: Any, target: Any) -> None:
-    """The loss is a finite scalar and every metric a scalar on the first batch's output."""
+def check_loss_and_metrics(
+    loss_function: Any, model_computes: bool, metrics: list[Any], output: Any, target: Any
+) -> None:
+    """The loss is a finite scalar and every metric a scalar on the first batch's output
+    (``model_computes``: ``loss_function`` reads the loss the model computed, ``loss_function=None``)."""
     with torch.no_grad():
-        loss = _call_loss(loss_function, output, target)
+        loss = _call_loss(loss_function, model_computes, output, target)
     hint = "use reduction='mean' (the default); fabric_model weights each micro-batch's mean by its samples."
     value = _scalar_or_raise(loss, "loss_function", output, target, hint)
     if not torch.isfinite(value):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -11,17 +12,19 @@ import torch
 from torch.utils.data import default_collate
 
 from ...step.data import Reader
+from ...step.digest import state_fingerprint
 from ...step.layout import StepLayout, StepResult
 from ...step.options import StepOptions
 from ...step.tree import map_tree
 from ..base import FrameworkAdapter, metric_name
-from .batches import cpu_copy, scalar, split_batch, to_device
+from .batches import cpu_copy, scalar, to_device
+from .calling import ModelCall, detached
 from .evaluation import TorchEvaluation
 from .gather import tensor_reader
 from .ibm import Eva, accuracy, forbidden_step
 from .precision import GradientStep
 
-LossFn = Callable[[Any, Any], torch.Tensor]
+LossFn = Callable[[Any, Any], torch.Tensor] | None  # None: the model computes its loss (calling.model_loss)
 MetricFn = Callable[[Any, Any], Any]
 
 
@@ -49,6 +52,7 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         self.model = model
         self.optimizer = optimizer
         self.loss_function = loss_function
+        self.call = ModelCall.of(model, target_required=loss_function is not None)  # how batches reach forward
         # metrics None: IBM's default accuracy (frameworks/torch/ibm.py), dropped for outputs it cannot apply
         # to (drop_default_accuracy); an empty list: the loss alone, as Keras' metrics=[].
         self.default_accuracy = metrics is None and step_fn is None
@@ -97,8 +101,39 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         importlib.import_module("torch._dynamo")
 
         self._params = [p for p in self.model.parameters() if p.requires_grad]
-        self._buffers = list(self.model.buffers())
+        self._track_buffers()
         self._allocate()
+
+    def _track_buffers(self) -> None:
+        """Each buffer by its slot (module, name), not by its tensor: a forward may assign a new
+        tensor to it (``self.mean = 0.9 * self.mean + ...``). The tensor found at set-up stays the
+        buffer's own (``self._buffers``); after each step the slot holds it again, with the step's value."""
+        slots: list[tuple[torch.nn.Module, str]] = []
+        own: list[torch.Tensor] = []
+        seen: set[int] = set()
+        for module in self.model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and id(buffer) not in seen:  # a shared buffer: once
+                    seen.add(id(buffer))
+                    slots.append((module, name))
+                    own.append(buffer)
+        self._buffer_slots = slots
+        self._buffers = own
+        # Float buffers (running statistics) take the step's sample-weighted mean of their
+        # micro-batches' changes; integer ones (counters) the sum, as a plain accumulation loop
+        # counts them (README, "What a step means").
+        self._buffer_averaged = [b.is_floating_point() or b.is_complex() for b in self._buffers]
+
+    def _restore_buffers(self, values: list[torch.Tensor]) -> None:
+        """Every buffer slot holds its own tensor again, set to ``values``."""
+        for (module, name), own, value in zip(self._buffer_slots, self._buffers, values):
+            if module._buffers[name] is not own:  # the forward assigned a new tensor
+                module._buffers[name] = own
+            own.copy_(value)
+
+    def _live_buffers(self) -> list[torch.Tensor]:
+        """What the forward left in each buffer slot (its own tensor, or one it assigned)."""
+        return [module._buffers[name] for module, name in self._buffer_slots]  # type: ignore[misc]
 
     #: Gradient bucket size, in float32 elements (4 MiB), for overlapping the allreduce with
     #: backward: big enough that per-operation overhead stays small, small enough that the
@@ -222,19 +257,18 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         self._py_sums = [np.float32(0.0)] * (self._layout.n_stats + 1) if self._direct and self._on_cpu else None
         for p, view in zip(self._params, self._grad_views):
             p.grad = None if self._direct else view
-        self._buf_start = [b.detach().clone() for b in self._buffers]
+        self._buf_start = [b.detach().clone() for b in self._live_buffers()]
         self._in_step = True
 
     def train_micro_batch(self, batch: Any, num_samples: int, step_samples: int, seed: int, last: bool = False) -> None:
-        weight = num_samples / step_samples
-        inputs, target = split_batch(to_device(batch, self.device))
+        share = weight = num_samples / step_samples
+        inputs, target = self.call.split(to_device(batch, self.device))
         # Forward-updated buffers (BatchNorm statistics) start every micro-batch from the
         # step's values, so the result does not depend on how micro-batches are divided.
-        for b, start in zip(self._buffers, self._buf_start):
-            b.copy_(start)
+        self._restore_buffers(self._buf_start)
         self._seed(seed)
         if self.step_fn is not None:
-            self._custom_micro_batch(inputs, target, weight, num_samples)
+            self._custom_micro_batch(inputs, target, share, num_samples)
             return
         if self.grad_step.mixed:
             with self.grad_step.autocast(self.device):
@@ -255,22 +289,29 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         n = num_samples
         # No torch.no_grad() here or in finish_step: every operand is detached or a buffer, so
         # nothing is recorded, and entering the context costs ~20 us after a backward.
-        self._add_buffer_deltas(weight)
-        output = output.detach()
+        self._add_buffer_deltas(share)  # unscaled: the loss scale is the gradients' only
+        output = detached(output)
         if self._py_sums is not None:
             self._add_stats_in_python(loss, output, target, n)
             return
         values = [loss.detach().float()]
-        values += [
-            torch.as_tensor(metric(output, target), dtype=torch.float32, device=self.device) for metric in self.metrics
-        ]
+        if self.metrics:
+            values += self._metric_values(output, target)
         values.append(self._one)
         # Multiply, then add, as value by value before: the same two roundings per sum.
         self._stats_and_count += torch.stack(values) * n
 
     def _forward(self, inputs: Any, target: Any) -> tuple[Any, torch.Tensor]:
-        output = self.model(*inputs) if isinstance(inputs, tuple) else self.model(inputs)
-        return output, self.loss_function(output, target)
+        output = self.call(self.model, inputs)
+        return output, self.compute_loss(output, target)
+
+    def _metric_values(self, output: Any, target: Any) -> list[torch.Tensor]:
+        # A structured output was not detached (detached()): no graph is recorded for its metrics.
+        with contextlib.nullcontext() if isinstance(output, torch.Tensor) else torch.no_grad():
+            return [
+                torch.as_tensor(metric(output, target), dtype=torch.float32, device=self.device)
+                for metric in self.metrics
+            ]
 
     def _add_stats_in_python(self, loss: torch.Tensor, output: Any, target: Any, n: int) -> None:
         """The tensor path's ``sums += stack([loss, metrics..., 1]) * n`` in numpy float32 scalars.
@@ -281,7 +322,8 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         """
         assert self._py_sums is not None
         n32 = np.float32(n)
-        values = [loss.item(), *(float(metric(output, target)) for metric in self.metrics), 1.0]
+        with contextlib.nullcontext() if isinstance(output, torch.Tensor) else torch.no_grad():
+            values = [loss.item(), *(float(metric(output, target)) for metric in self.metrics), 1.0]
         self._py_sums = [s + np.float32(v) * n32 for s, v in zip(self._py_sums, values)]
 
     def _seed(self, seed: int) -> None:
@@ -354,8 +396,7 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         # An abandoned collective may still write into the old buffer: take a fresh one.
         self._allocate()
         with torch.no_grad():
-            for b, start in zip(self._buffers, self._buf_start):
-                b.copy_(start)
+            self._restore_buffers(self._buf_start)
 
     def _ensure_grad_views(self) -> None:
         # User code (a custom step, a callback) may have replaced or cleared .grad; put the
@@ -370,16 +411,21 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
     def _add_buffer_deltas(self, weight: float) -> None:
         # Reduce what the forward pass changed, not the values: a buffer the forward leaves
         # alone (a mask, a large counter, a float64 constant) then stays exactly as it was.
-        for b, start, view in zip(self._buffers, self._buf_start, self._buf_views):
-            view.add_((b - start).to(torch.float32), alpha=weight)
+        live = self._live_buffers()
+        for b, start, view, averaged in zip(live, self._buf_start, self._buf_views, self._buffer_averaged):
+            view.add_((b.detach() - start).to(torch.float32), alpha=weight if averaged else 1.0)
 
     def finish_step(self) -> StepResult:
         # Outside torch.no_grad(), as in a plain loop: the optimizer's step and clipping set
         # their own grad mode, and the buffers and gradients written here record nothing.
         if not self._direct:
             self._ensure_grad_views()
-        for b, start, view in zip(self._buffers, self._buf_start, self._buf_views):
-            b.copy_(start + (view if b.is_floating_point() else view.round().to(b.dtype)))
+        self._restore_buffers(
+            [
+                start + (view if b.is_floating_point() else view.round().to(b.dtype))
+                for b, start, view in zip(self._buffers, self._buf_start, self._buf_views)
+            ]
+        )
         # A parameter no worker produced a gradient for keeps .grad None through the step,
         # as after zero_grad() on one device: weight decay and momentum leave it alone.
         if self._direct:  # backward gave fresh gradients: None where it produced none
@@ -407,4 +453,16 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
     def optimizer_state(self) -> dict[str, Any]:
-        return self.grad_step.pack(map_tree(cpu_copy, self.optimizer.state_dict()))
+        return map_tree(cpu_copy, self._live_optimizer_state())
+
+    def _live_optimizer_state(self) -> dict[str, Any]:
+        """The optimizer state as :meth:`optimizer_state` gives it, holding the live tensors (no copy)."""
+        return self.grad_step.pack(self.optimizer.state_dict())
+
+    def state_fingerprint(self) -> dict[str, int]:
+        # The live tensors, read in place: the default's copies cost 10x the read (docs/architecture.md,
+        # "Replica checks"), on a GPU a transfer of the whole state to the host.
+        return {
+            **state_fingerprint(self.model.state_dict(), "model"),
+            **state_fingerprint(self._live_optimizer_state(), "optimizer"),
+        }

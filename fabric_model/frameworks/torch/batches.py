@@ -1,4 +1,6 @@
-"""PyTorch batches: a batch's ``(inputs, target)``, and its tensors moved to a device."""
+"""PyTorch batches: their tensors moved to a device, scalars and CPU copies.
+
+A batch's inputs and target, and the model's call on them: :mod:`.calling`."""
 
 from __future__ import annotations
 
@@ -7,34 +9,6 @@ from typing import Any
 import torch
 
 from ...step.tree import map_tree
-
-
-def split_batch(batch: Any) -> tuple[Any, Any]:
-    """``(inputs, target)`` of a collated batch.
-
-    Accepted shapes: a pair ``(x, y)``; a longer tuple ``(x1, ..., xn, y)`` whose inputs are
-    passed as ``model(x1, ..., xn)``; a dict with a ``target``/``label``/``labels``/``y`` key,
-    the other entries being the input (one entry: its value; several: the dict).
-    """
-    if isinstance(batch, (tuple, list)):
-        if len(batch) < 2:
-            raise ValueError(f"A batch must be (inputs, target); received a sequence of {len(batch)} item(s).")
-        return (tuple(batch[:-1]) if len(batch) > 2 else batch[0]), batch[-1]
-    if isinstance(batch, dict):
-        for key in TARGET_KEYS:
-            if key in batch:
-                rest = {k: v for k, v in batch.items() if k != key}
-                inputs = next(iter(rest.values())) if len(rest) == 1 else rest
-                return inputs, batch[key]
-        raise ValueError(
-            f"A dict sample needs a target under one of the keys {TARGET_KEYS}; received keys {sorted(batch)}."
-        )
-    raise ValueError(
-        f"A sample must be a (input, target) tuple or a dict with a target key; received {type(batch).__name__}."
-    )
-
-
-TARGET_KEYS = ("target", "label", "labels", "y")
 
 
 def to_device(obj: Any, device: torch.device) -> Any:

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from ...step.layout import StepLayout
-from .batches import scalar, split_batch, to_device
+from .batches import scalar, to_device
+from .calling import ModelCall, model_loss
 from .ibm import test_result
 from .precision import GradientStep
 
@@ -20,7 +21,8 @@ class TorchEvaluation:
     model: Any  # a torch.nn.Module (IBM custom steps add methods to it)
     device: torch.device
     metrics: list[Callable[[Any, Any], Any]]
-    loss_function: Callable[[Any, Any], Any]
+    loss_function: Callable[[Any, Any], Any] | None
+    call: ModelCall
     stat_names: list[str]
     step_fn: Callable[..., Any] | None
     test_fn: Callable[..., Any] | None
@@ -44,7 +46,7 @@ class TorchEvaluation:
             nonlocal count
             for indices, batch in itertools.chain([first], batches):
                 count += len(indices)
-                yield split_batch(to_device(batch, self.device))
+                yield self.call.split(to_device(batch, self.device))
 
         self.model.eval()
         try:
@@ -56,15 +58,21 @@ class TorchEvaluation:
         values = (values + [float("nan")] * len(self.stat_names))[: len(self.stat_names)]
         return torch.tensor([v * count for v in values] + [count], dtype=torch.float64)
 
+    def compute_loss(self, output: Any, target: Any) -> Any:
+        """The user's ``loss_function(output, target)``, or the loss the model computed (``loss_function=None``)."""
+        if self.loss_function is None:
+            return model_loss(output)
+        return self.loss_function(output, target)
+
     @torch.no_grad()
     def _evaluate_batch(self, batch: Any, num_samples: int) -> torch.Tensor:
         """Stat sums (loss, metrics...) and the sample count over one test batch, float64 on the CPU."""
         self.model.eval()
         try:
-            inputs, target = split_batch(to_device(batch, self.device))
+            inputs, target = self.call.split(to_device(batch, self.device))
             with self.grad_step.autocast(self.device):
-                output = self.model(*inputs) if isinstance(inputs, tuple) else self.model(inputs)
-                loss = float(self.loss_function(output, target))
+                output = self.call(self.model, inputs)
+                loss = float(self.compute_loss(output, target))
             n = num_samples
             metrics = [float(m(output, target)) for m in self.metrics]
             if self.step_fn is not None:  # stats are (loss, metric): the first metric, if any, stands for it

@@ -115,8 +115,7 @@ class ExactTorchAdapter(ExactGrid, TorchAdapter):
         self._flat.zero_()
         self._exact.zero()
         with torch.no_grad():
-            for b, start in zip(self._buffers, self._buf_start):
-                b.copy_(start)
+            self._restore_buffers(self._buf_start)
         for batch, num_samples, step_samples, seed in self._replay:
             self._exact_micro_batch(batch, num_samples, step_samples, seed, alone=len(self._replay) == 1)
         self._flat[self._layout.vote] = vote

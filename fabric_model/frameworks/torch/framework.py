@@ -17,8 +17,11 @@ class TorchFramework(Framework):
     name: ClassVar[str] = "torch"
 
     def check_loss(self, loss_function: Any) -> None:
-        """The loss must be a callable ``loss(output, target)``, not a loss class."""
+        """A callable ``loss(output, target)``, not a loss class; None: the model computes its loss."""
         from ...setup.first_batch import check_loss_object
+
+        if loss_function is None:  # checked on the first batch: the output must hold a loss (calling.model_loss)
+            return
 
         check_loss_object(loss_function)
         v.check_callable(
@@ -45,6 +48,14 @@ class TorchFramework(Framework):
                 f"Expected `optimizer` to be a torch.optim.Optimizer over the model's parameters. "
                 f"Received: optimizer={optimizer!r}.{hint}"
             )
+        if isinstance(optimizer, torch.optim.SparseAdam):
+            sparse = [n for n, m in model.named_modules() if getattr(m, "sparse", False) is True]
+            raise TypeError(
+                "Expected `optimizer` to accept dense gradients: workers sum every gradient as a dense tensor, "
+                f"so {', '.join(sparse) or 'a sparse module'}'s gradient reaches the optimizer dense. Received: "
+                "optimizer=SparseAdam, which refuses dense gradients. HINT: use torch.optim.Adam (same update); "
+                "keep or drop sparse=True on the embedding, as you like."
+            )
         model_params = {id(p) for p in model.parameters()}
         held = [p for group in optimizer.param_groups for p in group["params"]]
         foreign = [p for p in held if id(p) not in model_params]
@@ -62,6 +73,7 @@ class TorchFramework(Framework):
         import torch
 
         from ...setup.first_batch import check_loss_and_metrics, check_parameter_dtypes, forward_first_batch
+        from .adapter import TorchAdapter
         from .batches import to_device
         from .ibm import accuracy_applies
 
@@ -70,12 +82,14 @@ class TorchFramework(Framework):
         if getattr(adapter, "step_fn", None) is not None:  # a custom step uses the loss its own way
             return adapter
         device = next(model.parameters(), torch.zeros(0)).device
-        inputs, target = self.split_batch(to_device(first_batch, device))
-        with adapter.grad_step.autocast(device):  # type: ignore[attr-defined]
-            output = forward_first_batch(model, inputs)
-        if getattr(adapter, "default_accuracy", False) and not accuracy_applies(output, target):
-            adapter.drop_default_accuracy()  # type: ignore[attr-defined]
-        check_loss_and_metrics(adapter.loss_function, adapter.metrics, output, target)  # type: ignore[attr-defined]
+        assert isinstance(adapter, TorchAdapter)
+        inputs, target = adapter.call.split(to_device(first_batch, device))
+        with adapter.grad_step.autocast(device):
+            # A compiled model's original module: the same function, without a compile in the caller.
+            output = forward_first_batch(getattr(model, "_orig_mod", model), adapter.call, inputs)
+        if adapter.default_accuracy and not accuracy_applies(output, target):
+            adapter.drop_default_accuracy()
+        check_loss_and_metrics(adapter.compute_loss, adapter.loss_function is None, adapter.metrics, output, target)
         return adapter
 
     def make_adapter(self, user: UserObjects) -> FrameworkAdapter:
@@ -95,10 +109,11 @@ class TorchFramework(Framework):
         )
 
     def split_batch(self, batch: Any) -> tuple[Any, Any]:
-        """A pair, a longer tuple (several inputs, then the target) or a dict with a target key."""
-        from .adapter import split_batch
+        """A pair, a longer tuple (several inputs, then the target) or a dict (its target key, if any:
+        whether it needs one depends on the loss, checked on the first batch by the model's own call)."""
+        from .calling import ModelCall
 
-        return split_batch(batch)
+        return ModelCall(target_required=False).split(batch)
 
     def draw_seed(self) -> int:
         """From torch's global generator, which ``torch.manual_seed`` seeds."""

@@ -14,17 +14,21 @@ from typing import Any
 
 import torch
 
+from .calling import primary_output
 
-def accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The fraction of samples whose highest output is the target class."""
-    return (output.argmax(dim=1) == target).float().mean()
+
+def accuracy(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """The fraction of samples whose highest output (its ``logits`` for a structured output) is the target class."""
+    return (primary_output(output).argmax(dim=1) == target).float().mean()
 
 
 accuracy.__name__ = "accuracy"  # the name the metrics show
 
 
 def accuracy_applies(output: Any, target: Any) -> bool:
-    """Whether ``output`` is a classifier's (N, C>1, ...) and ``target`` holds class indices (N, ...)."""
+    """Whether ``output`` (or its ``logits``) is a classifier's (N, C>1, ...) and ``target`` holds class
+    indices (N, ...)."""
+    output = primary_output(output)
     if not (isinstance(output, torch.Tensor) and isinstance(target, torch.Tensor)):
         return False
     if output.ndim < 2 or output.shape[1] < 2 or target.is_floating_point() or target.is_complex():

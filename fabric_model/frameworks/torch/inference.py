@@ -8,15 +8,11 @@ import torch
 
 from ...inference import batches
 from ...step.metrics import stat_means
-from .batches import split_batch, to_device
+from .batches import to_device
 
 
 def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters(), torch.zeros(())).device
-
-
-def _forward(model: torch.nn.Module, inputs: Any) -> Any:
-    return model(*inputs) if isinstance(inputs, tuple) else model(inputs)
 
 
 def evaluate(adapter: Any, dataset: Any, batch_size: int) -> dict[str, float]:
@@ -29,9 +25,9 @@ def evaluate(adapter: Any, dataset: Any, batch_size: int) -> dict[str, float]:
     try:
         with torch.no_grad():
             for n, batch in batches(adapter, dataset, batch_size):
-                inputs, target = split_batch(to_device(batch, device))
-                output = _forward(model, inputs)
-                values = [float(adapter.loss_function(output, target))]
+                inputs, target = adapter.call.split(to_device(batch, device))
+                output = adapter.call(model, inputs)
+                values = [float(adapter.compute_loss(output, target))]
                 values += [float(m(output, target)) for m in adapter.metrics]
                 sums = [s + x * n for s, x in zip(sums, values + [1.0])]
     finally:
@@ -48,7 +44,7 @@ def predict(adapter: Any, dataset: Any, batch_size: int) -> Any:
     try:
         with torch.no_grad():
             for _, batch in batches(adapter, dataset, batch_size):
-                outputs.append(_forward(model, split_batch(to_device(batch, device))[0]))
+                outputs.append(adapter.call(model, adapter.call.split(to_device(batch, device))[0]))
     finally:
         model.train(training)
     return torch.cat(outputs) if outputs and isinstance(outputs[0], torch.Tensor) else outputs

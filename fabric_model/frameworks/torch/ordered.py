@@ -103,8 +103,10 @@ class OrderedTorchAdapter(TorchAdapter):
     def _add_buffer_deltas(self, weight: float) -> None:
         # Multiply, then add: a fused multiply-add would round a term differently when it is
         # added to earlier terms (a lone worker) than when it is made on its own (a gathered term).
-        for b, start, view in zip(self._buffers, self._buf_start, self._buf_views):
-            view.add_((b - start).to(torch.float32) * weight)
+        live = self._live_buffers()
+        for b, start, view, averaged in zip(live, self._buf_start, self._buf_views, self._buffer_averaged):
+            delta = (b.detach() - start).to(torch.float32)
+            view.add_(delta * weight if averaged else delta)
 
     def all_reduce(self, collective: Any) -> None:
         """Gather every worker's terms and add them in micro-batch order; sum the tail."""

@@ -1,0 +1,177 @@
+"""How a batch becomes a call of the user's model, and what the loss of its output is.
+
+A model is called as its ``forward`` takes its inputs, as one would call it by hand
+(docs/training.md, "Inputs and outputs"):
+
+- a dict whose keys the forward takes by name is passed as keyword arguments,
+  ``model(**inputs)`` (a Hugging Face model and its ``input_ids``, ``attention_mask``,
+  ``labels``); the target stays among them when the forward takes a parameter of its name;
+- a tuple or list of inputs is unpacked when the forward takes that many positional
+  arguments, else passed as one;
+- anything else is the one argument.
+
+``loss_function=None`` means the model computes its loss (:func:`model_loss`), and whatever the
+model returns (a tensor, a tuple, a dict, a ``ModelOutput``, a dataclass) reaches the loss and
+the metrics unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+#: Keys a dict sample's target may have, in the order they are looked for.
+TARGET_KEYS = ("target", "label", "labels", "y")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCall:
+    """What the model's ``forward`` accepts, read once from its signature (picklable: no model inside)."""
+
+    names: frozenset[str] = frozenset()  # parameters that may be passed by name
+    required: frozenset[str] = frozenset()  # those of them without a default
+    var_keyword: bool = False  # forward(..., **kwargs)
+    positional: int = 1  # the most positional arguments it takes (a large number for *args)
+    target_required: bool = True  # False when the model computes its own loss
+
+    @classmethod
+    def of(cls, model: Any, *, target_required: bool = True) -> ModelCall:
+        """The call of ``model`` (a compiled model: its original module's forward)."""
+        forward = getattr(getattr(model, "_orig_mod", model), "forward", model)
+        try:
+            parameters = list(inspect.signature(forward).parameters.values())
+        except (TypeError, ValueError):  # a builtin or C forward: one positional argument
+            return cls(target_required=target_required)
+        kinds = inspect.Parameter
+        named = {p.name for p in parameters if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)}
+        required = {p.name for p in parameters if p.name in named and p.default is kinds.empty}
+        by_position = [p for p in parameters if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
+        var_positional = any(p.kind is kinds.VAR_POSITIONAL for p in parameters)
+        return cls(
+            names=frozenset(named),
+            required=frozenset(required),
+            var_keyword=any(p.kind is kinds.VAR_KEYWORD for p in parameters),
+            positional=1 << 30 if var_positional else len(by_position),
+            target_required=target_required,
+        )
+
+    # -- a batch's inputs and target --------------------------------------------------------
+    def split(self, batch: Any) -> tuple[Any, Any]:
+        """``(inputs, target)`` of a collated batch.
+
+        A pair ``(x, y)``; a longer tuple ``(x1, ..., xn, y)``, the inputs being ``(x1, ..., xn)``;
+        a dict with a target under one of :data:`TARGET_KEYS`: the target, and the other entries
+        as the inputs (the target too when the forward takes it by name). A dict without a target
+        key is all inputs, with the target None, when the model computes its own loss.
+        """
+        if isinstance(batch, (tuple, list)):
+            if len(batch) < 2:
+                raise ValueError(f"A batch must be (inputs, target); received a sequence of {len(batch)} item(s).")
+            return (tuple(batch[:-1]) if len(batch) > 2 else batch[0]), batch[-1]
+        if isinstance(batch, Mapping):
+            key = next((k for k in TARGET_KEYS if k in batch), None)
+            if key is None:
+                if self.target_required:
+                    raise ValueError(
+                        f"A dict sample needs a target under one of the keys {TARGET_KEYS} (or loss_function=None "
+                        f"for a model that computes its own loss); received keys {sorted(batch)}."
+                    )
+                return dict(batch), None
+            if key in self.names and self.takes_keywords(batch):
+                return dict(batch), batch[key]  # the forward takes the target too (HF models' labels)
+            rest = {k: v for k, v in batch.items() if k != key}
+            if len(rest) == 1 and self.positional:  # {"x": ..., "label": ...}: model(x), as before
+                return next(iter(rest.values())), batch[key]
+            return rest, batch[key]
+        raise ValueError(
+            f"A sample must be an (input, target) tuple or a dict with a target key; received {type(batch).__name__}."
+        )
+
+    # -- calling the model --------------------------------------------------------------------
+    def takes_keywords(self, inputs: Mapping[Any, Any]) -> bool:
+        """Whether a dict of inputs is passed as keyword arguments: the forward takes every key by
+        name (or takes ``**kwargs``) and every parameter it requires is among them; otherwise the
+        dict is its one argument (``forward(self, batch)``)."""
+        keys = set(inputs)
+        if not all(isinstance(k, str) for k in keys):
+            return False
+        return (keys <= self.names or self.var_keyword) and self.required <= keys
+
+    def unpacks(self, inputs: Any) -> bool:
+        """Whether a tuple or list of inputs is spread over the forward's positional arguments."""
+        return isinstance(inputs, (tuple, list)) and 1 < len(inputs) <= self.positional
+
+    def __call__(self, model: Any, inputs: Any) -> Any:
+        if isinstance(inputs, torch.Tensor):  # the common case first: nothing to decide
+            return model(inputs)
+        if isinstance(inputs, Mapping) and self.takes_keywords(inputs):
+            return model(**inputs)
+        if self.unpacks(inputs):
+            return model(*inputs)
+        return model(inputs)
+
+    def args_and_kwargs(self, inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The positional and keyword arguments of the call (what the ONNX export traces)."""
+        if isinstance(inputs, Mapping) and self.takes_keywords(inputs):
+            return (), dict(inputs)
+        if self.unpacks(inputs):
+            return tuple(inputs), {}
+        return (inputs,), {}
+
+
+# -- outputs ----------------------------------------------------------------------------------
+def _field(output: Any, name: str) -> Any:
+    """``output.name`` or ``output[name]`` where the output has it, else None."""
+    if isinstance(output, Mapping):
+        return output.get(name)
+    return getattr(output, name, None)
+
+
+def model_loss(output: Any) -> torch.Tensor:
+    """The loss a model computed itself (``loss_function=None``): ``output.loss``, ``output["loss"]``,
+    or the first scalar tensor of a tuple (Hugging Face's ``(loss, logits, ...)``, nanoGPT's
+    ``(logits, loss)``); a scalar tensor output is the loss."""
+    loss = _field(output, "loss")
+    if loss is None and isinstance(output, (tuple, list)):
+        loss = next((x for x in output if isinstance(x, torch.Tensor) and x.dim() == 0), None)
+    if loss is None and isinstance(output, torch.Tensor) and output.dim() == 0:
+        loss = output
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(
+            f"loss_function=None: the model must compute its loss, but its output ({describe(output)}) holds none "
+            "(no `loss` field, no scalar tensor). HINT: put the target in the batch under a name the model's forward "
+            "takes (Hugging Face models: `labels`), or pass loss_function(output, target)."
+        )
+    return loss
+
+
+def primary_output(output: Any) -> Any:
+    """The tensor a default metric reads: the output itself, its ``logits``, or its first tensor."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = _field(output, "logits")
+    if isinstance(logits, torch.Tensor):
+        return logits
+    values = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else ()
+    return next((x for x in values if isinstance(x, torch.Tensor) and x.dim() > 0), output)
+
+
+def detached(output: Any) -> Any:
+    """A tensor output detached (the metrics record nothing); a structure as it is (see its use)."""
+    return output.detach() if isinstance(output, torch.Tensor) else output
+
+
+def describe(x: Any) -> str:
+    """A short description of a value's structure: shapes and dtypes of its tensors."""
+    if isinstance(x, torch.Tensor):
+        return f"tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
+    if isinstance(x, (tuple, list)):
+        return f"{type(x).__name__} of [{', '.join(describe(i) for i in x)}]"
+    if isinstance(x, Mapping):
+        inner = ", ".join(f"{k}: {describe(v)}" for k, v in x.items())
+        return f"{type(x).__name__} of {{{inner}}}"
+    return type(x).__name__

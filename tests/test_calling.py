@@ -1,0 +1,149 @@
+"""How a batch reaches the model and what its loss is (frameworks/torch/calling.py), in-process:
+the call a user would write by hand, for every sample shape; the model's own loss; structured
+outputs; and the errors before any worker starts when neither a loss function nor a model loss exists."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fabric_model import FabricModel
+from fabric_model.frameworks.torch.calling import ModelCall, model_loss, primary_output
+from fabric_model.frameworks.torch.ibm import accuracy, accuracy_applies
+
+
+class Named(torch.nn.Module):
+    """A forward of named inputs, taking the labels too (a Hugging Face model's shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, features, mask=None, labels=None):
+        logits = self.fc(features * (1 if mask is None else mask[:, None]))
+        return {"logits": logits, "loss": None if labels is None else F.cross_entropy(logits, labels)}
+
+
+class TwoInputs(torch.nn.Module):
+    def forward(self, a, b):
+        return a + b
+
+
+class OneDict(torch.nn.Module):
+    def forward(self, batch):
+        return batch["a"] * 2
+
+
+def test_a_dict_the_forward_takes_by_name_is_passed_as_keywords_with_its_labels():
+    call = ModelCall.of(Named())
+    batch = {"features": torch.ones(2, 4), "mask": torch.ones(2), "labels": torch.tensor([0, 2])}
+    inputs, target = call.split(batch)
+    assert set(inputs) == {"features", "mask", "labels"} and torch.equal(target, batch["labels"])
+    output = call(Named(), inputs)
+    assert output["loss"] is not None  # the labels reached the forward
+    assert call.args_and_kwargs(inputs) == ((), inputs)
+
+
+def test_a_target_the_forward_does_not_take_is_left_out():
+    class NoLabels(torch.nn.Module):
+        def forward(self, features, mask):
+            return features.sum(1) * mask
+
+    call = ModelCall.of(NoLabels())
+    inputs, target = call.split({"features": torch.ones(2, 4), "mask": torch.ones(2), "target": torch.zeros(2)})
+    assert set(inputs) == {"features", "mask"} and target.shape == (2,)
+    assert torch.equal(call(NoLabels(), inputs), torch.full((2,), 4.0))
+
+
+def test_a_dict_the_forward_does_not_take_by_name_is_its_one_argument():
+    call = ModelCall.of(OneDict())
+    inputs, _ = call.split({"a": torch.ones(2), "b": torch.ones(2), "label": torch.zeros(2)})
+    assert torch.equal(call(OneDict(), inputs), torch.full((2,), 2.0))
+
+
+def test_one_input_and_a_target_pass_the_input_itself():
+    call = ModelCall.of(torch.nn.Linear(4, 2))
+    inputs, target = call.split({"x": torch.ones(3, 4), "label": torch.zeros(3)})
+    assert isinstance(inputs, torch.Tensor) and call(torch.nn.Linear(4, 2), inputs).shape == (3, 2)
+
+
+def test_tuples_are_unpacked_only_where_the_forward_takes_them():
+    two = ModelCall.of(TwoInputs())
+    inputs, _ = two.split((torch.ones(2), torch.ones(2), torch.zeros(2)))  # (a, b, y)
+    assert torch.equal(two(TwoInputs(), inputs), torch.full((2,), 2.0))
+    inputs, _ = two.split(((torch.ones(2), torch.ones(2)), torch.zeros(2)))  # ((a, b), y)
+    assert torch.equal(two(TwoInputs(), inputs), torch.full((2,), 2.0))
+
+    class WholeTuple(torch.nn.Module):
+        def forward(self, pair):
+            return pair[0] - pair[1]
+
+    one = ModelCall.of(WholeTuple())
+    inputs, _ = one.split(((torch.ones(2), torch.ones(2)), torch.zeros(2)))
+    assert torch.equal(one(WholeTuple(), inputs), torch.zeros(2))
+
+
+def test_a_compiled_model_is_called_as_its_original_forward():
+    compiled = torch.compile(Named())
+    assert ModelCall.of(compiled).names == {"features", "mask", "labels"}
+
+
+def test_a_dict_without_a_target_needs_the_model_to_compute_its_loss():
+    batch = {"features": torch.ones(2, 4)}
+    with pytest.raises(ValueError, match="needs a target under one of the keys"):
+        ModelCall.of(Named()).split(batch)
+    assert ModelCall.of(Named(), target_required=False).split(batch) == (batch, None)
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+
+
+def test_the_model_loss_is_found_where_models_put_it():
+    loss = torch.tensor(1.5)
+    assert model_loss({"loss": loss, "logits": torch.ones(2, 3)}) is loss
+    assert model_loss(Output(torch.ones(2, 3), loss)) is loss
+    assert model_loss((loss, torch.ones(2, 3))) is loss  # Hugging Face's tuple
+    assert model_loss((torch.ones(2, 3), loss)) is loss  # nanoGPT's (logits, loss)
+    assert model_loss(loss) is loss
+    with pytest.raises(ValueError, match="loss_function=None.*labels"):
+        model_loss(Output(torch.ones(2, 3)))
+
+
+def test_the_default_accuracy_reads_the_logits_of_a_structured_output():
+    logits = torch.tensor([[0.0, 1.0], [2.0, 0.0]])
+    target = torch.tensor([1, 1])
+    assert primary_output(Output(logits)) is logits and primary_output({"h": logits}) is logits
+    assert accuracy_applies(Output(logits), target) and float(accuracy(Output(logits), target)) == 0.5
+
+
+def get_data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 4, generator=g)
+    return [{"features": x[i].clone(), "labels": torch.tensor(i % 3)} for i in range(8)], None
+
+
+def test_no_loss_function_and_no_model_loss_fails_before_any_worker_starts():
+    class NoLoss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 3)
+
+        def forward(self, features):
+            return self.fc(features)
+
+    model = NoLoss()
+    fm = FabricModel(model, get_data, None, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"loss_function=None: the model must compute its loss.*HINT"):
+        fm.train(1, 4, 1)
+
+
+def test_sparse_adam_is_refused_with_the_fix():
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
+    with pytest.raises(TypeError, match=r"`optimizer`.*0's gradient.*SparseAdam.*torch.optim.Adam"):
+        FabricModel(model, get_data, F.cross_entropy, torch.optim.SparseAdam(list(model[0].parameters())))

@@ -14,7 +14,7 @@ import pytest
 os.environ.setdefault("FABRIC_MODEL_CPU_WORKERS", "16")
 
 # Variables that pytest and torch set for themselves on first use.
-_OWN_VARIABLES = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_")
+_OWN_VARIABLES = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_", "_TORCHINDUCTOR_")
 
 
 #: Module-scoped fixtures that own long-lived processes (a Ray cluster) register a callable

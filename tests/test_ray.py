@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 import torch.nn.functional as F
 
 from fabric_model import FabricModel
@@ -143,6 +144,19 @@ def test_a_pending_actor_is_placed_when_a_node_joins(two_nodes, undisturbed, run
     assert max_rel_diff(model.state_dict(), undisturbed) <= 1e-5
     check_exactly_once(run_dir)
     assert len(result.replica_digests) == 3
+    assert not our_processes()
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_a_parametrized_model_reaches_the_actors_and_trains_bitwise_as_locally(two_nodes, tmp_path):
+    """weight_norm, spectral_norm, orthogonal and a LoRA delta (frameworks/torch/shipping.py) on Ray actors."""
+    from .models.test_shipping import Parametrized, final_state
+    from .models.test_shipping import train as train_shipped
+
+    local = train_shipped(Parametrized, 1, tmp_path / "local", deterministic=True)
+    on_ray = train_shipped(Parametrized, 2, tmp_path / "ray", deterministic=True, cluster="ray")
+    assert all(torch.equal(a, b) for a, b in zip(final_state(*local), final_state(*on_ray), strict=True))
     assert not our_processes()
 
 

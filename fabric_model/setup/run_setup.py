@@ -26,6 +26,7 @@ from .devices import collective_backend, workers_per_gpu
 from .job import Job
 from .job import dumps as dump_job
 from .settings import DETERMINISTIC_THREADS
+from .unpicklable import Unpicklable, find_unpicklable
 
 if TYPE_CHECKING:
     from ..driver.driver import DriverSetup
@@ -79,11 +80,7 @@ def serialize_job(job: Job) -> bytes:
     try:
         payload = dump_job(job)
     except Exception as exc:
-        raise TypeError(
-            "Could not serialize the job (model, optimizer, datasets_function, loss_function, metrics, loggers) "
-            f"for the workers: {exc!r}. HINT: objects holding open files, locks or sockets cannot be sent; "
-            "create them inside datasets_function or the logger's methods instead."
-        ) from exc
+        raise TypeError(_unpicklable_message(job, exc)) from exc
     if len(payload) > LARGE_JOB_BYTES:
         warnings.warn(
             f"The job sent to each worker is {len(payload) / 2**20:,.0f} MiB. Data captured by datasets_function "
@@ -92,6 +89,18 @@ def serialize_job(job: Job) -> bytes:
             stacklevel=5,
         )
     return payload
+
+
+def _unpicklable_message(job: Job, exc: Exception) -> str:
+    """One message naming the part of the job that failed, as the user names it, and what works instead."""
+    part = find_unpicklable(job)
+    if part is None:  # only the whole fails (objects fine alone, not together)
+        part = Unpicklable("the job (model, optimizer, datasets_function, loss_function, metrics, loggers)", job, exc)
+        what = part.path
+    else:
+        cls = type(part.obj)
+        what = f"`{part.path}` (a {'' if cls.__module__ == 'builtins' else cls.__module__ + '.'}{cls.__qualname__})"
+    return f"Could not serialize the job for the workers: {what} cannot be pickled: {part.error!r}. HINT: {part.hint()}"
 
 
 def train_config(epoch_number: int, batch_size: int, sizing: EngineSizing, loop: LoopOptions, gpus: int) -> TrainConfig:

@@ -108,8 +108,9 @@ def _framework(framework: str | Framework) -> Framework:
 
 
 def _batch_size(sample: Any) -> int:
-    found = leaves(sample)
-    if not found or not hasattr(found[0], "shape") or len(found[0].shape) == 0:
+    """The first axis of the sample's first array (other leaves, such as a None mask, are skipped)."""
+    found = [x for x in leaves(sample) if hasattr(x, "shape") and len(x.shape) > 0]
+    if not found:
         raise ValueError("sample_input must be a batch: an array or tensor (or a tuple/dict of them) with a batch axis")
     return int(found[0].shape[0])
 
@@ -263,7 +264,13 @@ def export_final_model(
     except ExportError as exc:
         with MetricsLog(run.metrics, append=True) as metrics:
             metrics.onnx(path=None, error=str(exc))
-        warnings.warn(f"save_to_onnx=True, but the ONNX export failed; no model.onnx was written. {exc}", stacklevel=4)
+        # Say where the trained model is, so a failed export does not read as a lost training run.
+        files = run.model.iterdir() if run.model.is_dir() else ()
+        saved = sorted(f"model/{p.name}" for p in files if p.suffix != ".onnx" and not p.name.startswith("."))
+        kept = f" The trained model is saved: {', '.join(saved)}." if saved else ""
+        warnings.warn(
+            f"save_to_onnx=True, but the ONNX export failed; no model.onnx was written.{kept} {exc}", stacklevel=4
+        )
         return None
     with MetricsLog(run.metrics, append=True) as metrics:
         metrics.onnx(path="model/model.onnx", max_abs_diff=diff)

@@ -1,0 +1,180 @@
+"""The real-model corpus (tests/models) at speed: FabricModel on 1 engine against the plain loop its user writes.
+
+For each corpus model, one run of each, on the same data, batch, optimizer and threads:
+
+  plain   a ``torch.utils.data.DataLoader`` (shuffled, the corpus' collate), and per step
+          ``zero_grad``, the loss as the user computes it by hand, ``backward``, ``step`` and
+          ``loss.item()`` (what a loop that logs its loss does; FabricModel reads it every step);
+  fabric  ``FabricModel(model, ..., metrics=[]).train(epochs, batch, 1)`` with its defaults
+          (run directory, metrics log, TensorBoard), no progress display and no checkpoints
+          (the plain loop saves none).
+
+Start-up is excluded on both sides: the first ``--warmup`` steps are not timed. FabricModel's
+step times are the driver's commit stamps in ``logs/metrics.jsonl``; the plain loop stamps the
+end of its steps. The figure is the median step's throughput (global batch / median step
+time), which a step slowed by other load does not move. Rounds interleave the two runs of a
+model; the table gives the median ratio over rounds with its range. Target: >= 0.97.
+
+    PYTHONPATH=. python3 benchmarks/bench_models.py                  # every model, 3 rounds
+    PYTHONPATH=. python3 benchmarks/bench_models.py --models gpt2,lora --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, default_collate
+
+
+@dataclass
+class Workload:
+    build: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer]]
+    data: Callable[[int], list[Any]]  # samples
+    loss_function: Callable[[Any, Any], Any] | None  # FabricModel's
+    hand_loss: Callable[[torch.nn.Module, Any], torch.Tensor]  # the plain loop's
+    collate: Callable[[list[Any]], Any] | None = None
+
+
+def workloads() -> dict[str, Workload]:
+    """The corpus' models and data (tests/models), sized for seconds of steps."""
+    from tests.models import test_torch_patterns as patterns
+    from tests.models import test_transformers as hf
+
+    def compiled_tied_lm() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model, optimizer = patterns.tied_lm()
+        return torch.compile(model), optimizer  # type: ignore[return-value]
+
+    def by_keyword(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        return model(**batch).loss
+
+    return {
+        "gpt2": Workload(hf.gpt2, lambda n: hf.counting_sequences(n, 32), None, by_keyword),
+        "bert": Workload(hf.bert, lambda n: hf.classified_sequences(n, 32), hf.logits_loss, by_keyword),
+        "lora": Workload(hf.lora_gpt2, lambda n: hf.counting_sequences(n, 32), None, by_keyword),
+        "tied_lm": Workload(
+            patterns.tied_lm, patterns.next_token_data, patterns.lm_loss, lambda m, b: patterns.lm_loss(m(b[0]), b[1])
+        ),
+        "packed_gru": Workload(
+            patterns.tagger,
+            patterns.variable_length_data,
+            patterns.tuple_loss,
+            lambda m, b: patterns.tuple_loss(m(b["tokens"], b["lengths"]), b["label"]),
+            patterns.collate,
+        ),
+        "compiled": Workload(
+            compiled_tied_lm, patterns.next_token_data, patterns.lm_loss, lambda m, b: patterns.lm_loss(m(b[0]), b[1])
+        ),
+    }
+
+
+def median_rate(times: list[float], warmup: int, batch: int) -> float:
+    """Samples/s of the median step after the first ``warmup`` steps."""
+    timed = times[warmup - 1 :]
+    return batch / statistics.median(b - a for a, b in zip(timed, timed[1:]))
+
+
+def run_plain(work: Workload, samples: int, batch: int, steps: int, warmup: int) -> float:
+    torch.set_num_threads(os.cpu_count() or 1)  # FabricModel's lone CPU worker takes every core
+    torch.manual_seed(0)
+    model, optimizer = work.build()
+    data = work.data(samples)
+    loader = DataLoader(data, batch_size=batch, shuffle=True, collate_fn=work.collate or default_collate)
+    model.train()
+    times: list[float] = []
+    while len(times) < steps + warmup:
+        for b in loader:
+            optimizer.zero_grad()
+            loss = work.hand_loss(model, b)
+            loss.backward()
+            optimizer.step()
+            loss.item()
+            times.append(time.perf_counter())
+            if len(times) == steps + warmup:
+                break
+    return median_rate(times, warmup, batch)
+
+
+class Quiet:
+    """A driver logger that prints nothing (in place of the progress display)."""
+
+    def on_train_begin(self) -> None:
+        pass
+
+
+def run_fabric(work: Workload, samples: int, batch: int, steps: int, warmup: int, run_dir: Path) -> float:
+    from fabric_model import FabricModel
+
+    torch.manual_seed(0)
+    model, optimizer = work.build()
+    data = work.data(samples)
+    fm = FabricModel(
+        model,
+        lambda: (data, None),
+        work.loss_function,
+        optimizer,
+        metrics=[],
+        driver_logger_callback=Quiet(),
+        fn_batch_collate=work.collate,
+    )
+    epochs = -(-(steps + warmup) * batch // samples)
+    result = fm.train(epochs, batch, 1, run_dir=run_dir, seed=0, verbose=0, checkpoint_freq=0)
+    lines = (result.run_dir / "logs" / "metrics.jsonl").read_text().splitlines()
+    stamps = sorted((r["iteration"], r["time"]) for r in map(json.loads, lines) if r.get("type") == "train")
+    return median_rate([t for _, t in stamps], warmup, batch)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--models", default="", help="comma-separated names (default: all)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=150, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed steps at the start of each run")
+    args = parser.parse_args(argv)
+    logging.getLogger("fabric_model").setLevel(logging.ERROR)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    chosen = workloads()
+    if args.models:
+        chosen = {k: v for k, v in chosen.items() if k in args.models.split(",")}
+    samples = args.batch_size * 50  # 50 steps an epoch, no short step
+    load = os.getloadavg()[0]
+    print(
+        f"torch {torch.__version__}, {os.cpu_count()} cores, load {load:.2f}, batch {args.batch_size}, "
+        f"{args.steps} timed steps after {args.warmup}, {args.rounds} round(s)"
+    )
+    print(f"{'model':<12} {'plain samples/s':>16} {'fabric samples/s':>17} {'ratio':>7}  range")
+    scratch = Path(tempfile.mkdtemp(prefix="bench-models-"))
+    try:
+        for name, work in chosen.items():
+            ratios, plains, fabrics = [], [], []
+            for r in range(args.rounds):
+                plain = run_plain(work, samples, args.batch_size, args.steps, args.warmup)
+                fabric = run_fabric(work, samples, args.batch_size, args.steps, args.warmup, scratch / f"{name}{r}")
+                plains.append(plain)
+                fabrics.append(fabric)
+                ratios.append(fabric / plain)
+            print(
+                f"{name:<12} {statistics.median(plains):>16,.0f} {statistics.median(fabrics):>17,.0f} "
+                f"{statistics.median(ratios):>7.2f}  [{min(ratios):.2f}-{max(ratios):.2f}]",
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

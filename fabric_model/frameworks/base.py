@@ -130,8 +130,8 @@ class UserObjects:
     metrics: Sequence[Any] | None  # None: the framework's default (IBM's accuracy)
     collate: Callable[[Sequence[Any]], Any] | None = None
     custom_objects: dict[str, Any] | None = None  # Keras only
-    fn_step_train: Callable[..., Any] | None = None  # torch only
-    fn_test: Callable[..., Any] | None = None  # torch only
+    fn_step_train: Callable[..., Any] | None = None  # the user's step (torch: docs/training.md; Keras: docs/keras.md)
+    fn_test: Callable[..., Any] | None = None  # the user's validation
     fn_args: Any = None
     step_options: StepOptions = StepOptions()  # precision=, gradient_clip_norm=
 

@@ -25,6 +25,10 @@ How the pieces travel and meet the shared loop:
   wrote it, before TensorFlow reads it back.
 - Apply: the Keras optimizer's ``apply`` in a second ``tf.function``, identical on every
   replica. Its variables (iteration count, moments) are part of the state a newcomer pulls.
+- The micro-batch's gradient comes from the user's ``fn_step_train``, else the model's own
+  ``train_step``, else our tape over the model's loss (its ``compute_loss`` where it has its
+  own or the loss is a dict or list); the user's code hands its gradients over through the
+  optimizer's ``apply`` (:mod:`.capture`, :mod:`.user_step`; docs/keras.md, "Custom steps").
 
 Forward-updated variables (BatchNorm moving statistics) start every micro-batch from the
 step's values and the weighted deltas are reduced, as in the PyTorch adapter. Dropout and
@@ -35,6 +39,7 @@ the worker that computed it.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -56,6 +61,18 @@ from .shipping import (
     shipped_form,
     variables_state,
 )
+from .user_step import (
+    STEP_STATS,
+    Eva,
+    UserCode,
+    metric_value,
+    overridden,
+    pack_user_code,
+    run_custom_step,
+    run_test_fn,
+    run_train_step,
+    unpack_user_code,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +83,28 @@ def _leading_dim(tree: Any) -> Any:
     return tf.shape(leaves(tree)[0])[0]
 
 
+def _scalar(value: Any) -> Any:
+    """A loss or metric as a float32 scalar tensor (the mean of a per-sample one)."""
+    import tensorflow as tf
+
+    return tf.reduce_mean(tf.cast(value, tf.float32))
+
+
+def _compute_loss(model: Any, x: Any, y: Any, out: Any, training: bool) -> Any:
+    # An override written before Keras 3.3 has no `training` argument (Keras' own _compute_loss does this).
+    if "training" in inspect.signature(type(model).compute_loss).parameters:
+        return model.compute_loss(x, y, out, None, training=training)
+    return model.compute_loss(x, y, out, None)
+
+
+def _several_outputs(model: Any) -> bool:
+    """Whether a functional model has more than one output (a subclassed model's are unknown until called)."""
+    try:
+        return len(model.outputs) > 1
+    except (AttributeError, ValueError):
+        return False
+
+
 class KerasAdapter(FrameworkAdapter):
     """Trains a Keras 3 model micro-batch by micro-batch into one flat step buffer."""
 
@@ -74,24 +113,38 @@ class KerasAdapter(FrameworkAdapter):
         model: Any,
         optimizer: Any,
         loss_function: Any,
-        metrics: Sequence[Any] = (),
+        metrics: Sequence[Any] | None = (),
         custom_objects: dict[str, Any] | None = None,
         collate_fn: Callable[[Sequence[Any]], Any] | None = None,
         clip_norm: float | None = None,
+        user_code: UserCode | None = None,
     ) -> None:
         self.model = model
         self.optimizer = resolve_optimizer(optimizer)
-        self.loss_spec = loss_function  # the name, instance or callable, as given
+        self.loss_spec = loss_function  # the name, instance or callable (or a dict or list of them), as given
         self.loss_function = resolve_loss(loss_function)
+        self.user_code = user_code or UserCode()
+        self.custom_step = self.user_code.step_fn is not None
+        # How a micro-batch's gradient is made (docs/keras.md, "Custom steps"): fn_step_train, else
+        # the model's own train_step, else our tape, with the model's compute_loss where it has
+        # its own or the loss has a structure (Keras' compiled loss maps it onto the outputs).
+        self.model_train_step = not self.custom_step and overridden(model, "train_step")
+        self.model_loss = overridden(model, "compute_loss") or isinstance(loss_function, dict | list | tuple)
+        if metrics is None:  # the default accuracy, where one output and our step make it meaningful
+            simple = not (self.custom_step or self.model_train_step or self.model_loss or _several_outputs(model))
+            metrics = ["accuracy"] if simple else []
         self.metric_specs = [resolve_metric(m, i) for i, m in enumerate(metrics)]
+        self._metric_names_given = [m if isinstance(m, str) else None for m in metrics]  # for compile (names kept)
         self.custom_objects = dict(custom_objects or {})
         self._collate_fn = collate_fn
         self.clip_norm = clip_norm  # gradient_clip_norm=: the rebuilt optimizer's global_clipnorm
         taken: set[str] = set()
         # Labelled as given ("mae" stays "mae", as in Keras' compile), instances by their name.
-        self.stat_names = ["loss"] + [metric_label(m, i, taken) for i, m in enumerate(metrics)]
+        self.metric_names = [metric_label(m, i, taken) for i, m in enumerate(metrics)]
+        self.stat_names = list(STEP_STATS) if self.custom_step else ["loss"] + self.metric_names
         self.train_set: Any = None
         self._shipped: dict[str, Any] | None = None
+        self._packed_user_code: bytes | None = None  # the user's code as it travels (see __getstate__)
 
     # -- shipping -------------------------------------------------------------------------
     def check_rebuild(self, first_batch: Any) -> None:
@@ -107,11 +160,17 @@ class KerasAdapter(FrameworkAdapter):
             shipped = shipped_form(self.model, self.optimizer, self.metric_specs, self.custom_objects)
         state = {k: v for k, v in self.__dict__.items() if not k.startswith("_tf")}
         state.update(model=None, optimizer=None, metric_specs=None, _shipped=shipped)
+        # The user's step may name the script's model or optimizer: they travel as references to the worker's.
+        state.update(user_code=UserCode(), _packed_user_code=pack_user_code(self.user_code, self._live_objects()))
         if not isinstance(self.loss_spec, str):  # instances and callables travel by value (cloudpickle)
             state["loss_function"] = self.loss_spec
         else:
             state["loss_function"] = None
         return state
+
+    def _live_objects(self) -> dict[str, Any]:
+        """What the user's code may name that a worker rebuilds: its references resolve to the worker's."""
+        return {"model": self.model, "optimizer": self.optimizer}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -138,7 +197,24 @@ class KerasAdapter(FrameworkAdapter):
         if self.loss_function is None:
             self.loss_function = resolve_loss(self.loss_spec)
         self.metric_specs = metrics_from_configs(shipped["metrics"], custom)
+        # Compiled as after compile(): model.optimizer, model.compute_loss and a train_step override
+        # work as with fit (metrics only for a train_step, which reports them in its logs).
+        keras.Model.compile(  # Keras' own: a subclass's compile may take other arguments (a GAN's optimizers)
+            self.model,
+            optimizer=self.optimizer,
+            loss=self.loss_function,
+            metrics=(self._compiled_metrics() or None) if self.model_train_step else None,  # [] is not None to compile
+            auto_scale_loss=False,  # model.optimizer stays the optimizer whose apply is captured
+        )
+        if self._packed_user_code is not None:
+            self.user_code = unpack_user_code(self._packed_user_code, self._live_objects())
+            self._packed_user_code = None
+        self._eva = Eva(self.metric_specs)
         self._build_functions()
+
+    def _compiled_metrics(self) -> list[Any]:
+        """The metrics as given (names as names, so a train_step's logs carry the labels shown)."""
+        return [name or spec for name, spec in zip(self._metric_names_given, self.metric_specs)]
 
     def _build_functions(self) -> None:
         import tensorflow as tf
@@ -184,37 +260,52 @@ class KerasAdapter(FrameworkAdapter):
         return self._metrics_resolved
 
     def _stat_values(self, y: Any, out: Any, loss: Any, n: Any) -> list[Any]:
-        import keras
+        if self.custom_step:  # (loss, metric): the step's eva stands for the metric
+            import tensorflow as tf
+
+            # No accuracy to pick for several outputs unless a metric was given (eva is the user's to call).
+            single = bool(self._eva) or len(leaves(out)) == 1
+            return [loss * n, (_scalar(self._eva(y, out)) if single else tf.constant(float("nan"))) * n]
+        return [loss * n] + [metric_value(m, y, out) * n for m in self._metrics(y, out)]
+
+    def _loss(self, x: Any, y: Any, out: Any, training: bool) -> tuple[Any, Any]:
+        """(the loss shown, the loss differentiated): the loss given and the layers' own losses, or
+        what the model's ``compute_loss`` returns (its own, or Keras' for a structure of losses)."""
         import tensorflow as tf
 
-        values = [loss * n]
-        for metric in self._metrics(y, out):
-            if isinstance(metric, keras.metrics.Metric):
-                metric.reset_state()
-                metric.update_state(y, out)
-                value = metric.result()
-            else:
-                value = tf.reduce_mean(tf.cast(metric(y, out), tf.float32))
-            values.append(tf.cast(value, tf.float32) * n)
-        return values
-
-    def _loss(self, y: Any, out: Any) -> Any:
-        import tensorflow as tf
-
-        return tf.reduce_mean(tf.cast(self.loss_function(y, out), tf.float32))
+        if self.model_loss:
+            total = _compute_loss(self.model, x, y, out, training)
+            return _scalar(total), total
+        loss = tf.reduce_mean(tf.cast(self.loss_function(y, out), tf.float32))
+        return loss, (loss + tf.add_n(self.model.losses) if training and self.model.losses else loss)
 
     def _forward_backward(self, x: Any, y: Any, seed: Any) -> tuple[list[Any], list[Any], list[Any]]:
-        """(gradients, None where a variable got none; stat sums; ...) of one micro-batch, traced."""
+        """(gradients, None where a variable got none; stat sums; sample count) of one micro-batch, traced."""
         import tensorflow as tf
 
         for k, v in enumerate(self._seed_vars):
             v.assign(tf.cast(tf.stack([seed, tf.constant(k, tf.int64)]), v.dtype))
+        n = tf.cast(_leading_dim(y), tf.float32)
+        code = self.user_code
+        if code.step_fn is not None:
+            grads, metric, loss = run_custom_step(
+                code.step_fn,
+                self.model,
+                self.optimizer,
+                self._train_vars,
+                (x, y),
+                self._eva,
+                self.train_set,
+                code.fn_args,
+            )
+            return grads, [_scalar(loss) * n, _scalar(metric) * n], [n]
+        if self.model_train_step:
+            grads, logs = run_train_step(self.model, self.optimizer, self._train_vars, (x, y), self.stat_names)
+            return grads, [_scalar(value) * n for value in logs], [n]
         with tf.GradientTape() as tape:
             out = self.model(x, training=True)
-            loss = self._loss(y, out)
-            total = loss + tf.add_n(self.model.losses) if self.model.losses else loss
+            loss, total = self._loss(x, y, out, training=True)
         grads = tape.gradient(total, self._train_vars)
-        n = tf.cast(_leading_dim(y), tf.float32)
         return list(grads), self._stat_values(y, out, loss, n), [n]
 
     def _micro_batch(self, x: Any, y: Any, weight: Any, seed: Any, acc: Any = None) -> Any:
@@ -278,7 +369,7 @@ class KerasAdapter(FrameworkAdapter):
 
         out = self.model(x, training=False)
         n = tf.cast(_leading_dim(y), tf.float32)
-        return tf.stack(self._stat_values(y, out, self._loss(y, out), n) + [n])
+        return tf.stack(self._stat_values(y, out, self._loss(x, y, out, training=False)[0], n) + [n])
 
     # -- a step ---------------------------------------------------------------------------
     @property
@@ -359,6 +450,14 @@ class KerasAdapter(FrameworkAdapter):
 
     # -- evaluation and state -------------------------------------------------------------
     def evaluate_batches(self, batches: Iterator[tuple[Any, Any]]) -> torch.Tensor:
+        test_fn = self.user_code.test_fn
+        if test_fn is not None:  # the user's fn_test, eagerly, over the whole shard
+            import tensorflow as tf
+
+            pairs = ((indices, split_keras_batch(batch)) for indices, batch in batches)
+            with tf.device(self._tf_device):
+                values, count = run_test_fn(test_fn, self.model, pairs, self.user_code.fn_args, len(self.stat_names))
+            return torch.tensor([v * count for v in values] + [count], dtype=torch.float64)
         total = torch.zeros(self._layout.eval_size, dtype=torch.float64)
         for _, batch in batches:
             total += self._evaluate_batch(batch)

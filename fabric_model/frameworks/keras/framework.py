@@ -24,24 +24,20 @@ class KerasFramework(Framework):
     name: ClassVar[str] = "keras"
 
     def check_options(self, *, fn_step_train: Any, fn_test: Any, keras_custom_objects: Any) -> None:
-        """A custom step or test is torch's only; ``keras_custom_objects`` must be a dict."""
-        for name, value in (("fn_step_train", fn_step_train), ("fn_test", fn_test)):
-            if value is not None:
-                raise TypeError(
-                    f"`{name}` is supported for torch models only. Received: {name}={value!r} with a Keras model. "
-                    "HINT: a Keras model's custom training belongs in its train_step-free call(); "
-                    "leave the step to fabric_model."
-                )
+        """``keras_custom_objects`` must be a dict; ``fn_step_train`` and ``fn_test`` are taken as for torch
+        (docs/keras.md, "Custom steps"; ``setup/checks.py`` checks that they are callables)."""
         super().check_options(fn_step_train=fn_step_train, fn_test=fn_test, keras_custom_objects=keras_custom_objects)
 
     def check_loss(self, loss_function: Any) -> None:
-        """A ``keras.losses`` instance, a loss name, or ``loss(y_true, y_pred)``; names resolved now."""
+        """A ``keras.losses`` instance, a loss name, ``loss(y_true, y_pred)``, or a dict or list of them
+        (by output, as ``compile(loss=)`` takes); names resolved now."""
         resolve_loss(loss_function)
 
-    def check_metrics(self, metrics: Any) -> list[Any]:
-        """A list of metric names, ``keras.metrics.Metric`` instances or ``metric(y_true, y_pred)``."""
-        if metrics is None:  # IBM's default: the accuracy compile(metrics=["accuracy"]) picks
-            return ["accuracy"]
+    def check_metrics(self, metrics: Any) -> list[Any] | None:
+        """A list of metric names, ``keras.metrics.Metric`` instances or ``metric(y_true, y_pred)``; None for
+        the adapter's default (IBM's: the accuracy ``compile(metrics=["accuracy"])`` picks, where it applies)."""
+        if metrics is None:
+            return None
         if not isinstance(metrics, (list, tuple)):
             raise TypeError(
                 "Expected `metrics` to be a list of Keras metric names ('accuracy'), keras.metrics.Metric objects "
@@ -56,17 +52,19 @@ class KerasFramework(Framework):
         resolve_optimizer(optimizer)
 
     def make_adapter(self, user: UserObjects) -> FrameworkAdapter:
-        """A :class:`~.keras_adapter.KerasAdapter` (a custom step is rejected by ``check_options``)."""
+        """A :class:`~.adapter.KerasAdapter`, with the user's ``fn_step_train``, ``fn_test`` and ``fn_args``."""
         from .adapter import KerasAdapter
+        from .user_step import UserCode
 
         return KerasAdapter(
             user.model,
             user.optimizer,
             user.loss_function,
-            user.metrics or [],  # check_metrics gave a list (None became ["accuracy"])
+            user.metrics,  # None: the adapter's default
             user.custom_objects,
             user.collate,
             user.step_options.gradient_clip_norm,
+            UserCode(user.fn_step_train, user.fn_test, user.fn_args),
         )
 
     def split_batch(self, batch: Any) -> tuple[Any, Any]:

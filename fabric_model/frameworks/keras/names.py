@@ -55,19 +55,25 @@ def unknown_name_error(argument: str, name: str, candidates: list[str]) -> Value
     )
 
 
-def resolve_loss(loss: Any) -> Any:
+def resolve_loss(loss: Any, argument: str = "loss_function") -> Any:
+    """A loss, or a dict (by output name) or list (by output) of them, as ``compile(loss=)`` takes."""
     import keras
 
+    if isinstance(loss, dict) and argument == "loss_function":
+        return {k: resolve_loss(v, f"loss_function[{k!r}]") for k, v in loss.items()}
+    if isinstance(loss, list | tuple) and argument == "loss_function":
+        return [resolve_loss(v, f"loss_function[{i}]") for i, v in enumerate(loss)]
     if isinstance(loss, str):
         try:
             return keras.losses.get(loss)
         except (ValueError, TypeError):
-            raise unknown_name_error("loss_function", loss, valid_names(keras.losses, keras.losses.Loss)) from None
+            raise unknown_name_error(argument, loss, valid_names(keras.losses, keras.losses.Loss)) from None
     if isinstance(loss, keras.losses.Loss) or callable(loss):
         return loss
     raise TypeError(
-        "Expected `loss_function` to be a keras.losses.Loss, a Keras loss name such as "
-        f"'sparse_categorical_crossentropy', or a callable loss(y_true, y_pred). Received: loss_function={loss!r}"
+        f"Expected `{argument}` to be a keras.losses.Loss, a Keras loss name such as "
+        "'sparse_categorical_crossentropy', or a callable loss(y_true, y_pred) (`loss_function` may also be a "
+        f"dict of them by output name, or a list by output, as compile(loss=) takes). Received: {argument}={loss!r}"
     )
 
 

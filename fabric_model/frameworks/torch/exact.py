@@ -42,6 +42,7 @@ class ExactTorchAdapter(ExactGrid, TorchAdapter):
     """A :class:`TorchAdapter` whose step sums are bitwise independent of how micro-batches are divided."""
 
     lone_direct = False  # every micro-batch's gradient goes through the step buffer, even alone
+    whole_step_buffers_in_place = False
 
     def setup(self, device: str, num_threads: int) -> None:
         deterministic_kernels(device)

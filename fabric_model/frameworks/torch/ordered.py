@@ -41,6 +41,7 @@ class OrderedTorchAdapter(TorchAdapter):
     # adding into the step buffer); adding +0.0 at the end turns their -0.0 into +0.0, and then
     # (g_0 + g_1) + 0 has the bits of (0 + g_0) + g_1, the sum of terms each made in zeros.
     lone_direct = True
+    whole_step_buffers_in_place = False  # start + change, as the gathered terms give it: the same bits
     max_terms: int = 1  # micro-batches in a step, at most (set in the caller)
 
     @classmethod

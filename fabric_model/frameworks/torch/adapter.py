@@ -433,8 +433,7 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         if not self._direct:
             self._ensure_grad_views()
         if self._buffers_as_left:  # only a buffer the forward assigned anew goes back to its own tensor
-            for (module, name), own in zip(self._buffer_slots, self._buffers):
-                live = module._buffers[name]
+            for (module, name), own, live in zip(self._buffer_slots, self._buffers, self._live_buffers()):
                 if live is not own:
                     own.copy_(live.detach())
                     module._buffers[name] = own

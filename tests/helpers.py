@@ -160,3 +160,13 @@ def need(module: str) -> Any:
     if os.environ.get("FABRIC_MODEL_TEST_ALL_EXTRAS"):
         return importlib.import_module(module)
     return pytest.importorskip(module)
+
+
+def interruptible() -> None:
+    """``preexec_fn`` of a process a test sends SIGINT: the disposition a terminal's shell gives it
+    (default, unblocked), whatever this test process inherited or set; Python then turns it into
+    KeyboardInterrupt, as for a user's script."""
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -27,6 +27,7 @@ from fabric_model.run.metrics_log import read_records
 from fabric_model.run.status import summarize
 from fabric_model.testing import HoldForJoin, Kill
 from tests.conftest import wait_gone
+from tests.helpers import interruptible
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -174,6 +175,7 @@ def test_ctrl_c_says_how_to_resume_and_leaves_no_process(tmp_path):
         cwd=ROOT,
         env=job_env(),
         start_new_session=True,  # its own process group: the Ctrl-C of a terminal goes to all of it
+        preexec_fn=interruptible,  # SIGINT as a terminal leaves it, not as this process may have it
     )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
@@ -190,6 +192,7 @@ def test_ctrl_c_says_how_to_resume_and_leaves_no_process(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait(timeout=10)
     reader.join(10)
     text = "".join(lines)
     assert code == 130, text[-3000:]

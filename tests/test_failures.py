@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from fabric_model import FabricModel
 from fabric_model.errors import RemoteTraceback
 
-from .helpers import fresh_model_and_optimizer, make_data
+from .helpers import fresh_model_and_optimizer, interruptible, make_data
 
 pytestmark = pytest.mark.processes
 
@@ -114,7 +114,9 @@ DRIVER_SCRIPT = textwrap.dedent("""
 
 def _start_driver(run_dir: Path) -> tuple[subprocess.Popen, list[psutil.Process]]:
     script = DRIVER_SCRIPT.format(repo=str(REPO), run_dir=str(run_dir))
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=interruptible
+    )
     metrics = run_dir / "logs" / "metrics.jsonl"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not (metrics.exists() and metrics.stat().st_size > 0):
@@ -144,6 +146,7 @@ def test_ctrl_c_stops_everything(run_dir):
         out, _ = proc.communicate(timeout=30)
     finally:
         proc.kill()
+        proc.wait(timeout=10)  # reaped, whatever happened
     # A script stopped with Ctrl-C says how to resume and exits 130, without a traceback.
     assert proc.returncode == 130, out.decode(errors="replace")[-2000:]
     assert b"resume=True" in out and b"Traceback" not in out

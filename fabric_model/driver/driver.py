@@ -24,7 +24,6 @@ from ..launchers.local import LocalLauncher
 from ..run.hooks import Hooks
 from ..run.metrics_log import MetricsLog
 from ..run.rundir import RunDirectory
-from ..setup import settings
 from ..setup.config import TrainConfig
 from ..state.best import BestCheckpoints, epoch_logs
 from ..state.book import StateBook
@@ -77,7 +76,6 @@ class DriverSetup:
         max_workers: the most workers at once, hand-started ones included (engines_number);
             None: one per local slot.
         keep_best: which older checkpoints to keep by a monitored metric (a ``BestCheckpoints`` in ``user_callback``).
-        check_steps: the members compare state fingerprints every this many steps (0: only at the end).
     """
 
     payload: bytes
@@ -93,7 +91,6 @@ class DriverSetup:
     bind_address: str = DEFAULT_BIND_ADDRESS
     max_workers: int | None = None
     keep_best: BestCheckpoints | None = None
-    check_steps: int = settings.DIVERGENCE_CHECK_STEPS.default
 
 
 @dataclasses.dataclass
@@ -317,7 +314,7 @@ class Driver:
         slot = self.membership.slot_of(worker_id)
         device = self.setup.devices[slot] if slot is not None else None
         setup = self.setup
-        spec = p.JobSpec(setup.payload, setup.config, setup.plan, device, setup.threads, setup.check_steps)
+        spec = p.JobSpec(setup.payload, setup.config, setup.plan, device, setup.threads)
         self._server.send(worker_id, spec)
 
     def _on_step(self, worker_id: int, message: p.StepDone) -> None:

@@ -150,3 +150,6 @@ class TrainConfig:
     snapshots: SnapshotCadence
     backend: str  # "gloo" or "nccl"
     keep_freed_memory: bool = True  # worker/allocator.py
+    #: Replicas compare state fingerprints every this many steps and after each epoch (0: at the
+    #: end only): docs/architecture.md, "Replica checks". Read once in the caller, so all compare alike.
+    replica_check_steps: int = 0

@@ -17,7 +17,7 @@ from ..state.best import best_of, check_monitors
 from ..step.loop_state import LoopState
 from ..step.plan import Plan
 from . import checks as v
-from . import run_setup, settings
+from . import run_setup
 from .devices import place_workers
 from .job import Job
 from .run_setup import LoopOptions, serialize_job, size_run, slot_devices, train_config
@@ -95,7 +95,6 @@ def prepare(
         keep_best=best_of(fm.user_callbacks),
         resume=resumed,
         max_workers=engines,
-        check_steps=settings.DIVERGENCE_CHECK_STEPS.get(),  # read here: every worker compares at the same steps
     )
     return setup, adapter, train_set
 

@@ -25,7 +25,7 @@ from .config import (
 from .devices import collective_backend, workers_per_gpu
 from .job import Job
 from .job import dumps as dump_job
-from .settings import DETERMINISTIC_THREADS
+from .settings import DETERMINISTIC_THREADS, DIVERGENCE_CHECK_STEPS
 from .unpicklable import Unpicklable, find_unpicklable
 
 if TYPE_CHECKING:
@@ -116,6 +116,7 @@ def train_config(epoch_number: int, batch_size: int, sizing: EngineSizing, loop:
         snapshots=SnapshotCadence.from_environment(),
         backend=collective_backend(gpus, workers_per_gpu()),  # as the workers will see the GPUs
         keep_freed_memory=keep_freed_memory_setting(),
+        replica_check_steps=DIVERGENCE_CHECK_STEPS.get(),
     )
 
 

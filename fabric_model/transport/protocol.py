@@ -157,15 +157,13 @@ class Assigned:
 class JobSpec:
     """The job: the cloudpickled :class:`~fabric_model.setup.job.Job`, its configuration (timeouts
     included, resolved once in the caller) and plan, device and threads. The rendezvous store
-    is at the address the worker reached the driver at (a :class:`StoreOpen` connection).
-    ``check_steps``: members send a :class:`Fingerprint` every this many steps (0: never)."""
+    is at the address the worker reached the driver at (a :class:`StoreOpen` connection)."""
 
     payload: bytes
     config: Any  # fabric_model.setup.config.TrainConfig
     plan: Any  # fabric_model.step.plan.Plan
     device: str | None
     threads: int
-    check_steps: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,10 +62,9 @@ class TrainingLoop:
         collective: Collective,
         datasets: tuple[Any, Any],
         context: WorkerContext,
-        check_steps: int = 0,
     ) -> None:
         self.job, self.config, self.plan = job, config, plan
-        self.check_steps = check_steps  # replicas compare fingerprints every this many steps (0: never)
+        self.check_steps = config.replica_check_steps  # replicas compare fingerprints every this many steps
         self.adapter = job.adapter
         self.channel, self.inbox, self.collective = channel, inbox, collective
         self.train_set, self.test_set = datasets

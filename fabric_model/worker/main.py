@@ -115,7 +115,7 @@ def _train(
     collective = job.hooks.wrap_collective(
         Collective(store, config.backend, timedelta(seconds=timeouts.collective), device, inbox.aborted)
     )
-    loop = TrainingLoop(job, config, plan, channel, inbox, collective, datasets, context, spec.check_steps)
+    loop = TrainingLoop(job, config, plan, channel, inbox, collective, datasets, context)
     if not _join(loop, inbox, channel, timeouts):
         return collective
     if config.keep_freed_memory:  # what set-up and the pull freed, not the steps' memory

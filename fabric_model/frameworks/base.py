@@ -14,6 +14,9 @@ from ..step.data import Reader, is_batch_level
 from ..step.digest import state_fingerprint
 from ..step.options import StepOptions
 
+#: The keys under which a dict sample holds its target, looked for in this order (every framework).
+TARGET_KEYS = ("target", "label", "labels", "y")
+
 if TYPE_CHECKING:  # annotations only: importing this module must not import torch
     import numpy as np
     import torch

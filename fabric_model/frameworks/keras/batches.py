@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-TARGET_KEYS = ("target", "label", "labels", "y")
+from ..base import TARGET_KEYS
 
 
 # -- batches ------------------------------------------------------------------------------

@@ -24,8 +24,7 @@ from typing import Any
 
 import torch
 
-#: Keys a dict sample's target may have, in the order they are looked for.
-TARGET_KEYS = ("target", "label", "labels", "y")
+from ..base import TARGET_KEYS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,6 @@ import importlib
 import importlib.util
 import json
 import logging
-import os
 import sys
 
 import numpy as np
@@ -15,21 +14,14 @@ import torch
 
 from fabric_model.frameworks.export import ExportError, export_onnx, onnx_max_diff
 
+from .helpers import need
+
 TOLERANCE = 1e-4
 
 if importlib.util.find_spec("tensorflow") is not None:
     # Imported at collection, before any test's environment snapshot: importing TensorFlow sets variables in
     # os.environ (TF2_BEHAVIOR, KMP_*), which the leak check in conftest.py would blame on the first Keras test.
     import tensorflow  # noqa: F401
-
-
-def need(module: str) -> None:
-    """Skip without an optional package, except where the test environment promises them all
-    (tox sets FABRIC_MODEL_TEST_ALL_EXTRAS): there a missing package fails, never skips."""
-    if os.environ.get("FABRIC_MODEL_TEST_ALL_EXTRAS"):
-        importlib.import_module(module)
-    else:
-        pytest.importorskip(module)
 
 
 @pytest.fixture

@@ -40,8 +40,9 @@ class FabricModel(InferenceMixin):
     """Trains a single-device PyTorch or Keras model data-parallel on up to ``engines_number`` workers.
 
     Args:
-        model: a ``torch.nn.Module`` or a Keras 3 ``keras.Model`` (see docs/keras.md, "Loss,
-            optimizer and metrics": names are accepted for a Keras loss, optimizer and metrics).
+        model: a ``torch.nn.Module``, a Keras 3 ``keras.Model`` or a Keras 2 ``tf_keras.Model``
+            (see docs/keras.md, "Loss, optimizer and metrics": names are accepted for a Keras loss,
+            optimizer and metrics).
         datasets_function: a function returning ``(train_dataset, test_dataset)``: map-style
             datasets (``__len__`` and ``__getitem__``) whose samples are ``(input, target)``
             tuples or dicts with a ``target``/``label``/``labels`` key; ``test_dataset`` may be None.

@@ -132,6 +132,16 @@ def sample_indices_of_steps(plan: Plan, train_records: list[dict]) -> dict[int, 
     return used
 
 
+def assert_each_sample_once_per_epoch(run_dir: Path, reads_dir: Path, plan: Plan, epochs: int) -> None:
+    """Exactly once, two ways: by the committed steps' reports (``plan`` maps them to indices) and by
+    what the worker processes actually read (an :class:`IndexRecordingDataset` writing to ``reads_dir``)."""
+    used = sample_indices_of_steps(plan, records(run_dir, "train"))
+    reads = sorted(i for pid, got in reads_by_pid(reads_dir).items() if pid != os.getpid() for i in got)
+    for epoch in range(epochs):
+        assert sorted(used[epoch]) == list(range(plan.num_samples))
+    assert reads == sorted(list(range(plan.num_samples)) * epochs)
+
+
 def final_train_records(run_dir) -> list[dict]:
     """The committed record of every step: a step redone after a rollback supersedes the first one."""
     final: dict[tuple[int, int], dict] = {}

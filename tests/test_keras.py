@@ -25,7 +25,13 @@ from fabric_model.frameworks.keras.adapter import collate_numpy  # noqa: E402
 from fabric_model.step.plan import Plan, epoch_permutation  # noqa: E402
 from fabric_model.testing import FaultInjector, HoldForJoin, Kill, WorkerStarter  # noqa: E402
 
-from .helpers import IndexRecordingDataset, reads_by_pid, records, sample_indices_of_steps  # noqa: E402
+from .helpers import (  # noqa: E402
+    IndexRecordingDataset,
+    assert_each_sample_once_per_epoch,
+    reads_by_pid,
+    records,
+    sample_indices_of_steps,
+)
 
 SEED, EPOCHS, BATCH = 7, 2, 16
 
@@ -106,13 +112,7 @@ def test_same_weights_for_1_2_3_workers_as_a_gradient_tape_loop(workers, batch, 
     )
     assert max_rel_diff(trainable(model), tape_reference) < 1e-5
     assert len(result.replica_digests) == workers and len(set(result.replica_digests.values())) == 1
-    # Exactly once: by the committed steps' reports and by what the workers actually read.
-    plan = Plan(len(DATA), batch, 3 * BATCH // batch, SEED)
-    used = sample_indices_of_steps(plan, records(run_dir, "train"))
-    reads = sorted(i for pid, got in reads_by_pid(tmp_path).items() if pid != os.getpid() for i in got)
-    for epoch in range(EPOCHS):
-        assert sorted(used[epoch]) == list(range(len(DATA)))
-    assert reads == sorted(list(range(len(DATA))) * EPOCHS)
+    assert_each_sample_once_per_epoch(run_dir, tmp_path, Plan(len(DATA), batch, 3 * BATCH // batch, SEED), EPOCHS)
     # "accuracy", the Metric object and the function measure the same thing.
     last = result.history[-1]
     assert last["accuracy"] == pytest.approx(last["acc_obj"], abs=1e-6)

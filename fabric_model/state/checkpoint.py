@@ -5,7 +5,7 @@ A checkpoint is the state after the last step of every ``checkpoint_freq``-th ep
 the *unit* the run goes on from (that epoch's validation slot, see
 :class:`~fabric_model.step.plan.Schedule`). It holds a dict of plain values and tensors::
 
-    {"format": FORMAT, "framework": "torch" | "keras", "unit": next unit to run,
+    {"format": FORMAT, "framework": "torch" | "keras" | "tf_keras", "unit": next unit to run,
      "epoch": e, "step": last step of e, "steps_done": steps committed so far,
      "batch_size": train()'s batch_size, "plan": {num_samples, batch_size, micro_batches, seed},
      "model": adapter.model_state(), "optimizer": adapter.optimizer_state(), "time": ...}

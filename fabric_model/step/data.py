@@ -104,7 +104,9 @@ def is_batch_level(dataset: Any) -> bool:
 
     Recognised by class, without importing Keras where the user does not use it."""
     for cls in type(dataset).__mro__:
-        if cls.__name__ in {"PyDataset", "Sequence"} and (cls.__module__ or "").startswith(("keras", "tensorflow")):
+        if cls.__name__ in {"PyDataset", "Sequence"} and (cls.__module__ or "").startswith(
+            ("keras", "tensorflow", "tf_keras")
+        ):
             return True
     return False
 

@@ -96,9 +96,9 @@ def test_a_custom_gradient_tape_step_trains_as_on_one_device(run_dir):
     ).train(epochs, BATCH, 2, effective_batch_size=MICRO * BATCH, seed=SEED, run_dir=run_dir, deterministic=True)
     history = result.history
     assert history[-1]["loss"] < 0.7 * history[0]["loss"]
-    assert 0.0 <= history[-1]["metric"] <= 1.0  # eva: the accuracy for these shapes
+    assert 0.0 <= history[-1]["accuracy"] <= 1.0  # eva: the accuracy for these shapes
     validation = result.test_history[-1]
-    assert validation["metric"] == 0.5 and validation["loss"] < result.test_history[0]["loss"]
+    assert validation["accuracy"] == 0.5 and validation["loss"] < result.test_history[0]["loss"]
     assert len(set(result.replica_digests.values())) == 1
 
     reference, ref_optimizer = mlp(), keras.optimizers.SGD(0.1, momentum=0.9)

@@ -1,4 +1,6 @@
-"""The Keras adapter: a ``keras.Model`` (Keras 3 on TensorFlow) with a Keras optimizer.
+"""The Keras adapter: a ``keras.Model`` (Keras 3 on TensorFlow) or a ``tf_keras`` model (Keras 2,
+``tf.keras`` under ``TF_USE_LEGACY_KERAS=1``) with an optimizer of the same Keras. Where the two
+differ, the adapter asks the model's :class:`~.flavor.Flavor` (:mod:`.keras2` for Keras 2).
 
 How the pieces travel and meet the shared loop:
 
@@ -23,8 +25,8 @@ How the pieces travel and meet the shared loop:
   ``tf.Tensor.__dlpack__``, which TensorFlow refuses. So on the GPU the step synchronizes
   TensorFlow's device before the collective reads the buffer, and torch's stream after it
   wrote it, before TensorFlow reads it back.
-- Apply: the Keras optimizer's ``apply`` in a second ``tf.function``, identical on every
-  replica. Its variables (iteration count, moments) are part of the state a newcomer pulls.
+- Apply: the Keras optimizer's ``apply`` (Keras 2: ``apply_gradients``) in a second ``tf.function``,
+  identical on every replica. Its variables (iteration count, moments) are part of the state a newcomer pulls.
 - The micro-batch's gradient comes from the user's ``fn_step_train``, else the model's own
   ``train_step``, else our tape over the model's loss (its ``compute_loss`` where it has its
   own or the loss is a dict or list); the user's code hands its gradients over through the
@@ -32,9 +34,9 @@ How the pieces travel and meet the shared loop:
 
 Forward-updated variables (BatchNorm moving statistics) start every micro-batch from the
 step's values and the weighted deltas are reduced, as in the PyTorch adapter. Dropout and
-other random layers draw from Keras ``SeedGenerator`` states, which are set from the
-micro-batch's seed before its forward pass: randomness depends on the micro-batch, never on
-the worker that computed it.
+other random layers draw from state set from the micro-batch's seed before its forward pass
+(Keras 3's ``SeedGenerator`` states; Keras 2's generators, :mod:`.keras2_random`): randomness
+depends on the micro-batch, never on the worker that computed it.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from ...step.layout import StepLayout, StepResult
 from ...step.tree import leaves
 from ..base import FrameworkAdapter
 from .batches import collate_numpy, split_keras_batch
+from .flavor import flavor_of
 from .names import ACCURACY_NAMES, accuracy_for, metric_label, resolve_loss, resolve_metric, resolve_optimizer
 from .runtime import configure_tensorflow, torch_view
 from .shipping import (
@@ -59,10 +62,10 @@ from .shipping import (
     metrics_from_configs,
     model_from_bytes,
     shipped_form,
+    variable_name,
     variables_state,
 )
 from .user_step import (
-    STEP_STATS,
     Eva,
     UserCode,
     metric_value,
@@ -97,6 +100,13 @@ def _compute_loss(model: Any, x: Any, y: Any, out: Any, training: bool) -> Any:
     return model.compute_loss(x, y, out, None)
 
 
+def _value(variable: Any) -> Any:
+    """A variable's value as a tensor: Keras 3's ``.value`` is its TensorFlow variable, Keras 2's (a
+    ``tf.Variable``) a method."""
+    value = variable.value
+    return value() if callable(value) else value
+
+
 def _several_outputs(model: Any) -> bool:
     """Whether a functional model has more than one output (a subclassed model's are unknown until called)."""
     try:
@@ -106,7 +116,7 @@ def _several_outputs(model: Any) -> bool:
 
 
 class KerasAdapter(FrameworkAdapter):
-    """Trains a Keras 3 model micro-batch by micro-batch into one flat step buffer."""
+    """Trains a Keras 3 or Keras 2 (tf_keras) model micro-batch by micro-batch into one flat step buffer."""
 
     def __init__(
         self,
@@ -120,9 +130,10 @@ class KerasAdapter(FrameworkAdapter):
         user_code: UserCode | None = None,
     ) -> None:
         self.model = model
-        self.optimizer = resolve_optimizer(optimizer)
+        self.flavor = flavor_of(model)  # Keras 3 or Keras 2: resolves names and the few calls that differ
+        self.optimizer = resolve_optimizer(optimizer, self.flavor)
         self.loss_spec = loss_function  # the name, instance or callable (or a dict or list of them), as given
-        self.loss_function = resolve_loss(loss_function)
+        self.loss_function = resolve_loss(loss_function, flavor=self.flavor)
         self.user_code = user_code or UserCode()
         self.custom_step = self.user_code.step_fn is not None
         # How a micro-batch's gradient is made (docs/keras.md, "Custom steps"): fn_step_train, else
@@ -133,7 +144,7 @@ class KerasAdapter(FrameworkAdapter):
         if metrics is None:  # the default accuracy, where one output and our step make it meaningful
             simple = not (self.custom_step or self.model_train_step or self.model_loss or _several_outputs(model))
             metrics = ["accuracy"] if simple else []
-        self.metric_specs = [resolve_metric(m, i) for i, m in enumerate(metrics)]
+        self.metric_specs = [resolve_metric(m, i, self.flavor) for i, m in enumerate(metrics)]
         self._metric_names_given = [m if isinstance(m, str) else None for m in metrics]  # for compile (names kept)
         self.custom_objects = dict(custom_objects or {})
         self._collate_fn = collate_fn
@@ -141,7 +152,10 @@ class KerasAdapter(FrameworkAdapter):
         taken: set[str] = set()
         # Labelled as given ("mae" stays "mae", as in Keras' compile), instances by their name.
         self.metric_names = [metric_label(m, i, taken) for i, m in enumerate(metrics)]
-        self.stat_names = list(STEP_STATS) if self.custom_step else ["loss"] + self.metric_names
+        # A custom step returns (its metric, loss): eva's value, the first metric given, else the accuracy,
+        # named so (old-signature loggers get an accuracy in percent, as on the default path).
+        step_metric = self.metric_names[0] if self.metric_names else "accuracy"
+        self.stat_names = ["loss", step_metric] if self.custom_step else ["loss"] + self.metric_names
         self.train_set: Any = None
         self._shipped: dict[str, Any] | None = None
         self._packed_user_code: bytes | None = None  # the user's code as it travels (see __getstate__)
@@ -150,14 +164,18 @@ class KerasAdapter(FrameworkAdapter):
     def check_rebuild(self, first_batch: Any) -> None:
         """Rebuild the model as a worker will, check it computes what ``model`` computes on
         ``first_batch``, and keep the checked form to ship (see :func:`.keras_shipping.checked_form`)."""
-        self._shipped = checked_form(self.model, self.optimizer, self.metric_specs, self.custom_objects, first_batch)
+        self._shipped = checked_form(
+            self.model, self.optimizer, self.metric_specs, self.custom_objects, first_batch, self.flavor
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         # check_rebuild (Framework.prepare_for_shipping) makes and checks the shipped form; without
         # it, the form is made here, unchecked, so pickling never depends on a call made before it.
         shipped = self._shipped
         if shipped is None:
-            shipped = shipped_form(self.model, self.optimizer, self.metric_specs, self.custom_objects)
+            shipped = shipped_form(
+                self.model, self.optimizer, self.metric_specs, self.custom_objects, flavor=self.flavor
+            )
         state = {k: v for k, v in self.__dict__.items() if not k.startswith("_tf")}
         state.update(model=None, optimizer=None, metric_specs=None, _shipped=shipped)
         # The user's step may name the script's model or optimizer: they travel as references to the worker's.
@@ -178,38 +196,37 @@ class KerasAdapter(FrameworkAdapter):
     # -- set-up ---------------------------------------------------------------------------
     def setup(self, device: str, num_threads: int) -> None:
         configure_tensorflow(device, num_threads)
-        import keras
         import tensorflow as tf
 
         shipped = self._shipped
         assert shipped is not None
         custom = shipped["custom_objects"]
+        flavor = self.flavor
         self._device = device
         self._tf_device = "/GPU:0" if device.startswith("cuda") else "/CPU:0"
         with tf.device(self._tf_device):
-            self.model = model_from_bytes(shipped["model"], custom)
-            self.optimizer = keras.optimizers.deserialize(shipped["optimizer"], custom_objects=custom)
-            if self.clip_norm is not None:  # Keras clips in optimizer.apply, which gets the reduced gradient
-                self.optimizer.global_clipnorm = self.clip_norm
-            self.optimizer.build(self.model.trainable_variables)
+            self.model = model_from_bytes(shipped["model"], custom, flavor)
+            self.optimizer = flavor.optimizer_from_config(shipped["optimizer"], custom)
+            if self.clip_norm is not None:  # Keras clips in the update, which gets the reduced gradient
+                flavor.set_global_clipnorm(self.optimizer, self.clip_norm)
+            flavor.build_optimizer(self.optimizer, self.model.trainable_variables)
             if shipped["optimizer_state"] is not None:
-                assign_all(self.optimizer.variables, shipped["optimizer_state"], "optimizer")
+                assign_all(flavor.optimizer_variables(self.optimizer), shipped["optimizer_state"], "optimizer")
         if self.loss_function is None:
-            self.loss_function = resolve_loss(self.loss_spec)
-        self.metric_specs = metrics_from_configs(shipped["metrics"], custom)
+            self.loss_function = resolve_loss(self.loss_spec, flavor=flavor)
+        self.metric_specs = metrics_from_configs(shipped["metrics"], custom, flavor)
         # Compiled as after compile(): model.optimizer, model.compute_loss and a train_step override
         # work as with fit (metrics only for a train_step, which reports them in its logs).
-        keras.Model.compile(  # Keras' own: a subclass's compile may take other arguments (a GAN's optimizers)
+        flavor.compile(
             self.model,
-            optimizer=self.optimizer,
-            loss=self.loss_function,
-            metrics=(self._compiled_metrics() or None) if self.model_train_step else None,  # [] is not None to compile
-            auto_scale_loss=False,  # model.optimizer stays the optimizer whose apply is captured
+            self.optimizer,
+            self.loss_function,
+            (self._compiled_metrics() or None) if self.model_train_step else None,  # [] is not None to compile
         )
         if self._packed_user_code is not None:
             self.user_code = unpack_user_code(self._packed_user_code, self._live_objects())
             self._packed_user_code = None
-        self._eva = Eva(self.metric_specs)
+        self._eva = Eva(self.metric_specs, flavor)
         self._build_functions()
 
     def _compiled_metrics(self) -> list[Any]:
@@ -223,11 +240,12 @@ class KerasAdapter(FrameworkAdapter):
         self._train_vars = list(model.trainable_variables)
         for v in self._train_vars:
             if v.dtype != "float32":
-                raise TypeError(f"Only float32 trainable variables are supported; {v.path} is {v.dtype}.")
-        others = [v for v in model.variables if not v.trainable]
-        self._seed_vars = [v for v in others if v.path.endswith("seed_generator_state")]
-        self._fwd_vars = [v for v in others if v.dtype == "float32" and not v.path.endswith("seed_generator_state")]
-        self._fwd_start = [tf.Variable(v.value, trainable=False) for v in self._fwd_vars]
+                raise TypeError(f"Only float32 trainable variables are supported; {variable_name(v)} is {v.dtype}.")
+        self._random = self.flavor.random_state(model)  # random layers drawing from the micro-batch's seed
+        random = {id(v) for v in self._random.variables}
+        others = [v for v in model.variables if not v.trainable and id(v) not in random]
+        self._fwd_vars = [v for v in others if v.dtype == "float32"]
+        self._fwd_start = [tf.Variable(_value(v), trainable=False) for v in self._fwd_vars]
         self._layout = StepLayout(
             n_gradients=sum(int(np.prod(v.shape)) for v in self._train_vars),
             n_buffers=sum(int(np.prod(v.shape)) for v in self._fwd_vars),
@@ -254,7 +272,9 @@ class KerasAdapter(FrameworkAdapter):
     def _metrics(self, y_true: Any, y_pred: Any) -> list[Any]:
         if self._metrics_resolved is None:  # "accuracy" depends on the shapes, as in compile()
             self._metrics_resolved = [
-                accuracy_for(y_true.shape, y_pred.shape) if isinstance(m, str) and m in ACCURACY_NAMES else m
+                accuracy_for(y_true.shape, y_pred.shape, self.flavor)
+                if isinstance(m, str) and m in ACCURACY_NAMES
+                else m
                 for m in self.metric_specs
             ]
         return self._metrics_resolved
@@ -266,7 +286,7 @@ class KerasAdapter(FrameworkAdapter):
             # No accuracy to pick for several outputs unless a metric was given (eva is the user's to call).
             single = bool(self._eva) or len(leaves(out)) == 1
             return [loss * n, (_scalar(self._eva(y, out)) if single else tf.constant(float("nan"))) * n]
-        return [loss * n] + [metric_value(m, y, out) * n for m in self._metrics(y, out)]
+        return [loss * n] + [metric_value(m, y, out, self.flavor) * n for m in self._metrics(y, out)]
 
     def _loss(self, x: Any, y: Any, out: Any, training: bool) -> tuple[Any, Any]:
         """(the loss shown, the loss differentiated): the loss given and the layers' own losses, or
@@ -283,8 +303,7 @@ class KerasAdapter(FrameworkAdapter):
         """(gradients, None where a variable got none; stat sums; sample count) of one micro-batch, traced."""
         import tensorflow as tf
 
-        for k, v in enumerate(self._seed_vars):
-            v.assign(tf.cast(tf.stack([seed, tf.constant(k, tf.int64)]), v.dtype))
+        self._random.reseed(seed)
         n = tf.cast(_leading_dim(y), tf.float32)
         code = self.user_code
         if code.step_fn is not None:
@@ -317,7 +336,7 @@ class KerasAdapter(FrameworkAdapter):
         flags = [tf.constant([0.0 if g is None else 1.0]) for g in grads]
         grads = [tf.zeros_like(v) if g is None else g for g, v in zip(grads, self._train_vars)]
         parts = [tf.reshape(tf.convert_to_tensor(g), [-1]) for g in grads]
-        parts += [tf.reshape(v.value - s, [-1]) for v, s in zip(self._fwd_vars, self._fwd_start)]
+        parts += [tf.reshape(_value(v) - s, [-1]) for v, s in zip(self._fwd_vars, self._fwd_start)]
         weighted = tf.concat(parts, 0) if parts else tf.zeros([0])
         if weight is not None:  # None: the step's only micro-batch, weight 1 (saves a pass over the buffer)
             weighted = weighted * weight
@@ -334,9 +353,8 @@ class KerasAdapter(FrameworkAdapter):
         grads, stats, count = self._forward_backward(x, y, seed)
         pairs = [(tf.convert_to_tensor(g), v) for g, v in zip(grads, self._train_vars) if g is not None]
         if pairs:
-            self.optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
-        for v in self._seed_vars:
-            v.assign(tf.zeros_like(v))
+            self.flavor.apply(self.optimizer, [g for g, _ in pairs], [v for _, v in pairs])
+        self._random.clear()
         return tf.stack(stats + count)
 
     def _apply(self, flat: Any, used: tuple[bool, ...]) -> None:
@@ -354,11 +372,10 @@ class KerasAdapter(FrameworkAdapter):
             offset += size
         pairs = [(g, v) for g, v, u in zip(grads, self._train_vars, used) if u]
         if pairs:
-            self.optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
+            self.flavor.apply(self.optimizer, [g for g, _ in pairs], [v for _, v in pairs])
         # Seed states are reset every micro-batch; a fixed value between steps keeps the
         # replicas' variables identical whichever micro-batches each one ran.
-        for v in self._seed_vars:
-            v.assign(tf.zeros_like(v))
+        self._random.clear()
 
     def _snapshot(self) -> None:
         for v, start in zip(self._fwd_vars, self._fwd_start):
@@ -476,11 +493,14 @@ class KerasAdapter(FrameworkAdapter):
         return variables_state(self.model.variables)
 
     def optimizer_state(self) -> dict[str, Any]:
-        return variables_state(self.optimizer.variables) if self.optimizer.built else {}
+        if not self.flavor.optimizer_built(self.optimizer):
+            return {}
+        return variables_state(self.flavor.optimizer_variables(self.optimizer))
 
     def load_state(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
         assign_all(self.model.variables, [t.numpy() for t in model_state.values()], "model")
         if optimizer_state:
-            if not self.optimizer.built:
-                self.optimizer.build(self.model.trainable_variables)
-            assign_all(self.optimizer.variables, [t.numpy() for t in optimizer_state.values()], "optimizer")
+            flavor = self.flavor
+            flavor.build_optimizer(self.optimizer, self.model.trainable_variables)  # the user's, if not yet built
+            values = [t.numpy() for t in optimizer_state.values()]
+            assign_all(flavor.optimizer_variables(self.optimizer), values, "optimizer")

@@ -17,6 +17,8 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from .flavor import flavor_of
+
 
 class GradientCapture:
     """The gradients one micro-batch's user code handed the optimizer, by position in ``variables``."""
@@ -65,33 +67,20 @@ def _name(variable: Any) -> str:
 @contextlib.contextmanager
 def capturing(optimizer: Any, variables: Sequence[Any], who: str) -> Iterator[GradientCapture]:
     """Within the block, ``optimizer.apply`` / ``apply_gradients`` record into the capture yielded;
-    any other Keras optimizer's ``apply`` raises. ``who`` names the user's code in messages."""
-    from keras.src.optimizers.base_optimizer import BaseOptimizer
-
+    any other optimizer of the same Keras raises when it applies. ``who`` names the user's code in messages."""
     capture = GradientCapture(variables)
     source = f"{who}'s optimizer.apply"
 
-    def apply(grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
+    def record(grads: Sequence[Any], trainable_variables: Sequence[Any] | None) -> None:
         capture.add(grads, trainable_variables, source)
 
-    def foreign_apply(self: Any, grads: Any, trainable_variables: Any = None) -> None:
+    def refuse(other: Any) -> None:
         raise RuntimeError(
             f"{who} applied gradients with an optimizer other than the one given to FabricModel "
-            f"({type(self).__name__}). Its update would reach this worker's replica alone. HINT: apply with "
+            f"({type(other).__name__}). Its update would reach this worker's replica alone. HINT: apply with "
             "model.optimizer (the optimizer given to FabricModel), or return the gradients: (metric, loss, grads)."
         )
 
-    shadowed = "apply" in vars(optimizer)
-    previous = vars(optimizer).get("apply")
-    class_apply = BaseOptimizer.apply
-    # The instance's own attribute wins over the class's (apply_gradients calls self.apply).
-    object.__setattr__(optimizer, "apply", apply)  # not tracked: Keras' __setattr__ would track it
-    BaseOptimizer.apply = foreign_apply
-    try:
+    # Keras 3 records `apply` (apply_gradients calls it), Keras 2 `apply_gradients` (minimize calls it).
+    with flavor_of(optimizer).intercepting(optimizer, record, refuse):
         yield capture
-    finally:
-        BaseOptimizer.apply = class_apply
-        if shadowed:
-            object.__setattr__(optimizer, "apply", previous)
-        else:
-            object.__delattr__(optimizer, "apply")

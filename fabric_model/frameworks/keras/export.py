@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.util
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +16,7 @@ import numpy as np
 
 from ...step.tree import map_tree
 from ..export import _error, _require, _to_numpy
+from .flavor import Flavor, flavor_of
 
 
 def keras_signature(model: Any, sample: Any) -> list[Any]:
@@ -50,11 +50,6 @@ def keras_signature(model: Any, sample: Any) -> list[Any]:
     return [spec(sample, getattr(single, "name", None) or "input", single)]
 
 
-def _keras_has_onnx_export() -> bool:
-    # model.export(format="onnx") arrived in Keras 3.x; fabric-model[tensorflow] allows older Keras 3.
-    return importlib.util.find_spec("keras.src.export.onnx") is not None
-
-
 @contextlib.contextmanager
 def environ_kept() -> Iterator[None]:
     """Undo os.environ changes made in the block.
@@ -76,33 +71,37 @@ def environ_kept() -> Iterator[None]:
 
 def export_keras(model: Any, sample: Any, path: str) -> None:
     """Write ``model`` to ``path`` through a tf.function over a signature whose batch dimension is open."""
-    keras = _require("keras", "keras", model)
-    tf = _require("tensorflow", "keras", model)
-    if not isinstance(model, keras.Model):
-        raise _error("keras", model, "the model is not a keras.Model (a bare layer or function cannot be exported)")
-    _require("onnx", "keras", model)
+    flavor = flavor_of(model)
+    name = flavor.name
+    _require(flavor.package, name, model)
+    tf = _require("tensorflow", name, model)
+    if not flavor.is_model(model):
+        raise _error(
+            name, model, f"the model is not a {flavor.package}.Model (a bare layer or function cannot be exported)"
+        )
+    _require("onnx", name, model)
     # Both paths convert a tf.function with tf2onnx; import it here so its absence gets the install hint.
-    tf2onnx = _require("tf2onnx.convert", "keras", model)
+    tf2onnx = _require("tf2onnx.convert", name, model)
     if not model.built:
         # A subclassed model has no weights (and model.export refuses it) until it is called once.
         try:
             model(sample, training=False)
         except Exception as exc:
-            raise _error("keras", model, "the model fails on sample_input", exc) from exc
+            raise _error(name, model, "the model fails on sample_input", exc) from exc
     signature = keras_signature(model, sample)
     try:
-        if _keras_has_onnx_export():
+        if flavor.has_onnx_exporter():
             # Keras' own exporter traces call(training=False) over the signature and patches tf2onnx for
             # numpy 2; it wants an explicit signature for models that were never called.
             model.export(path, format="onnx", verbose=False, input_signature=signature)
         else:
             # tf2onnx.convert.from_keras fails on Keras 3 models (KeyError on 'keras_tensor_N'); a
-            # tf.function over the same signature converts.
+            # tf.function over the same signature converts (Keras 2 models too, which have no exporter).
             function = tf.function(lambda *args: model(*args, training=False), input_signature=signature)
             tf2onnx.from_function(function, input_signature=signature, output_path=path)
     except Exception as exc:
         raise _error(
-            "keras",
+            name,
             model,
             "the model could not be traced and converted",
             exc,
@@ -112,18 +111,17 @@ def export_keras(model: Any, sample: Any, path: str) -> None:
 
 
 def keras_outputs(model: Any, sample: Any) -> tuple[list[np.ndarray], list[str] | None]:
-    """The model's outputs (training=False), flattened as keras.tree does; a dict's keys, sorted, with them."""
-    keras = importlib.import_module("keras")
+    """The model's outputs (training=False), flattened as its Keras does; a dict's keys, sorted, with them."""
     out = model(sample, training=False)
-    names = sorted(out) if isinstance(out, dict) else None  # keras.tree flattens dicts in sorted key order
-    return [_to_numpy(x) for x in keras.tree.flatten(out)], names
+    names = sorted(out) if isinstance(out, dict) else None  # keras.tree and tf.nest flatten dicts by sorted key
+    return [_to_numpy(x) for x in flavor_of(model).flatten(out)], names
 
 
-def keras_inputs(batch: Any, input_names: list[str]) -> list[Any]:
-    """A dict batch by the file's input names where it has them all, else flattened as keras.tree does."""
+def keras_inputs(batch: Any, input_names: list[str], flavor: Flavor) -> list[Any]:
+    """A dict batch by the file's input names where it has them all, else flattened as ``flavor``'s Keras does."""
     if isinstance(batch, dict) and all(name in batch for name in input_names):
         return [batch[name] for name in input_names]
-    return list(importlib.import_module("keras").tree.flatten(batch))
+    return flavor.flatten(batch)
 
 
 def grow_keras_batch(sample: Any) -> Any:

@@ -1,7 +1,9 @@
-"""The Keras framework's driver half: a Keras 3 ``keras.Model`` (on TensorFlow) with a Keras optimizer.
+"""The Keras framework's driver half: a Keras 3 ``keras.Model`` (on TensorFlow) with a Keras optimizer,
+or, as the framework "tf_keras", a Keras 2 ``tf_keras`` model with a ``tf_keras`` optimizer.
 
 Losses, optimizers and metrics may be given by name; names are resolved (and misspellings
-reported) here, in the caller. TensorFlow is imported only when a Keras model is given.
+reported) here, in the caller, by the model's Keras. TensorFlow is imported only when a Keras model
+is given, and ``tf_keras`` only when a ``tf_keras`` model is.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..base import Framework, FrameworkAdapter, TrainedModel, UserObjects
+from .flavor import KERAS3, Flavor, flavor_named
 from .names import resolve_loss, resolve_metric, resolve_optimizer
 
 
@@ -23,6 +26,11 @@ class KerasFramework(Framework):
 
     name: ClassVar[str] = "keras"
 
+    @property
+    def flavor(self) -> Flavor:
+        """Which Keras this framework's models are (the Keras 2 one is imported only for its framework)."""
+        return KERAS3
+
     def check_options(self, *, fn_step_train: Any, fn_test: Any, keras_custom_objects: Any) -> None:
         """``keras_custom_objects`` must be a dict; ``fn_step_train`` and ``fn_test`` are taken as for torch
         (docs/keras.md, "Custom steps"; ``setup/checks.py`` checks that they are callables)."""
@@ -31,7 +39,7 @@ class KerasFramework(Framework):
     def check_loss(self, loss_function: Any) -> None:
         """A ``keras.losses`` instance, a loss name, ``loss(y_true, y_pred)``, or a dict or list of them
         (by output, as ``compile(loss=)`` takes); names resolved now."""
-        resolve_loss(loss_function)
+        resolve_loss(loss_function, flavor=self.flavor)
 
     def check_metrics(self, metrics: Any) -> list[Any] | None:
         """A list of metric names, ``keras.metrics.Metric`` instances or ``metric(y_true, y_pred)``; None for
@@ -44,12 +52,12 @@ class KerasFramework(Framework):
                 f"or callables metric(y_true, y_pred). Received: metrics={metrics!r}. HINT: wrap it in a list."
             )
         for i, m in enumerate(metrics):
-            resolve_metric(m, i)
+            resolve_metric(m, i, self.flavor)
         return list(metrics)
 
     def check_optimizer(self, model: Any, optimizer: Any) -> None:
-        """A Keras optimizer instance or name (it is built over the rebuilt model in each worker)."""
-        resolve_optimizer(optimizer)
+        """An optimizer instance or name of the model's Keras (it is built over the rebuilt model in each worker)."""
+        resolve_optimizer(optimizer, self.flavor)
 
     def make_adapter(self, user: UserObjects) -> FrameworkAdapter:
         """A :class:`~.adapter.KerasAdapter`, with the user's ``fn_step_train``, ``fn_test`` and ``fn_args``."""
@@ -113,3 +121,15 @@ class KerasFramework(Framework):
         from .inference import compile_trained
 
         compile_trained(adapter)
+
+
+class TfKerasFramework(KerasFramework):
+    """Keras 2 (``tf_keras``; ``tf.keras`` under ``TF_USE_LEGACY_KERAS=1``): the Keras framework with
+    Keras 2's answers (:mod:`.keras2`). A framework of its own name, so run records and checkpoints
+    say which Keras wrote them and a Keras 3 model does not resume a Keras 2 run."""
+
+    name: ClassVar[str] = "tf_keras"
+
+    @property
+    def flavor(self) -> Flavor:
+        return flavor_named("tf_keras")

@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from ..base import metric_name
+from .flavor import KERAS3, Flavor
 
 #: Names Keras' ``compile`` reads as "the accuracy that fits the loss and the output shape".
 ACCURACY_NAMES = ("accuracy", "acc")
@@ -55,14 +56,14 @@ def unknown_name_error(argument: str, name: str, candidates: list[str]) -> Value
     )
 
 
-def resolve_loss(loss: Any, argument: str = "loss_function") -> Any:
-    """A loss, or a dict (by output name) or list (by output) of them, as ``compile(loss=)`` takes."""
-    import keras
-
+def resolve_loss(loss: Any, argument: str = "loss_function", flavor: Flavor = KERAS3) -> Any:
+    """A loss, or a dict (by output name) or list (by output) of them, as ``compile(loss=)`` takes;
+    names as ``flavor``'s Keras resolves them."""
+    keras = flavor.module()
     if isinstance(loss, dict) and argument == "loss_function":
-        return {k: resolve_loss(v, f"loss_function[{k!r}]") for k, v in loss.items()}
+        return {k: resolve_loss(v, f"loss_function[{k!r}]", flavor) for k, v in loss.items()}
     if isinstance(loss, list | tuple) and argument == "loss_function":
-        return [resolve_loss(v, f"loss_function[{i}]") for i, v in enumerate(loss)]
+        return [resolve_loss(v, f"loss_function[{i}]", flavor) for i, v in enumerate(loss)]
     if isinstance(loss, str):
         try:
             return keras.losses.get(loss)
@@ -77,26 +78,35 @@ def resolve_loss(loss: Any, argument: str = "loss_function") -> Any:
     )
 
 
-def resolve_optimizer(optimizer: Any) -> Any:
-    import keras
-
+def resolve_optimizer(optimizer: Any, flavor: Flavor = KERAS3) -> Any:
+    """An optimizer of ``flavor``'s Keras (the model's), or a name it resolves."""
+    keras = flavor.module()
     if isinstance(optimizer, str):
         try:
             return keras.optimizers.get(optimizer)
         except (ValueError, TypeError):
             raise unknown_name_error("optimizer", optimizer, valid_names(keras.optimizers)) from None
-    if isinstance(optimizer, keras.optimizers.Optimizer):
+    if isinstance(optimizer, flavor.optimizer_types()):
         return optimizer
-    hint = " HINT: pass an instance, e.g. keras.optimizers.SGD(0.1)." if isinstance(optimizer, type) else ""
+    if isinstance(optimizer, type):
+        hint = " HINT: pass an instance, e.g. keras.optimizers.SGD(0.1)."
+    elif any(c.__module__.split(".")[0] in ("keras", "tf_keras") for c in type(optimizer).__mro__):
+        # The other Keras' optimizer: Keras 2 and 3 cannot update each other's variables.
+        hint = (
+            f" HINT: the model is a {flavor.label} model; build the optimizer with the same Keras as the model "
+            "(TF_USE_LEGACY_KERAS=1 makes tf.keras Keras 2, tf_keras; without it tf.keras is Keras 3, keras)."
+        )
+    else:
+        hint = ""
     raise TypeError(
-        "Expected `optimizer` to be a keras.optimizers.Optimizer or a name such as 'adam' or 'sgd'. "
-        f"Received: optimizer={optimizer!r}.{hint}"
+        f"Expected `optimizer` to be {flavor.optimizer_names()} or a name such as 'adam' or 'sgd'. "
+        f"Received: optimizer={optimizer!r} ({type(optimizer).__module__}.{type(optimizer).__qualname__}).{hint}"
     )
 
 
-def resolve_metric(metric: Any, position: int) -> Any:
+def resolve_metric(metric: Any, position: int, flavor: Flavor = KERAS3) -> Any:
     """A metric as given, with names checked; "accuracy" stays a name (resolved per output shape)."""
-    import keras
+    keras = flavor.module()
 
     if isinstance(metric, str):
         if metric in ACCURACY_NAMES:
@@ -114,9 +124,9 @@ def resolve_metric(metric: Any, position: int) -> Any:
     )
 
 
-def accuracy_for(y_true_shape: Any, y_pred_shape: Any) -> Any:
+def accuracy_for(y_true_shape: Any, y_pred_shape: Any, flavor: Flavor = KERAS3) -> Any:
     """The accuracy Keras' ``compile(metrics=["accuracy"])`` picks for these shapes."""
-    import keras
+    keras = flavor.module()
 
     if y_pred_shape.rank and y_pred_shape[-1] == 1:
         return keras.metrics.binary_accuracy

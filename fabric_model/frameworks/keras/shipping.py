@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .batches import split_keras_batch
+from .flavor import KERAS3, Flavor
 
 if TYPE_CHECKING:
     import torch
@@ -26,39 +27,39 @@ def model_to_bytes(model: Any) -> bytes:
             return f.read()
 
 
-def model_from_bytes(data: bytes, custom_objects: dict[str, Any]) -> Any:
-    import keras
-
+def model_from_bytes(data: bytes, custom_objects: dict[str, Any], flavor: Flavor = KERAS3) -> Any:
+    """The model of a ``.keras`` file's bytes, loaded by ``flavor``'s Keras (Keras 2 and 3 both write the format)."""
     with tempfile.TemporaryDirectory(prefix="fabric-keras-") as tmp:
         path = os.path.join(tmp, "model.keras")
         with open(path, "wb") as f:
             f.write(data)
-        return keras.saving.load_model(path, custom_objects=custom_objects, compile=False)
+        return flavor.load_model(path, custom_objects)
 
 
-def shipped_custom_objects(user: dict[str, Any] | None) -> dict[str, Any]:
+def shipped_custom_objects(user: dict[str, Any] | None, flavor: Flavor = KERAS3) -> dict[str, Any]:
     """The user's ``keras_custom_objects`` plus Keras' registry of
     ``@register_keras_serializable`` classes: a worker has not run the code that registered them."""
-    import keras
-
-    objects = dict(keras.saving.get_custom_objects())
+    objects = flavor.registered_objects()
     objects.update(user or {})
     return objects
 
 
 def checked_form(
-    model: Any, optimizer: Any, metric_specs: list[Any], custom_objects: dict[str, Any], first_batch: Any
+    model: Any,
+    optimizer: Any,
+    metric_specs: list[Any],
+    custom_objects: dict[str, Any],
+    first_batch: Any,
+    flavor: Flavor = KERAS3,
 ) -> dict[str, Any]:
     """The shipped form (see :func:`shipped_form`), checked: run the model on the first batch, then
     rebuild it as a worker will and check that the rebuilt model computes the same outputs. Raises,
     before any worker starts, a ValueError when the model cannot take the batch and a TypeError
     pointing to ``keras_custom_objects`` when it cannot be rebuilt, or is rebuilt into a model that
     computes something else."""
-    import keras
-
     x, _ = split_keras_batch(first_batch)
     try:
-        expected = _outputs(model, x)
+        expected = _outputs(model, x, flavor)
     except Exception as exc:
         raise ValueError(
             f"The Keras model fails on the first training batch ({type(exc).__name__}: {str(exc)[:600]}). "
@@ -66,13 +67,13 @@ def checked_form(
             "takes once stacked into a batch (a dict of arrays keyed by input name for several inputs), or pass "
             "`fn_batch_collate` returning (x, y)."
         ) from exc
-    custom = shipped_custom_objects(custom_objects)
+    custom = shipped_custom_objects(custom_objects, flavor)
     try:
         data = model_to_bytes(model)
-        rebuilt = model_from_bytes(data, custom)
-        rebuilt_optimizer = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer), custom_objects=custom)
-        metric_configs(metric_specs)
-        got = _outputs(rebuilt, x)
+        rebuilt = model_from_bytes(data, custom, flavor)
+        rebuilt_optimizer = flavor.optimizer_from_config(flavor.optimizer_config(optimizer), custom)
+        metric_configs(metric_specs, flavor)
+        got = _outputs(rebuilt, x, flavor)
     except Exception as exc:
         raise TypeError(
             f"Could not rebuild the Keras model the way each worker must ({type(exc).__name__}: "
@@ -88,7 +89,9 @@ def checked_form(
             "layer's or model's get_config() must return every constructor argument that call() or build() "
             "uses, and from_config() must restore them; see keras_custom_objects."
         )
-    return shipped_form(model, optimizer, metric_specs, custom_objects, data=data, config_of=rebuilt_optimizer)
+    return shipped_form(
+        model, optimizer, metric_specs, custom_objects, data=data, config_of=rebuilt_optimizer, flavor=flavor
+    )
 
 
 def shipped_form(
@@ -99,25 +102,23 @@ def shipped_form(
     *,
     data: bytes | None = None,
     config_of: Any = None,
+    flavor: Flavor = KERAS3,
 ) -> dict[str, Any]:
     """What travels instead of the live model, optimizer and metrics: the model's ``.keras`` bytes
     (``data`` if already made), the optimizer's config (``config_of``'s, if given) and state, the
     custom objects and the metrics' configs."""
-    import keras
-
+    state = flavor.user_optimizer_state(optimizer, model.trainable_variables)
     return {
         "model": model_to_bytes(model) if data is None else data,
-        "optimizer": keras.optimizers.serialize(optimizer if config_of is None else config_of),
-        "optimizer_state": [v.numpy() for v in optimizer.variables] if optimizer.built else None,
-        "custom_objects": shipped_custom_objects(custom_objects),
-        "metrics": metric_configs(metric_specs),
+        "optimizer": flavor.optimizer_config(optimizer if config_of is None else config_of),
+        "optimizer_state": None if state is None else [v.numpy() for v in state],
+        "custom_objects": shipped_custom_objects(custom_objects, flavor),
+        "metrics": metric_configs(metric_specs, flavor),
     }
 
 
-def _outputs(model: Any, x: Any) -> list[np.ndarray]:
-    import keras
-
-    return [np.asarray(o) for o in keras.tree.flatten(model(x, training=False))]
+def _outputs(model: Any, x: Any, flavor: Flavor) -> list[np.ndarray]:
+    return [np.asarray(o) for o in flavor.flatten(model(x, training=False))]
 
 
 def _max_abs(arrays: list[np.ndarray]) -> float:
@@ -140,10 +141,10 @@ def _describe(x: Any) -> str:
     return f"array{tuple(np.shape(x))} {getattr(x, 'dtype', type(x).__name__)}"
 
 
-def metric_configs(metrics: list[Any]) -> list[tuple[str, Any]]:
+def metric_configs(metrics: list[Any], flavor: Flavor = KERAS3) -> list[tuple[str, Any]]:
     """Metrics as they travel: names and callables as they are, Metric objects (which hold
     variables) as their Keras config."""
-    import keras
+    keras = flavor.module()
 
     shipped: list[tuple[str, Any]] = []
     for m in metrics:
@@ -154,8 +155,8 @@ def metric_configs(metrics: list[Any]) -> list[tuple[str, Any]]:
     return shipped
 
 
-def metrics_from_configs(shipped: list[tuple[str, Any]], custom: dict[str, Any]) -> list[Any]:
-    import keras
+def metrics_from_configs(shipped: list[tuple[str, Any]], custom: dict[str, Any], flavor: Flavor = KERAS3) -> list[Any]:
+    keras = flavor.module()
 
     return [keras.metrics.deserialize(v, custom_objects=custom) if kind == "config" else v for kind, v in shipped]
 
@@ -170,7 +171,8 @@ def variables_state(variables: Sequence[Any]) -> dict[str, torch.Tensor]:
         array = np.asarray(v.numpy())
         if array.dtype == np.uint32:  # torch's uint32 support is partial; the value fits int64
             array = array.astype(np.int64)
-        state[f"{i:05d}:{v.path}"] = torch.from_numpy(array.copy())  # copy(): keeps 0-d shapes, owns its memory
+        # copy(): keeps 0-d shapes, owns its memory
+        state[f"{i:05d}:{variable_name(v)}"] = torch.from_numpy(array.copy())
     return state
 
 
@@ -180,5 +182,12 @@ def assign_all(variables: Sequence[Any], values: Sequence[Any], what: str) -> No
     for v, value in zip(variables, values):
         array = np.asarray(value)
         if tuple(array.shape) != tuple(v.shape):
-            raise ValueError(f"{what} state for {v.path} has shape {array.shape}; the variable has {tuple(v.shape)}")
-        v.assign(array.astype(v.dtype))
+            raise ValueError(
+                f"{what} state for {variable_name(v)} has shape {array.shape}; the variable has {tuple(v.shape)}"
+            )
+        v.assign(array.astype(getattr(v.dtype, "as_numpy_dtype", v.dtype)))  # Keras 2's dtype is a tf.DType
+
+
+def variable_name(variable: Any) -> str:
+    """A variable's path (Keras 3) or name (Keras 2 and plain TensorFlow variables), for keys and messages."""
+    return str(getattr(variable, "path", None) or variable.name)

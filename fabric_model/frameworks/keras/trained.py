@@ -10,7 +10,8 @@ from ..base import FrameworkAdapter, TrainedModel
 
 
 class KerasTrainedModel(TrainedModel):
-    """A trained ``keras.Model``: Keras' exporter (or tf2onnx), its outputs with ``training=False``, inference."""
+    """A trained ``keras.Model`` or ``tf_keras`` model: Keras' exporter (or tf2onnx), its outputs with
+    ``training=False``, inference."""
 
     def onnx_requirements(self) -> tuple[str, ...]:
         """Keras' exporter converts with tf2onnx."""
@@ -24,10 +25,12 @@ class KerasTrainedModel(TrainedModel):
             export_keras(model, sample, path)
 
     def onnx_inputs(self, batch: Any, input_names: list[str]) -> list[Any]:
-        """A dict batch by input name, else flattened as keras.tree does."""
+        """A dict batch by input name, else flattened as the model's Keras does."""
         from .export import keras_inputs
+        from .framework import KerasFramework
 
-        return keras_inputs(batch, input_names)
+        assert isinstance(self.framework, KerasFramework)
+        return keras_inputs(batch, input_names, self.framework.flavor)
 
     def inference_outputs(self, model: Any, batch: Any) -> tuple[list[np.ndarray], list[str] | None]:
         """``model(batch, training=False)`` flattened; a dict's names, which the file's outputs carry."""

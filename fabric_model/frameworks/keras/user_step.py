@@ -24,10 +24,8 @@ from typing import Any
 import numpy as np
 
 from .capture import capturing
+from .flavor import KERAS3, Flavor, flavor_of
 from .names import ACCURACY_NAMES, accuracy_for
-
-#: The stats of a run with ``fn_step_train``: what the step returns, as torch's custom step shows them.
-STEP_STATS = ["loss", "metric"]
 
 
 @dataclasses.dataclass
@@ -40,10 +38,9 @@ class UserCode:
 
 
 def overridden(model: Any, name: str) -> bool:
-    """Whether ``model``'s class overrides ``keras.Model``'s method ``name`` (``train_step``, ``compute_loss``)."""
-    import keras
-
-    return getattr(type(model), name, None) is not getattr(keras.Model, name)
+    """Whether ``model``'s class overrides ``keras.Model``'s (or ``tf_keras.Model``'s) method ``name``
+    (``train_step``, ``compute_loss``)."""
+    return getattr(type(model), name, None) is not flavor_of(model).model_method(name)
 
 
 # -- how the user's code travels --------------------------------------------------------------
@@ -80,15 +77,14 @@ def unpack_user_code(data: bytes, live: dict[str, Any]) -> UserCode:
 
 
 # -- metrics ----------------------------------------------------------------------------------
-def metric_value(metric: Any, y_true: Any, y_pred: Any) -> Any:
+def metric_value(metric: Any, y_true: Any, y_pred: Any, flavor: Flavor = KERAS3) -> Any:
     """``metric``'s value on one batch, a float32 scalar tensor: a ``keras.metrics.Metric`` from a
     fresh state, a function's mean; ``"accuracy"`` is the accuracy ``compile`` picks for the shapes."""
-    import keras
     import tensorflow as tf
 
     if isinstance(metric, str) and metric in ACCURACY_NAMES:
-        metric = accuracy_for(tf.TensorShape(np.shape(y_true)), tf.TensorShape(np.shape(y_pred)))
-    if isinstance(metric, keras.metrics.Metric):
+        metric = accuracy_for(tf.TensorShape(np.shape(y_true)), tf.TensorShape(np.shape(y_pred)), flavor)
+    if isinstance(metric, flavor.module().metrics.Metric):
         metric.reset_state()
         metric.update_state(y_true, y_pred)
         return tf.cast(metric.result(), tf.float32)
@@ -99,8 +95,12 @@ class Eva(list[Any]):
     """A Keras custom step's ``eva(y_true, y_pred)`` (Keras' argument order): the first metric given,
     else the accuracy for the shapes; ``eva[i]`` is the i-th metric given."""
 
+    def __init__(self, metrics: Sequence[Any] = (), flavor: Flavor = KERAS3) -> None:
+        super().__init__(metrics)
+        self.flavor = flavor
+
     def __call__(self, y_true: Any, y_pred: Any) -> Any:
-        return metric_value(self[0] if self else "accuracy", y_true, y_pred)
+        return metric_value(self[0] if self else "accuracy", y_true, y_pred, self.flavor)
 
 
 # -- running it -------------------------------------------------------------------------------

@@ -76,8 +76,10 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
 
     def _name_stats(self) -> None:
         taken: set[str] = set()
-        if self.step_fn is not None:  # what a custom step returns: (its metric, loss), shown as it is
-            self.stat_names = ["loss", "metric"]
+        if self.step_fn is not None:
+            # A custom step returns (its metric, loss); IBM's take the metric from eva(outputs, labels):
+            # the first metric given, else the accuracy, named so (old loggers get it in percent).
+            self.stat_names = ["loss", metric_name(self.metrics[0], 0, taken) if self.metrics else "accuracy"]
         else:
             self.stat_names = ["loss"] + [metric_name(m, i, taken) for i, m in enumerate(self.metrics)]
 

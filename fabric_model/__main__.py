@@ -1,6 +1,6 @@
 """Command line ``fabric-model`` (``python -m fabric_model`` is the same), on argparse subcommands:
 
-- ``run [--keras2-optimizers] SCRIPT [ARGS...]``: an IBM EDT script, unchanged (docs/ibm-migration.md);
+- ``run [--keras3] [--param NAME=VALUE]... SCRIPT [ARGS...]``: an IBM EDT script, unchanged (docs/ibm-migration.md);
 - ``worker``: join a running job as one more worker (launched workers use it too);
 - ``status RUN_DIR``: progress, workers and the last checkpoint, as a table;
 - ``plot RUN_DIR [-o PNG]``: loss and metrics per epoch, validation, the worker-count timeline.
@@ -23,7 +23,7 @@ def parser() -> argparse.ArgumentParser:
     epilog = (
         "usage of each command (fabric-model COMMAND --help for more):\n"
         f"  {cli.parser().format_usage().removeprefix('usage: ').strip()}\n"
-        "  fabric-model run [--keras2-optimizers] SCRIPT [ARGS...]\n"
+        "  fabric-model run [--keras3] [--param NAME=VALUE]... [--params FILE] SCRIPT [ARGS...]\n"
         "  fabric-model status RUN_DIR\n"
         "  fabric-model plot RUN_DIR [-o PNG]\n"
     )
@@ -36,7 +36,9 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("--version", action="version", version=f"fabric-model {__version__}")
     sub = top.add_subparsers(dest="command", metavar="{run,worker,status,plot}")
     run = sub.add_parser("run", help="run an IBM EDT script unchanged (docs/ibm-migration.md)")
-    run.add_argument("--keras2-optimizers", action="store_true", help="Keras 2 optimizer semantics")
+    run.add_argument("--keras3", action="store_true", help="a TensorFlow script gets Keras 3 (default: Keras 2)")
+    run.add_argument("--param", action="append", metavar="NAME=VALUE", help="a value for IBM's pth_parameter_mgr")
+    run.add_argument("--params", metavar="FILE", help="pth_parameter_mgr's values as a JSON object")
     run.add_argument("script", metavar="SCRIPT", help="the script to run")
     run.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's own arguments")
     cli.add_arguments(

@@ -96,7 +96,9 @@ def test_the_command_line_lists_the_worker_and_its_options():
     out = subprocess.run([PY, "-m", "fabric_model", "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0
     for option in ("worker", "--driver HOST:PORT", "--secret-file PATH", "--join JOIN_JSON", "run SCRIPT"):
-        assert option in out.stdout.replace("fabric-model run [--keras2-optimizers] SCRIPT", "run SCRIPT")
+        assert option in out.stdout.replace(
+            "fabric-model run [--keras3] [--param NAME=VALUE]... [--params FILE] SCRIPT", "run SCRIPT"
+        )
 
 
 @pytest.mark.processes

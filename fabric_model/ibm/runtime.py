@@ -1,4 +1,4 @@
-"""``fabric-model run [--keras2-optimizers] SCRIPT [ARGS...]``: run an IBM EDT script unchanged.
+"""``fabric-model run [OPTIONS] SCRIPT [ARGS...]``: run an IBM EDT script unchanged.
 
 The script runs as ``__main__`` in this process (it is the driver), with ``sys.argv ==
 [SCRIPT, *ARGS]`` and its own directory first on ``sys.path``, as ``python SCRIPT`` would,
@@ -7,44 +7,44 @@ inside IBM's runtime environment. Variables the user already set win:
 - ``RESULT_DIR``: a new ``./fabric_runs/<time>-<hex>`` (fabric_model's run directory);
 - ``LOG_DIR``: ``$RESULT_DIR/logs``;
 - ``DATA_DIR``: the script's directory (IBM scripts join data file names onto it);
-- ``FABRIC_HOME``: ``$RESULT_DIR/fabric_home``, holding ``libs/fabric.zip`` with the runtime
-  modules ``callbacks``, ``emetrics``, ``elog``, ``edtcallback`` and ``pyedt``;
-- ``TRAINING_ID``: the run directory's name.
+- ``FABRIC_HOME``: ``$RESULT_DIR/fabric_home``, holding ``libs/fabric.zip`` with the modules
+  IBM's runtime provided (:mod:`.layout` says which, and why the script's own files win);
+- ``TRAINING_ID``: the run directory's name;
+- ``TF_USE_LEGACY_KERAS=1`` for a TensorFlow script, unless ``--keras3`` (:mod:`.keras_choice`).
 
-Workers inherit this environment; ``PYTHONPATH`` gains the script's directory and the zip so
-they import the same modules. The exit code is the script's: 0, its ``SystemExit`` code, or 1
-with the traceback on stderr.
+``--param NAME=VALUE`` and ``--params FILE`` give IBM's UI-generated ``pth_parameter_mgr`` its
+values (:mod:`.ui_parameters`). The exit code is the script's: 0, its ``SystemExit`` code, or 1
+with the traceback on stderr (and, for a data download that failed, which file it was:
+:mod:`.downloads`). Options come before SCRIPT; everything after it is the script's.
 """
 
 from __future__ import annotations
 
+import builtins
 import os
-import runpy
 import sys
 import traceback
-import zipfile
+import types
 from pathlib import Path
+from types import TracebackType
 
 from ..run.rundir import RunDirectory
-from ..setup.settings import DATA_DIR, FABRIC_HOME, KERAS2_OPTIMIZERS, LOG_DIR, RESULT_DIR, TRAINING_ID
+from ..setup.settings import DATA_DIR, FABRIC_HOME, LOG_DIR, RESULT_DIR, TRAINING_ID
+from . import layout, ui_parameters
+from .downloads import explain
+from .keras_choice import choose_keras, honour_lr
 
-USAGE = "usage: fabric-model run [--keras2-optimizers] SCRIPT [ARGS...]\n"
-MODULES = Path(__file__).resolve().parent / "modules"
-
-
-def build_zip(target: Path) -> Path:
-    """Write the runtime modules (``modules/**.py``, paths relative to it) to ``target``."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zf:
-        for source in sorted(MODULES.rglob("*.py")):
-            zf.write(source, source.relative_to(MODULES).as_posix())
-    os.replace(tmp, target)  # a concurrent reader never sees half a zip
-    return target
+USAGE = (
+    "usage: fabric-model run [--keras3] [--param NAME=VALUE]... [--params FILE] SCRIPT [ARGS...]\n"
+    "  --keras3            run a TensorFlow script with Keras 3 (default: Keras 2 through tf-keras)\n"
+    "  --param NAME=VALUE  a value for IBM's UI-generated pth_parameter_mgr (epochs, train_batch_size, ...)\n"
+    "  --params FILE       those values as a JSON object\n"
+)
 
 
 def prepare_environment(script: Path) -> Path:
-    """Set IBM's variables in ``os.environ`` (keeping the user's) and return the zip's path."""
+    """Set IBM's variables in ``os.environ`` (keeping the user's), lay out the runtime's modules
+    and put them on this process's ``sys.path`` and the workers' ``PYTHONPATH``; returns ``RESULT_DIR``."""
     result_dir = RESULT_DIR.get() or str(RunDirectory.resolve(None).path)
     ibm = {
         RESULT_DIR.name: result_dir,
@@ -55,15 +55,38 @@ def prepare_environment(script: Path) -> Path:
     }
     os.environ.update(ibm)  # for the script and the workers it starts
     Path(ibm[LOG_DIR.name]).mkdir(parents=True, exist_ok=True)
-    fabric_zip = Path(ibm[FABRIC_HOME.name]) / "libs" / "fabric.zip"
+    libs = Path(ibm[FABRIC_HOME.name]) / "libs"
+    fabric_zip = libs / "fabric.zip"
     if not fabric_zip.exists():
-        build_zip(fabric_zip)
-    # Workers are fresh interpreters: they find the script's modules and the runtime's here.
-    paths = [str(script.parent), str(fabric_zip)]
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [*paths, os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else paths
-    )
-    return fabric_zip
+        layout.build_zip(fabric_zip)
+    # Our own modules live outside the zip, in a folder of this run's (a shared FABRIC_HOME may be IBM's).
+    fallback = layout.build_fallback(Path(result_dir) / "ibm_runtime" / "fallback")
+    layout.install(script.parent, fabric_zip, fallback)
+    return Path(result_dir)
+
+
+def _run_as_main(script: Path) -> None:
+    """Run ``script`` as ``python SCRIPT`` does: a fresh ``__main__`` module (so the workers get its
+    functions by value), ``__file__`` absolute, and ``sys.argv`` left exactly as the caller set it
+    (``runpy.run_path`` would make ``sys.argv[0]`` the path it was given)."""
+    main = types.ModuleType("__main__")
+    main.__file__ = str(script)
+    main.__dict__["__builtins__"] = builtins
+    saved = sys.modules["__main__"]
+    sys.modules["__main__"] = main
+    try:
+        exec(compile(script.read_bytes(), str(script), "exec"), main.__dict__)  # noqa: S102 (running it is the point)
+    finally:
+        sys.modules["__main__"] = saved
+
+
+def _from_script(tb: TracebackType | None, script: Path) -> TracebackType | None:
+    """The traceback from the script's first frame on, as ``python SCRIPT`` shows it (the whole
+    traceback if the script has no frame in it)."""
+    first = tb
+    while first is not None and first.tb_frame.f_code.co_filename != str(script):
+        first = first.tb_next
+    return first or tb
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -75,43 +98,62 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
+def _fail(message: str) -> int:
+    sys.stderr.write(f"fabric-model run: {message}\n")
+    return 2
+
+
 def main(argv: list[str]) -> int:
-    """Run ``argv = [--keras2-optimizers] SCRIPT ARGS...``; returns the exit code."""
-    try:
-        keras2 = KERAS2_OPTIMIZERS.get()
-    except ValueError as exc:
-        sys.stderr.write(f"fabric-model run: {exc}\n")
-        return 2
+    """Run ``argv = [OPTIONS] SCRIPT ARGS...`` (see :data:`USAGE`); returns the exit code."""
+    keras3 = False
+    pairs: list[str] = []  # --param NAME=VALUE
+    files: list[str] = []  # --params FILE
     while argv and argv[0].startswith("-"):
-        if argv[0] == "--keras2-optimizers":
-            keras2 = True
-        elif argv[0] in ("-h", "--help"):
+        option, argv = argv[0], argv[1:]
+        if option in ("-h", "--help"):
             sys.stdout.write(USAGE)
             return 0
+        if option == "--keras3":
+            keras3 = True
+        elif option == "--keras2-optimizers":  # the former opt-in, now what a TensorFlow script gets anyway
+            sys.stderr.write("fabric-model run: note: --keras2-optimizers is the default now (Keras 2 via tf-keras)\n")
+        elif option in ("--param", "--params") or option.startswith(("--param=", "--params=")):
+            name, _, value = option.partition("=")
+            if not value:
+                if not argv:
+                    return _fail(f"{name} needs a value\n{USAGE}")
+                value, argv = argv[0], argv[1:]
+            (pairs if name == "--param" else files).append(value)
         else:
-            sys.stderr.write(f"fabric-model run: unknown option {argv[0]}\n{USAGE}")
-            return 2
-        argv = argv[1:]
+            return _fail(f"unknown option {option}\n{USAGE}")
     if not argv:
         sys.stderr.write(USAGE)
         return 2
     script = Path(argv[0]).resolve()
     if not script.is_file():
-        sys.stderr.write(f"fabric-model run: no such script: {argv[0]}\n")
-        return 2
-    fabric_zip = prepare_environment(script)
-    sys.argv = [argv[0], *argv[1:]]
-    # As `python SCRIPT`: the script's directory first (its own files win), then the runtime.
-    sys.path[:0] = [str(script.parent), str(fabric_zip)]
+        return _fail(f"no such script: {argv[0]}")
     try:
-        if keras2:
-            from .keras2 import install
-
-            install()
-        runpy.run_path(str(script), run_name="__main__")
+        values = ui_parameters.from_arguments(pairs, files)
+    except ValueError as exc:
+        return _fail(str(exc))
+    note, error = choose_keras(script, keras3)
+    if error:
+        return _fail(error)
+    if note:
+        sys.stderr.write(f"fabric-model run: {note}\n")
+        honour_lr()
+    result_dir = prepare_environment(script)
+    if values:
+        ui_parameters.save(values, result_dir / "ibm_runtime" / "ui_parameters.json")
+    sys.argv = [argv[0], *argv[1:]]
+    try:
+        _run_as_main(script)
     except SystemExit as exc:
         return _exit_code(exc)
-    except BaseException:  # noqa: B036 (the script's KeyboardInterrupt too: report, exit 1)
-        traceback.print_exc()
+    except BaseException as exc:  # noqa: B036 (the script's KeyboardInterrupt too: report, exit 1)
+        traceback.print_exception(exc.with_traceback(_from_script(exc.__traceback__, script)))
+        hint = explain(exc)
+        if hint:
+            sys.stderr.write(hint + "\n")
         return 1
     return 0

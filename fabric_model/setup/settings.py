@@ -13,7 +13,7 @@ Names, public and internal:
 
 - **Public** settings are the users' to set, and docs/configuration.md lists them (generated:
   ``python -m fabric_model.setup.settings > docs/configuration.md``): fabric_model's own
-  ``FABRIC_MODEL_*`` (and ``FABRIC_KERAS2_OPTIMIZERS``); IBM WMLA's names, spelled exactly as
+  ``FABRIC_MODEL_*``; IBM WMLA's names, spelled exactly as
   IBM did because users' scripts set them (``EDT_*``, ``RESULT_DIR``, ``LOG_DIR``,
   ``FABRIC_HOME`` ...); and other programs' variables the package also reads
   (``CUDA_VISIBLE_DEVICES``, ``TF_CPP_MIN_LOG_LEVEL`` ...).
@@ -360,13 +360,25 @@ SECRET: Setting[str | None] = declare(
         "launchers set it for theirs. Never on a command line.",
     )
 )
-KERAS2_OPTIMIZERS: Setting[bool] = declare(
+UI_PARAMETERS: Setting[str | None] = declare(
     Setting(
-        "FABRIC_KERAS2_OPTIMIZERS",
-        False,
-        _flag,
-        _FLAG,
-        "`1`: `fabric-model run` maps Keras 2 optimizer arguments to Keras 3, as `--keras2-optimizers` does.",
+        "_FABRIC_MODEL_UI_PARAMETERS",
+        None,
+        _text,
+        "a JSON file",
+        "The values `fabric-model run --param/--params` gave IBM's `pth_parameter_mgr` (ibm/ui_parameters.py).",
+        internal=True,
+    )
+)
+TF_USE_LEGACY_KERAS: Setting[str | None] = declare(
+    Setting(
+        "TF_USE_LEGACY_KERAS",
+        None,
+        _text,
+        "TensorFlow's: `1` makes `tf.keras` Keras 2 (the tf-keras package)",
+        "TensorFlow's choice of Keras; `fabric-model run` sets `1` for a TensorFlow script "
+        "unless it is set or `--keras3` is given.",
+        shown_default="unset (`fabric-model run`: `1` for TensorFlow scripts)",
     )
 )
 

@@ -16,7 +16,8 @@ __all__ = ["EDTLoggerCallback"]
 
 
 def _fraction(acc: Any) -> Any:
-    return acc / 100.0 if acc is not None else None
+    # None or NaN: the run has no accuracy (metrics=[], or an fn_test returning the loss alone).
+    return acc / 100.0 if acc is not None and acc == acc else None
 
 
 class EDTLoggerCallback(LoggerCallback):

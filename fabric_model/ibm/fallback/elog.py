@@ -12,7 +12,7 @@ import os
 import time
 from typing import IO, Any
 
-from emetrics import _log_folder
+from fabric_model.ibm.paths import log_folder
 
 __all__ = ["ELog"]
 
@@ -30,7 +30,7 @@ class ELog:
 
     @staticmethod
     def open(subId: str | None = None) -> ELog:  # noqa: N803 (IBM's name)
-        folder = _log_folder()
+        folder = log_folder()
         if subId is not None:
             folder = os.path.join(folder, subId)
         os.makedirs(folder, exist_ok=True)

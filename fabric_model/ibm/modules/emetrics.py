@@ -22,7 +22,8 @@ import threading
 import time
 from typing import IO, Any
 
-from fabric_model.setup.settings import JOB_STATE_DIR, LOG_DIR, RESULT_DIR, TRAINING_ID
+from fabric_model.ibm.paths import log_folder
+from fabric_model.setup.settings import RESULT_DIR, TRAINING_ID
 
 __all__ = ["EMetrics"]
 
@@ -31,15 +32,6 @@ _FILE_NAME = "evaluation-metrics.txt"
 # for every record, so a per-object counter would always say 0.
 _counts: dict[str, int] = {}
 _lock = threading.Lock()
-
-
-def _log_folder() -> str:
-    log_dir, job_state_dir = LOG_DIR.get(), JOB_STATE_DIR.get()
-    if log_dir:
-        return log_dir
-    if job_state_dir:  # where IBM's runtime put the logs before LOG_DIR
-        return os.path.join(job_state_dir, "logs")
-    return os.path.join(RESULT_DIR.get() or ".", "logs")
 
 
 def _encode(value: Any) -> dict[str, Any]:
@@ -67,7 +59,7 @@ class EMetrics:
     @staticmethod
     def open(subId: str | None = None) -> EMetrics:  # noqa: N803 (IBM's name)
         """A writer appending to ``$LOG_DIR/evaluation-metrics.txt`` (the folder is made)."""
-        folder = _log_folder()
+        folder = log_folder()
         os.makedirs(folder, exist_ok=True)
         return EMetrics(subId, open(os.path.join(folder, _FILE_NAME), "a", encoding="utf-8"))
 

@@ -33,7 +33,9 @@ class Callback:
       mid-epoch starts from the optimizer state it pulled, which carries any learning rate
       set earlier); ``on_epoch_end(epoch, logs)``: after the epoch's validation, with Keras'
       ``logs``: the epoch's sample-weighted training averages (``loss``, metrics) and, when the
-      epoch was validated, the validation metrics prefixed ``val_``; the same values on every worker;
+      epoch was validated, the validation metrics prefixed ``val_``; the same values on every worker.
+      IBM's form, ``on_epoch_end(epoch, save_model=False)``, gets ``save_model=True`` at the
+      epochs whose end writes the model (every ``checkpoint_freq``-th epoch and the last), in one worker;
     - ``on_batch_begin(step)`` / ``on_batch_end(step)``: around each optimizer step (``step``
       within the epoch; a step redone after a failure runs them again).
 
@@ -66,7 +68,7 @@ class Callback:
         pass
 
     def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
-        # IBM's overrides, on_epoch_end(epoch, save_model=False), take no `logs` and are called with the epoch only.
+        # IBM's overrides, on_epoch_end(epoch, save_model=False), get save_model instead of logs (run/hooks.py).
         pass
 
     def on_batch_begin(self, step: int) -> None:

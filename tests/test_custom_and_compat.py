@@ -92,7 +92,8 @@ def test_ibm_style_script_runs_unchanged(tmp_path):
     assert out["lr"] == pytest.approx(0.2 * 0.5**2)  # the schedule ran, and the caller's optimizer has it
     assert len(out["digests"]) == 2 and len(set(out["digests"])) == 1  # every replica took the same schedule
     loss, acc, completed_batch, workers = out["calls"][0]
-    assert isinstance(loss, float) and 0 <= acc <= 1 and completed_batch == 1 and workers == 2
+    # The step's accuracy (a fraction) in percent, as IBM's loggers take it (they divide by 100).
+    assert isinstance(loss, float) and 1 < acc <= 100 and completed_batch == 1 and workers == 2
     assert out["ncalls"] == 3 * 3 + 3  # 3 steps an epoch, plus a validation per epoch
     with zipfile.ZipFile(out["zip"]) as archive:
         assert "model/model.pt" in archive.namelist()
@@ -134,8 +135,8 @@ def test_custom_test_function_is_used_for_validation(run_dir):
         fn_args={"scale": 100.0},
         metrics=[accuracy],
     ).train(1, 8, 2, run_dir=run_dir)
-    assert set(result.test_history[0]) == {"epoch", "loss", "metric"}
-    assert 1.0 < result.test_history[0]["metric"] <= 100.0  # the scaled accuracy: fn_test's own value
+    assert set(result.test_history[0]) == {"epoch", "loss", "accuracy"}
+    assert 1.0 < result.test_history[0]["accuracy"] <= 100.0  # the scaled accuracy: fn_test's own value
 
 
 def step_that_calls_optimizer_step(model, data, eva, train_loader, fn_args):

@@ -111,7 +111,7 @@ def test_eva_is_callable_and_fn_test_returning_a_float_is_the_loss(run_dir):
         driver_logger=logger,
     )
     result = fm.train(2, 8, 2, seed=3, run_dir=run_dir)
-    assert 0.0 <= result.history[-1]["metric"] <= 1.0  # eva's fraction, through the step
+    assert 0.0 <= result.history[-1]["accuracy"] <= 1.0  # eva's fraction, through the step
     model.eval()  # no dropout, as fn_test runs
     with torch.no_grad():
         expected = float(F.cross_entropy(model(torch.stack([x for x, _ in TEST])), torch.tensor([y for _, y in TEST])))
@@ -245,3 +245,29 @@ def test_keras_flow_with_shuffle_uses_every_item_once_per_epoch_on_two_workers(r
         assert sorted(used) == list(range(48)), f"epoch {epoch}: every sample exactly once"
         orders.append(used)
     assert orders[0] != orders[1]  # shuffled again for the next epoch
+
+
+@pytest.mark.processes
+def test_a_custom_step_s_accuracy_reaches_old_loggers_in_percent_and_a_loss_only_fn_test_shows_no_metric(run_dir):
+    """IBM's custom-step samples: ``acc = eva(outputs, labels)`` is a fraction, named ``accuracy``, and
+    their ``log_train_metrics(loss, acc, ...)`` divides it by 100, as on the default path; an
+    ``fn_test`` returning the mean loss alone shows no validation metric (no ``val_metric=nan``)."""
+    model, opt = fresh_model_and_optimizer()
+    logger = LossAccLogger()
+    fm = FabricModel(
+        model,
+        lambda: (DATA, TEST),
+        F.cross_entropy,
+        opt,
+        fn_step_train=ibm_step,
+        fn_test=ibm_fn_test,
+        driver_logger=logger,
+    )
+    result = fm.train(2, 8, 2, seed=3, run_dir=run_dir)
+    assert set(result.history[-1]) == {"epoch", "loss", "accuracy"}
+    accs = [acc for _, acc, _, _ in logger.train]
+    assert all(0.0 <= a <= 1.0 for a in accs) and max(accs) > 0.1  # unscaled, /100 would leave < 0.01
+    assert set(result.test_history[-1]) == {"epoch", "loss"}
+    assert len(logger.test) == 2 and all(acc != acc for _, acc, _ in logger.test)  # NaN: a number IBM's /100 takes
+    metrics_log = (run_dir / "logs" / "metrics.jsonl").read_text()
+    assert '"metric"' not in metrics_log and "NaN" not in metrics_log

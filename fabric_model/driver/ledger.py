@@ -12,7 +12,7 @@ import dataclasses
 
 from ..run.hooks import Hooks
 from ..run.metrics_log import MetricsLog
-from ..step.metrics import EpochAverage, stat_means
+from ..step.metrics import EpochAverage, stat_means, validation_means
 from ..step.plan import Plan, Schedule, assigned_micro_batches
 from ..transport import protocol as p
 from .replicas import Divergence, ReplicaDivergenceError, compare
@@ -169,7 +169,7 @@ class Progress:
         epoch = message.epoch
         if any(t["epoch"] == epoch for t in self.test_history):
             return  # a validation redone after a generation change
-        metrics = stat_means(self.stat_names, message.stats)
+        metrics = validation_means(self.stat_names, message.stats)
         iteration = (epoch + 1) * self.plan.steps_per_epoch  # validation follows the epoch's last step
         self.test_history.append({"epoch": epoch, **metrics})
         self.metrics.test(epoch=epoch, iteration=iteration, workers=workers, metrics=metrics)

@@ -35,14 +35,20 @@ def check_verbose(verbose: Any) -> int:
     return int(verbose)
 
 
+def samples_per_step(setup: DriverSetup) -> int:
+    """Samples in a full step. Not ``plan.global_batch``: a batch-level dataset's plan counts its
+    items, each a whole batch of ``batch_size`` samples (a Keras ``PyDataset``, ``flow()``)."""
+    return setup.plan.micro_batches * setup.config.batch_size
+
+
 def driver_hooks(user_loggers: Any, setup: DriverSetup, run: RunDirectory, verbose: int, tensorboard: bool) -> Hooks:
     """The user's driver logger(s), the progress display (unless ``verbose=0``) and the recorder."""
-    plan = setup.plan
-    progress = ProgressBar(setup.config.epochs, plan.steps_per_epoch, plan.global_batch, verbose=verbose)
+    plan, samples = setup.plan, samples_per_step(setup)
+    progress = ProgressBar(setup.config.epochs, plan.steps_per_epoch, samples, verbose=verbose)
     recorder = None
     if tensorboard:
         tb, csv = run.path / "tensorboard", run.logs / "metrics.csv"
-        recorder = RunRecorder(tb, csv, setup.stat_names, plan.global_batch, plan.steps_per_epoch)
+        recorder = RunRecorder(tb, csv, setup.stat_names, samples, plan.steps_per_epoch)
     return Hooks.for_driver(user_loggers, progress if verbose else None, recorder)
 
 
@@ -81,7 +87,7 @@ def startup_lines(setup: DriverSetup, run: RunDirectory, tensorboard: bool) -> N
         max(len(setup.devices), setup.max_workers or 0),
         config.epochs,
         plan.steps_per_epoch,
-        plan.global_batch,
+        samples_per_step(setup),
     )
     if tensorboard:
         log.info("tensorboard --logdir %s", run.path / "tensorboard")

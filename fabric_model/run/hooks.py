@@ -84,13 +84,22 @@ class Hooks:
     def on_epoch_begin(self, epoch: int) -> None:
         self._call(self._opening(), "on_epoch_begin", epoch)
 
-    def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: dict[str, float] | None = None, save_model: bool = False) -> None:
         """``logs`` (Keras': the epoch's training averages and ``val_`` metrics) reaches the
-        methods that take a ``logs`` parameter; IBM's ``on_epoch_end(epoch, save_model=False)`` gets none."""
+        methods that take a ``logs`` parameter; IBM's ``on_epoch_end(epoch, save_model=False)``
+        gets ``save_model``, which the worker sets: True at the epochs whose end writes the model
+        (a checkpoint epoch, and the last), in one worker; IBM's samples export the model there
+        (docs/ibm-migration.md, "IBM's semantics in the library")."""
         for obj in self._closing():
             method = getattr(obj, "on_epoch_end", None)
-            if callable(method):
-                method(epoch, logs=dict(logs or {})) if _takes_logs(method) else method(epoch)
+            if not callable(method):
+                continue
+            if _takes(method, "logs"):
+                method(epoch, logs=dict(logs or {}))
+            elif _takes(method, "save_model"):
+                method(epoch, save_model=save_model)
+            else:
+                method(epoch)
 
     def on_batch_begin(self, step: int) -> None:
         self._call(self._opening(), "on_batch_begin", step)
@@ -140,12 +149,13 @@ class Hooks:
         return stream
 
 
-def _takes_logs(method: Any) -> bool:
+def _takes(method: Any, name: str) -> bool:
+    """Whether ``method`` takes a parameter ``name`` (or any keyword)."""
     try:
         parameters = inspect.signature(method).parameters.values()
     except (TypeError, ValueError):
         return False
-    return any(p.name == "logs" or p.kind is p.VAR_KEYWORD for p in parameters)
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 # -- IBM's older logger signature ------------------------------------------------------------
@@ -178,7 +188,7 @@ class OldStyleLogger:
     """Presents a logger with one of IBM's older signatures as one with this package's.
 
     ``log_train_metrics(loss, acc, completed_batch, worker=0)`` receives the loss, the default
-    accuracy in percent (else the first metric, or None), the iteration, and the live worker count
+    accuracy in percent (else the first metric, or NaN), the iteration, and the live worker count
     on the driver or the rank in a worker; ``log_test_metrics(loss, acc, completed_batch, ...)``
     likewise. The second form, ``log_train_metrics(metrics, completed_batch, epoch, worker=0)`` and
     ``log_test_metrics(metrics, completed_batch, epoch)``, receives the metrics dict, the
@@ -226,9 +236,11 @@ class OldStyleLogger:
 def _first_metric(metrics: dict[str, float]) -> Any:
     # IBM handed these loggers its accuracy in percent (their scripts divide by 100): the default
     # accuracy, shown as a fraction under "accuracy", arrives in percent; other metrics as they are.
+    # With no metric at all (metrics=[], or an fn_test that returns the loss alone) a NaN, not None:
+    # IBM's loggers compute `acc / 100.0` unconditionally.
     if "accuracy" in metrics:
         return 100.0 * metrics["accuracy"]
-    return next((v for k, v in metrics.items() if k != "loss"), None)
+    return next((v for k, v in metrics.items() if k != "loss"), float("nan"))
 
 
 def adapt_logger(logger: Any, in_worker: bool) -> Any:

@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from .metrics import EpochAverage, stat_means
+from .metrics import EpochAverage, stat_means, validation_means
 
 #: The key of the loop's state inside the optimizer state it travels in.
 EXTRA_KEY = "fabric_model.step.loop_state"
@@ -83,7 +83,7 @@ class LoopState:
         metrics prefixed ``val_`` when the epoch was validated."""
         logs = stat_means(self.stat_names, self.average._sums) if self.average.epoch == epoch else {}
         if val_stats is not None:
-            logs.update({f"val_{k}": v for k, v in stat_means(self.stat_names, val_stats).items()})
+            logs.update({f"val_{k}": v for k, v in validation_means(self.stat_names, val_stats).items()})
         return logs
 
     def epoch_done(self, logs: dict[str, float]) -> None:

@@ -16,6 +16,15 @@ def stat_means(names: Sequence[str], sums: Sequence[float]) -> dict[str, float]:
     return {name: (float(s) / count if count else float("nan")) for name, s in zip(names, sums)}
 
 
+def validation_means(names: Sequence[str], sums: Sequence[float]) -> dict[str, float]:
+    """:func:`stat_means` of a validation, less the metrics it has no number for: a custom
+    ``fn_test`` that returns the loss alone leaves its metric NaN, and ``metric=nan`` on the
+    screen would say the model is broken when the script simply computed no metric (IBM's
+    runtime showed none). The loss is always kept, NaN or not."""
+    means = stat_means(names, sums)
+    return {k: v for k, v in means.items() if k == names[0] or v == v}  # v != v: NaN
+
+
 class EpochAverage:
     """Sample-weighted running sums of the loss and metrics over the current epoch."""
 

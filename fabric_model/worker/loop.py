@@ -39,7 +39,7 @@ from ..step.data import (
 )
 from ..step.digest import check_due, state_fingerprint
 from ..step.loop_state import LoopState
-from ..step.metrics import stat_means
+from ..step.metrics import stat_means, validation_means
 from ..step.plan import Plan, Schedule, assigned_micro_batches, epoch_permutation, eval_batches, micro_batch_seed
 from ..transport import protocol as p
 from ..transport.collective import Collective, CollectiveError
@@ -213,7 +213,11 @@ class TrainingLoop:
         """Keras' ``on_epoch_end(epoch, logs)``, after validation, then an epoch scheduler's step;
         returns whether a callback stopped training."""
         logs = self.loop_state.epoch_logs(epoch, val_stats)
-        self.hooks.on_epoch_end(epoch, logs)
+        # IBM's save_model: at the epochs whose end writes the model, in one worker (rank 0, which
+        # uploads it), so that a callback exporting the model there writes it once.
+        freq = self.config.checkpoint_freq
+        saves = epoch == self.config.epochs - 1 or (freq > 0 and (epoch + 1) % freq == 0)
+        self.hooks.on_epoch_end(epoch, logs, save_model=saves and self.collective.rank == 0)
         self.loop_state.epoch_done(logs)
         return self._stopping()
 
@@ -317,5 +321,5 @@ class TrainingLoop:
         # validation still counts (the driver keeps the first report of an epoch).
         self.channel.send(p.EvalDone(epoch, tuple(stats)))
         if self._logs_test:
-            self.hooks.log_test_metrics(stat_means(adapter.stat_names, stats), self.iterations, epoch)
+            self.hooks.log_test_metrics(validation_means(adapter.stat_names, stats), self.iterations, epoch)
         return stats

@@ -411,3 +411,26 @@ def test_the_script_sees_its_arguments_as_typed_and_its_traceback_as_python_show
     assert f"['rel.py', '--numWorker', '2'] __main__ {tmp_path.resolve() / 'rel.py'}" in proc.stdout
     frames = [line for line in proc.stderr.splitlines() if line.startswith('  File "')]
     assert frames and all(str(tmp_path.resolve() / "rel.py") in line for line in frames), proc.stderr
+
+
+FAILING_EXPORT_SCRIPT = """
+from callbacks import Callback
+from fabric_model import FabricModel
+
+class Export(Callback):
+    def on_epoch_end(self, epoch, save_model=False):
+        if save_model and epoch == self.params["epochs"] - 1:
+            raise RuntimeError("export failed in the user's callback")
+
+model = make_model()
+FabricModel(model, get_datasets, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.2),
+            user_callback=[Export()]).train(2, 16, 2)
+"""
+
+
+def test_an_error_in_the_one_worker_told_to_save_fails_the_job(tmp_path: Path) -> None:
+    """Only one worker runs the save branch, after its peers finished: its error is the job's, not a
+    lost worker to go on without (on a CPU-only host, wmla-2.3.0's export on 'cuda' fails so)."""
+    proc = fabric_run(write_script(tmp_path, FAILING_EXPORT_SCRIPT), cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.count("RuntimeError: export failed in the user's callback") == 1, proc.stderr[-3000:]

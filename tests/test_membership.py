@@ -303,6 +303,20 @@ def test_a_user_error_on_every_worker_at_once_fails_at_once():
         m.user_error(1, error, "KeyError: 'label'", 1.0)
 
 
+def test_a_user_error_after_the_last_step_fails_at_once():
+    """Nothing redoes an end-of-run callback (one worker's export on save_model=True, say): after
+    every step is committed, or once a peer finished, one worker's error is the job's."""
+    m = started(4)
+    m.committed(99)  # total_units=100: the final validation slot is all that is left
+    with pytest.raises(ValueError, match="export"):
+        m.user_error(0, ValueError("export"), "ValueError: export", 3.0)
+    m = started(2)
+    m.committed(40)
+    m.finished(1, 100)
+    with pytest.raises(ValueError, match="export"):
+        m.user_error(0, ValueError("export"), "ValueError: export", 3.0)
+
+
 def test_the_end_asks_one_finished_replica_for_the_final_state_and_another_if_it_is_lost():
     m = started(2)
     m.finished(0, 100)

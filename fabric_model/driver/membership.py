@@ -233,9 +233,15 @@ class Membership:
         """The worker raised ``exc`` in user code (``signature``: its traceback's last line).
 
         The same error at the same unit ``USER_ERROR_LIMIT`` times, or on every peer at once,
-        is the user's: it is raised. A worker failing while setting up has no unit; then its
-        peers are all the slots."""
+        or after a peer finished the schedule, is the user's: it is raised. A worker failing while
+        setting up has no unit; then its peers are all the slots."""
         member = worker_id in self.members and self.workers[worker_id].state is WorkerState.MEMBER
+        last_slot = self.committed_unit >= self.limits.total_units - 1  # every step committed
+        if member and (last_slot or any(self.workers[m].state is WorkerState.DONE for m in self.members)):
+            # The error came after the last step (an end-of-run callback, say an export in
+            # on_epoch_end(save_model=True), which one worker runs), and nothing would redo it:
+            # going on without the worker would hide it.
+            raise exc
         key = (signature, self.committed_unit if member else -1)
         self._user_errors[key] += 1
         self._last_user_error = exc

@@ -315,6 +315,13 @@ def test_a_user_error_after_the_last_step_fails_at_once():
     m.finished(1, 100)
     with pytest.raises(ValueError, match="export"):
         m.user_error(0, ValueError("export"), "ValueError: export", 3.0)
+    m = started(2)
+    m.committed(98)  # the peer's report of the last step is still on its way
+    with pytest.raises(ValueError, match="export"):
+        m.user_error(0, ValueError("export"), "ValueError: export", 3.0, unit=100)  # the worker was past it
+    m = started(2)
+    m.committed(98)
+    assert Kill(0) in m.user_error(0, ValueError("oom"), "ValueError: oom", 3.0, unit=98)  # mid-run: a lost worker
 
 
 def test_the_end_asks_one_finished_replica_for_the_final_state_and_another_if_it_is_lost():

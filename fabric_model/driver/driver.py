@@ -420,7 +420,7 @@ class Driver:
             return
         lines = message.traceback.strip().splitlines()
         signature = lines[-1] if lines else repr(exc)
-        self._execute(self.membership.user_error(worker_id, exc, signature, time.monotonic()))
+        self._execute(self.membership.user_error(worker_id, exc, signature, time.monotonic(), message.unit))
 
     def _on_connection_lost(self, worker_id: int, message: p.ConnectionLost) -> None:
         self._exits.pop(worker_id, None)

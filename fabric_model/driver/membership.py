@@ -229,15 +229,19 @@ class Membership:
         if self._change is not None:
             self._change.reports[worker_id] = next_unit
 
-    def user_error(self, worker_id: int, exc: BaseException, signature: str, now: float) -> list[Command]:
+    def user_error(
+        self, worker_id: int, exc: BaseException, signature: str, now: float, unit: int = -1
+    ) -> list[Command]:
         """The worker raised ``exc`` in user code (``signature``: its traceback's last line).
 
         The same error at the same unit ``USER_ERROR_LIMIT`` times, or on every peer at once,
-        or after a peer finished the schedule, is the user's: it is raised. A worker failing while
-        setting up has no unit; then its peers are all the slots."""
+        or after the last step (the worker was at ``unit`` past it, every step is committed, or a
+        peer finished the schedule), is the user's: it is raised. A worker failing while setting
+        up has no unit; then its peers are all the slots."""
         member = worker_id in self.members and self.workers[worker_id].state is WorkerState.MEMBER
-        last_slot = self.committed_unit >= self.limits.total_units - 1  # every step committed
-        if member and (last_slot or any(self.workers[m].state is WorkerState.DONE for m in self.members)):
+        last = self.limits.total_units - 1  # the final validation slot: every step is behind it
+        past_steps = unit >= last or self.committed_unit >= last
+        if past_steps or (member and any(self.workers[m].state is WorkerState.DONE for m in self.members)):
             # The error came after the last step (an end-of-run callback, say an export in
             # on_epoch_end(save_model=True), which one worker runs), and nothing would redo it:
             # going on without the worker would hide it.

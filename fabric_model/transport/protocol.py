@@ -138,11 +138,14 @@ class FinalState:
 @dataclasses.dataclass(frozen=True)
 class WorkerFailed:
     """An exception in the worker. ``exception`` is the cloudpickled exception (None if it
-    does not pickle); ``collective`` marks failures that are not the user's code's."""
+    does not pickle); ``collective`` marks failures that are not the user's code's; ``unit`` is
+    the worker's position when it failed (-1 before it trained): past the last step, nothing
+    would redo the failed code."""
 
     traceback: str
     exception: bytes | None
     collective: bool
+    unit: int = -1
 
 
 # -- driver -> worker -----------------------------------------------------------------------

@@ -96,8 +96,10 @@ def _train(
     inbox: Inbox,
     channel: Channel,
     store: RemoteStore,
+    position: list[TrainingLoop],
 ) -> Collective | None:
-    """Set up, join, train to the schedule's end, report and hand over the final state on request."""
+    """Set up, join, train to the schedule's end, report and hand over the final state on request.
+    ``position`` gets the loop, whose ``next_unit`` a failure reports."""
     job, context, device = _set_up(spec, payload, worker_id, device, inbox)
     config, plan = spec.config, spec.plan
     timeouts: Timeouts = config.timeouts
@@ -116,6 +118,7 @@ def _train(
         Collective(store, config.backend, timedelta(seconds=timeouts.collective), device, inbox.aborted)
     )
     loop = TrainingLoop(job, config, plan, channel, inbox, collective, datasets, context)
+    position.append(loop)
     if not _join(loop, inbox, channel, timeouts):
         return collective
     if config.keep_freed_memory:  # what set-up and the pull freed, not the steps' memory
@@ -137,7 +140,7 @@ def _train(
     return collective
 
 
-def _report_failure(channel: Channel, exc: BaseException) -> None:
+def _report_failure(channel: Channel, exc: BaseException, unit: int) -> None:
     sys.stderr.write(traceback.format_exc())  # the worker log keeps every frame
     text = user_traceback(exc)
     # Not the user's error: the driver must not count it against their code.
@@ -145,7 +148,7 @@ def _report_failure(channel: Channel, exc: BaseException) -> None:
         "torch.distributed"
     )
     try:
-        channel.send(p.WorkerFailed(text, encode_exception(exc), collective))
+        channel.send(p.WorkerFailed(text, encode_exception(exc), collective, unit))
     except (OSError, EOFError):
         pass
 
@@ -163,6 +166,7 @@ def run(address: tuple[str, int], secret: bytes, worker_id: int | None, device: 
     # Until the job brings the driver's bounds, this worker's own environment sets them.
     heartbeat = Heartbeat(channel, heartbeat_interval(HEARTBEAT_TIMEOUT.get()))
     collective: Collective | None = None
+    position: list[TrainingLoop] = []
     try:
         start = START_TIMEOUT.get()
         if worker_id is None:
@@ -174,10 +178,10 @@ def run(address: tuple[str, int], secret: bytes, worker_id: int | None, device: 
         heartbeat.interval = heartbeat_interval(spec.config.timeouts.heartbeat)
         # The store shares the control plane's address and secret (docs/architecture.md, "Processes").
         store = RemoteStore(address, secret, worker_id, timedelta(seconds=spec.config.timeouts.collective))
-        collective = _train(spec, payload, worker_id, device, inbox, channel, store)
+        collective = _train(spec, payload, worker_id, device, inbox, channel, store, position)
         return 0
     except BaseException as exc:  # report everything, KeyboardInterrupt included, then exit
-        _report_failure(channel, exc)
+        _report_failure(channel, exc, position[0].next_unit if position else -1)
         return 1
     finally:
         if collective is not None:

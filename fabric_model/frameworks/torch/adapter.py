@@ -108,6 +108,7 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         importlib.import_module("torch._dynamo")
 
         self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self._hook_handles: list[Any] = []  # the gradient-ready hooks, while installed (_hook_gradients)
         self._track_buffers()
         self._allocate()
 
@@ -208,16 +209,27 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         self._bucket_sizes = [0] * len(self._buckets)
         for b in self._bucket_of.values():
             self._bucket_sizes[b] += 1
-        if not getattr(self, "_hooks_installed", False):
-            for i, p in enumerate(self._params):
-                p.register_post_accumulate_grad_hook(lambda _p, i=i: self._on_grad_ready(i))
-            self._hooks_installed = True
         self._collective: Any = None
         self._overlap = False
         self._works: list[Any] = []
         self._deferred_error: Exception | None = None
         self._direct = False  # this step's gradients are fresh tensors, not views (a lone worker)
         self._got = [0.0] * len(self._params)  # the got-gradient flags, written to the buffer per micro-batch
+
+    def _hook_gradients(self, on: bool) -> None:
+        """Install or remove the gradient-ready hooks. Only a step that reads them has them: a
+        lone worker's backward (``_direct``) is the plain loop's, without a Python call per
+        parameter, which on CUDA is also a GIL handoff from autograd's device thread."""
+        handles = self._hook_handles
+        if on == bool(handles):
+            return
+        if on:
+            for i, p in enumerate(self._params):
+                handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: self._on_grad_ready(i)))
+        else:
+            for handle in handles:
+                handle.remove()
+            handles.clear()
 
     def _on_grad_ready(self, index: int) -> None:
         """A parameter received a gradient; on the last micro-batch, launch its bucket once full, in order."""
@@ -258,6 +270,7 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         # A lone worker reduces nothing: backward writes fresh gradients, as in a plain loop,
         # instead of adding into a zeroed buffer (docs/architecture.md, "The step").
         self._direct = self.lone_direct and getattr(collective, "world_size", 0) == 1 and self.step_fn is None
+        self._hook_gradients(not self._direct)
         (self._after_gradients if self._direct else self._flat).zero_()
         # A lone CPU worker adds its stat sums in Python (numpy float32: the same roundings as
         # the tensor path) instead of in three tensor operations; the step reduces nothing.

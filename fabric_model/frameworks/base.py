@@ -187,10 +187,11 @@ class Framework(abc.ABC):
                 batch = adapter.collate([train_set[i] for i in range(min(2, len(train_set)))])
             self.split_batch(batch)
         except Exception as exc:
+            keys = ", ".join(repr(k) for k in TARGET_KEYS)
             raise TypeError(
-                f"Could not make a batch from the first training sample: {exc}. Expected samples to be "
-                "(input, target) tuples or dicts with a 'target', 'label' or 'labels' key, of tensors, numpy arrays "
-                "or numbers (or pass `fn_batch_collate` returning (inputs, target))."
+                f"Could not make a batch from the first training sample: {str(exc).rstrip('.')}. Expected samples "
+                f"to be (input, target) tuples or dicts with a target under one of the keys {keys}, of tensors, "
+                "numpy arrays or numbers (or pass `fn_batch_collate` returning (inputs, target))."
             ) from exc
         return batch
 

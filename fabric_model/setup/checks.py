@@ -10,6 +10,8 @@ data run on its first batch (:mod:`.first_batch`).
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..run.hooks import HOOKS
@@ -275,3 +277,34 @@ def check_train_arguments(
     check_effective_batch(effective_batch_size, batch_size)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise TypeError(f"Expected `seed` to be a non-negative int or None. Received: seed={seed!r}")
+
+
+#: A loss "fits" the sum of its halves' losses within this fraction of the largest of the values
+#: (loose enough for float32 and bf16-mixed rounding) ...
+SUM_FIT = 0.02
+#: ... and lies clearly outside their range, where any mean of them lies (sample-weighted, class-weighted,
+#: plus a regulariser term common to both): by at least this fraction. A sum of two halves of comparable
+#: losses lies outside by up to a half.
+OUTSIDE_MEANS = 0.1
+
+
+def check_loss_reduction(whole: float, halves: Sequence[tuple[float, int]], fix: str) -> None:
+    """Refuse a loss that sums over the batch: ``whole`` is its value on a batch, ``halves`` its value
+    and sample count on each half of that batch. Workers weight each micro-batch's loss by its samples,
+    which matches the single-device loop only for a batch mean; a loss that is not clearly a sum (a
+    mean, a mean plus a regulariser, a half's loss near 0) passes."""
+    losses = [loss for loss, _ in halves]
+    count, total = sum(n for _, n in halves), sum(losses)
+    mean = sum(loss * n for loss, n in halves) / count
+    scale = max(abs(whole), abs(total), *map(abs, losses))
+    if not (math.isfinite(scale) and scale > 0):  # all zero (a perfect fit): a sum and a mean agree
+        return
+    outside = max(min(losses) - whole, whole - max(losses), 0.0)
+    if abs(whole - total) <= SUM_FIT * scale and outside >= OUTSIDE_MEANS * scale:
+        parts = " and ".join(f"{loss:.6g} ({n} sample{'s' if n != 1 else ''})" for loss, n in halves)
+        raise ValueError(
+            "Expected `loss_function` to return the batch mean (fabric_model weights each micro-batch's loss by "
+            f"its samples; a sum would scale the loss, and the gradient, with the batch size). Received: a loss "
+            f"that sums over the batch: {whole:.6g} on the first batch of {count} samples, {parts} on its halves, "
+            f"whose sum is {total:.6g} and sample-weighted mean {mean:.6g}. HINT: {fix}"
+        )

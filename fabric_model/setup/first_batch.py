@@ -2,19 +2,27 @@
 
 Mistakes that would otherwise fail in every worker many seconds in (a loss class instead of an
 instance, a per-sample loss or metric, float labels, mismatched shapes, a non-finite loss, a
-non-float32 model) fail here, before any worker starts, naming the argument, what was received
-and the fix.
+non-float32 model), or silently train something else (a loss summed over the batch), fail here,
+before any worker starts, naming the argument, what was received and the fix.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ..frameworks.torch.calling import ModelCall
 from ..frameworks.torch.calling import describe as _describe
+from .checks import check_loss_reduction
+
+#: What to do about a loss summed over the batch.
+SUM_FIX = (
+    'use reduction="mean" (the default), e.g. torch.nn.CrossEntropyLoss() or F.cross_entropy(output, target), '
+    'not reduction="sum".'
+)
 
 
 def check_loss_object(loss_function: Any) -> None:
@@ -29,6 +37,14 @@ def check_loss_object(loss_function: Any) -> None:
 def check_parameter_dtypes(model: torch.nn.Module, precision: str = "32") -> None:
     """The step buffer and its reduction are float32, so float32 parameters are required at any ``precision``."""
     other = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
+    if "torch.float64" in other:  # no precision setting makes float64: say so rather than offer a lower one
+        raise TypeError(
+            f"Expected `model` to have float32 parameters: float64 parameters are not supported (fabric_model "
+            "keeps float32 weights and sums gradients across workers in a float32 buffer, so float64 would "
+            f"silently lose its precision). Received: parameters of dtype {', '.join(other)}. HINT: pass "
+            "model.float() to train in float32 (the default precision='32'); precision='bf16-mixed' or '16-mixed' "
+            "only lowers the forward pass's precision."
+        )
     if other:
         mixed = {"torch.bfloat16": "bf16-mixed", "torch.float16": "16-mixed"}.get(other[0], "bf16-mixed")
         raise TypeError(
@@ -111,7 +127,52 @@ def check_loss_and_metrics(
             f"(model output: {_describe(output)}; target: {_describe(target)}). HINT: check the data for NaN/inf "
             "and the loss for log(0) or division by zero."
         )
+    if not model_computes:  # the model's own loss (Hugging Face's) is its batch mean
+        check_summed_loss(loss_function, output, target, value.item())
     for i, metric in enumerate(metrics):
         with torch.no_grad():
             result = metric(output, target)
         _scalar_or_raise(result, f"metrics[{i}]", output, target, "return the batch mean, e.g. (...).float().mean().")
+
+
+def split_samples(value: Any, size: int, cut: int) -> tuple[Any, Any] | None:
+    """``value``'s first ``cut`` samples and the rest (tensors cut along their first dimension, inside
+    tuples, lists and dicts); None where that is not a cut into samples (another leading size, a
+    scalar, an object of another kind)."""
+    if isinstance(value, torch.Tensor):
+        return (value[:cut], value[cut:]) if value.dim() > 0 and value.shape[0] == size else None
+    if isinstance(value, Mapping):
+        keys, values = list(value), list(value.values())
+    elif type(value) in (tuple, list):
+        keys, values = [], list(value)
+    else:
+        return None
+    parts = [split_samples(v, size, cut) for v in values]
+    firsts, rests = [p[0] for p in parts if p is not None], [p[1] for p in parts if p is not None]
+    if not parts or len(firsts) < len(parts):
+        return None
+    if isinstance(value, Mapping):
+        return dict(zip(keys, firsts)), dict(zip(keys, rests))
+    return type(value)(firsts), type(value)(rests)
+
+
+def check_summed_loss(loss_function: Any, output: Any, target: Any, whole: float) -> None:
+    """Refuse a loss summed over the batch (:func:`.checks.check_loss_reduction`): the loss of the first
+    batch's output against that of its two halves. The output is cut, not recomputed: the model runs
+    no more, so its state (BatchNorm statistics, random generators) is untouched."""
+    size = target.shape[0] if isinstance(target, torch.Tensor) and target.dim() > 0 else 0
+    if size < 2:  # one sample has no halves
+        return
+    cut = size // 2
+    outputs, targets = split_samples(output, size, cut), split_samples(target, size, cut)
+    if outputs is None or targets is None:
+        return
+    halves = []
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for out, tgt, n in zip(outputs, targets, (cut, size - cut)):
+                halves.append((float(torch.as_tensor(loss_function(out, tgt), dtype=torch.float32)), n))
+    except Exception:  # a loss that cannot take fewer samples: nothing to compare
+        return
+    check_loss_reduction(whole, halves, SUM_FIX)

@@ -87,6 +87,8 @@ class KerasFramework(Framework):
 
         assert isinstance(adapter, KerasAdapter)
         adapter.check_rebuild(first_batch)
+        if not (adapter.custom_step or adapter.model_train_step or adapter.model_loss):  # our loss, our step
+            check_summed_loss(adapter.model, adapter.loss_function, first_batch)
         return adapter
 
     def draw_seed(self) -> int:
@@ -121,6 +123,38 @@ class KerasFramework(Framework):
         from .inference import compile_trained
 
         compile_trained(adapter)
+
+
+#: What to do about a loss summed over the batch.
+SUM_FIX = (
+    "leave the loss's `reduction` at its default, the batch mean (reduction=\"sum_over_batch_size\"; Keras 2's "
+    'AUTO), e.g. keras.losses.SparseCategoricalCrossentropy(), not reduction="sum".'
+)
+
+
+def check_summed_loss(model: Any, loss_function: Any, first_batch: Any) -> None:
+    """Refuse a loss summed over the batch (:func:`fabric_model.setup.checks.check_loss_reduction`): the
+    loss on the first batch against that on its halves, from one inference call (``training=False``:
+    no BatchNorm statistics updated, no dropout). One output and one target only."""
+    import tensorflow as tf
+
+    from ...setup.checks import check_loss_reduction
+    from .adapter import split_keras_batch
+
+    x, y = split_keras_batch(first_batch)
+    out, y = model(x, training=False), np.asarray(y)
+    size = y.shape[0] if y.ndim > 0 else 0
+    if size < 2 or not isinstance(out, tf.Tensor) or out.shape.rank == 0 or out.shape[0] != size:
+        return
+    cut = size // 2
+    try:
+        whole, first, rest = (
+            float(tf.reduce_mean(tf.cast(loss_function(y_part, out_part), tf.float32)))
+            for y_part, out_part in ((y, out), (y[:cut], out[:cut]), (y[cut:], out[cut:]))
+        )
+    except Exception:  # the loss fails on fewer samples: nothing to compare (the workers' own call reports)
+        return
+    check_loss_reduction(whole, [(first, cut), (rest, size - cut)], SUM_FIX)
 
 
 class TfKerasFramework(KerasFramework):

@@ -303,6 +303,29 @@ def test_a_user_error_on_every_worker_at_once_fails_at_once():
         m.user_error(1, error, "KeyError: 'label'", 1.0)
 
 
+def test_the_same_user_error_on_every_member_at_the_same_unit_fails_at_once_whatever_is_committed():
+    """A bug in forward at step 5 hits every member there; the committed unit may lag one report
+    (the peer's last step report still on its way), so the workers' own units decide."""
+    m = started(2)
+    m.committed(4)
+    error = ValueError("forward cannot take step 5")
+    commands = m.user_error(0, error, "ValueError: forward cannot take step 5", 1.0, unit=5)
+    assert Kill(0) in commands
+    m.committed(5)  # worker 1's report of step 4 arrived after worker 0's failure
+    with pytest.raises(ValueError, match="step 5"):
+        m.user_error(1, error, "ValueError: forward cannot take step 5", 1.1, unit=5)
+    assert m.generation == 0  # no generation formed, nothing rolled back
+
+
+def test_a_user_error_on_one_member_or_at_different_units_loses_the_worker():
+    m = started(3)
+    m.committed(5)
+    error = ValueError("flaky read")
+    assert Kill(0) in m.user_error(0, error, "ValueError: flaky read", 1.0, unit=5)
+    assert Kill(1) in m.user_error(1, error, "ValueError: flaky read", 1.0, unit=6)  # another unit: not the same error
+    assert m.state(2) is WorkerState.MEMBER
+
+
 def test_a_user_error_after_the_last_step_fails_at_once():
     """Nothing redoes an end-of-run callback (one worker's export on save_model=True, say): after
     every step is committed, or once a peer finished, one worker's error is the job's."""

@@ -3,7 +3,7 @@
 - ``run [--keras3] [--param NAME=VALUE]... SCRIPT [ARGS...]``: an IBM EDT script, unchanged (docs/ibm-migration.md);
 - ``worker``: join a running job as one more worker (launched workers use it too);
 - ``status RUN_DIR``: progress, workers and the last checkpoint, as a table;
-- ``plot RUN_DIR [-o PNG]``: loss and metrics per epoch, validation, the worker-count timeline.
+- ``plot RUN_DIR [-o PNG]``: the loss and each metric per step, validation, the worker count when it changed.
 
 Each subcommand imports what it needs only when it runs: ``--help`` stays instant.
 """
@@ -50,7 +50,7 @@ def parser() -> argparse.ArgumentParser:
     )
     status = sub.add_parser("status", help="a run's progress, workers and last checkpoint, as a table")
     status.add_argument("run_dir", metavar="RUN_DIR")
-    plot = sub.add_parser("plot", help="a PNG of a run: metrics per epoch, validation, worker count over time")
+    plot = sub.add_parser("plot", help="a PNG of a run: loss and metrics per step, validation, worker count over time")
     plot.add_argument("run_dir", metavar="RUN_DIR")
     plot.add_argument("-o", "--output", metavar="PNG", help="default: RUN_DIR/plot.png")
     return top

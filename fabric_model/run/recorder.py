@@ -6,8 +6,14 @@ progress display (``train(tensorboard=False)`` leaves it out). TensorBoard tags:
 sample-weighted average), ``val/<name>`` per validation, ``workers`` (the live worker count,
 per step and at each generation), ``generation`` (its number, at the step it formed),
 ``samples_per_s`` (per epoch, from the first step this process saw: start-up and a resume's
-set-up are not throughput), and ``lr`` when a metric of that name is reported. The x axis is
-the global iteration (steps committed). The CSV has one row per epoch, as Keras' ``CSVLogger``.
+set-up are not throughput), and ``lr`` when a metric of that name is reported. The x axis of the
+per-epoch scalars (``epoch/*``, ``val/*``, ``samples_per_s``) is the epoch, counted from 1 as in
+the CSV and the progress lines (Keras' TensorBoard callback logs its epoch scalars by epoch too,
+from 0); that of the others the global iteration (steps committed). The CSV has one row per
+epoch, as Keras' ``CSVLogger``, written once the epoch's validation is in: with several workers
+validations can reach the driver before the epoch's last step commits (another worker's reports
+of its steps still on their way, even those of epochs before), so whichever comes first waits
+for the other.
 """
 
 from __future__ import annotations
@@ -41,7 +47,8 @@ class RunRecorder:
         self.steps_per_epoch = steps_per_epoch
         self._writer: EventWriter | None = None
         self._csv_file: Any = None
-        self._row: dict[str, Any] | None = None
+        self._row: dict[str, Any] | None = None  # the last epoch's row, until its validation is in
+        self._early: dict[int, dict[str, float]] = {}  # epoch -> val_* values that came before its row
         self._start: tuple[float, int] | None = None  # (time, iteration) of the first step seen
         self._flushed = 0.0
         self._workers = 0
@@ -104,22 +111,29 @@ class RunRecorder:
         rate = (iteration - i0) * self.global_batch / (now - t0) if iteration > i0 and now > t0 else None
         events = self._events()
         for name, value in metrics.items():
-            events.scalar(f"epoch/{name}", value, iteration, now)
+            events.scalar(f"epoch/{name}", value, epoch + 1, now)
         if rate is not None:
-            events.scalar("samples_per_s", rate, iteration, now)
+            events.scalar("samples_per_s", rate, epoch + 1, now)
         events.scalar("workers", workers, iteration, now)
         events.flush()
         self._row = {"epoch": epoch + 1, "iteration": iteration, "workers": workers, **metrics}
         self._row["samples_per_s"] = "" if rate is None else f"{rate:.1f}"
+        if epoch in self._early:
+            self._row.update(self._early.pop(epoch))
+            self._write_row()
 
     def log_test_metrics(self, metrics: dict[str, float], iteration: int, epoch: int) -> None:
+        """A validation after ``epoch``: completes its row, or waits for it (module docstring)."""
         events, now = self._events(), time.time()
         for name, value in metrics.items():
-            events.scalar(f"val/{name}", value, iteration, now)
+            events.scalar(f"val/{name}", value, epoch + 1, now)
         events.flush()
+        values = {f"val_{k}": v for k, v in metrics.items()}
         if self._row is not None and self._row["epoch"] == epoch + 1:
-            self._row.update({f"val_{k}": v for k, v in metrics.items()})
+            self._row.update(values)
             self._write_row()
+        else:
+            self._early[epoch] = values
 
     def on_generation(self, record: dict[str, Any]) -> None:
         """A generation formed: its number and size at the iteration it resumes from."""

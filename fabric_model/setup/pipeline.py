@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..run.hooks import Hooks
-from ..run.result import TrainResult
+from ..run.result import History, TrainResult
 from ..run.rundir import RunDirectory
 from ..state import checkpoint
 from ..state.best import best_of, check_monitors
@@ -153,9 +153,8 @@ def run_job(
     if final.divergence is not None:
         fm.run_dir = run.path  # download() zips the model written
         raise diverged(final, path)
-    return TrainResult(
-        run.path, driver.train_history, driver.test_history, setup.plan.seed, driver.replica_digests, onnx_diff
-    )
+    history = History(driver.train_history, driver.test_history)
+    return TrainResult(run.path, history, driver.test_history, setup.plan.seed, driver.replica_digests, onnx_diff)
 
 
 def diverged(final: Any, path: Path) -> Exception:

@@ -27,9 +27,11 @@ def _owned_by_fixture(proc: psutil.Process, roots: set[int]) -> bool:
     or a worker's actor (pool workers and Ray's agents are the cluster's)."""
     if proc.pid in roots:
         return True
+    if not roots:
+        return False
     try:
-        cmd = " ".join(proc.cmdline())
         ancestors = {p.pid for p in proc.parents()}
+        cmd = "" if proc.status() == psutil.STATUS_ZOMBIE else " ".join(proc.cmdline())
     except psutil.Error:
         return True  # gone
     ours = "fabric_model" in cmd or cmd.startswith("ray::WorkerHost")
@@ -42,7 +44,7 @@ def wait_gone(pids: set[int], timeout: float) -> list[str]:
     alive = [p for p in map(_process, pids) if p is not None]
     while alive and time.monotonic() < deadline:
         time.sleep(0.1)
-        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in alive if _running(p)]
     left = []
     for proc in alive:
         try:
@@ -64,32 +66,77 @@ def _environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(_OWN_VARIABLES)}
 
 
+def _children_of_test(me: psutil.Process, roots: set[int]) -> list[psutil.Process]:
+    return [c for c in me.children(recursive=True) if not _owned_by_fixture(c, roots)]
+
+
+def _describe(proc: psutil.Process) -> str:
+    try:
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return f"pid {proc.pid}: ended, never waited for (a zombie)"
+        return f"pid {proc.pid}: {' '.join(proc.cmdline()[:6])}"
+    except psutil.Error:
+        return f"pid {proc.pid}: gone"
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _end_and_reap(procs: list[psutil.Process]) -> None:
+    """SIGKILL ``procs``, wait for them, and reap those that are this process's own children (a
+    ``Popen`` of theirs then reads status 0): what one test left must not fail the next ones."""
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+    for proc in procs:
+        try:
+            os.waitpid(proc.pid, os.WNOHANG)
+        except ChildProcessError:
+            pass  # not ours (a grandchild: its parent or init reaps it) or reaped already
+
+
 @pytest.fixture(autouse=True)
 def no_leaks():
+    """Fails the teardown of the test that left a child process (running, or ended and never waited
+    for), a changed os.environ or an initialized process group, once: what it left is ended, reaped
+    or restored, and a process that was there before a test is no leak of that test."""
+    me = psutil.Process()
+    before = {c.pid for c in me.children(recursive=True)}
     env_before = _environment()
     yield
-    me = psutil.Process()
     roots = set().union(*(owned() for owned in FIXTURE_PROCESSES))
 
-    def test_children() -> list[psutil.Process]:
-        return [c for c in me.children(recursive=True) if not _owned_by_fixture(c, roots)]
+    def new_children() -> list[psutil.Process]:
+        return [c for c in _children_of_test(me, roots) if c.pid not in before]
 
+    # Up to 5 s for processes the test stopped to end; a zombie of ours ends nothing more by waiting.
     deadline = time.monotonic() + 5.0
-    children = test_children()
-    while children and time.monotonic() < deadline:
+    children = new_children()
+    while any(map(_running, children)) and time.monotonic() < deadline:
         time.sleep(0.05)
-        children = [c for c in test_children() if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
-    leaked = [f"pid {c.pid}: {' '.join(c.cmdline()[:6])}" for c in children if c.is_running()]
-    for child in children:
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
-    assert not leaked, f"the test left child processes running: {leaked}"
-    assert _environment() == env_before, "the test changed os.environ"
+        children = new_children()
+    leaked = [_describe(c) for c in children]
+    _end_and_reap(children)
+    env_after = _environment()
+    if env_after != env_before:
+        for name in env_after.keys() - env_before.keys():
+            del os.environ[name]
+        os.environ.update({k: v for k, v in env_before.items() if env_after.get(k) != v})
     import torch.distributed as dist
 
-    assert not (dist.is_available() and dist.is_initialized()), "the test left a process group initialized"
+    group_left = dist.is_available() and dist.is_initialized()
+    if group_left:
+        dist.destroy_process_group()
+    assert not leaked, f"the test left child processes: {leaked}"
+    assert env_after == env_before, "the test changed os.environ"
+    assert not group_left, "the test left a process group initialized"
 
 
 @pytest.fixture

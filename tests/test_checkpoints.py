@@ -131,7 +131,7 @@ def test_prune_keeps_the_newest_k_and_removes_dead_writers_leftovers(tmp_path):
     for unit in (10, 21, 32, 43):
         _write(tmp_path, unit)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
+    dead.wait(timeout=60)
     (tmp_path / f".ckpt-unit-00000054.pt.{dead.pid}.tmp").write_bytes(b"partial")
     live = tmp_path / f".ckpt-unit-00000054.pt.{os.getpid()}.tmp"  # a writer still writing
     live.write_bytes(b"partial")

@@ -113,22 +113,29 @@ DRIVER_SCRIPT = textwrap.dedent("""
 
 
 def _start_driver(run_dir: Path) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    """The driver script training, its warm process and workers: on any failure here, all ended and reaped."""
     script = DRIVER_SCRIPT.format(repo=str(REPO), run_dir=str(run_dir))
+    # SIGINT as a terminal leaves it (the test sends it), whatever this process inherited.
     proc = subprocess.Popen(
         [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=interruptible
     )
-    metrics = run_dir / "logs" / "metrics.jsonl"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (metrics.exists() and metrics.stat().st_size > 0):
-        assert proc.poll() is None, proc.stdout.read().decode()
-        time.sleep(0.1)
-    assert metrics.exists(), "training did not start within 60 s"
-    # The warm process and the two workers it forked (docs/architecture.md, "Start-up"): here a
-    # fork of the script, which ran no torch operation before FabricModel(...).
-    (warm,) = psutil.Process(proc.pid).children()
-    assert warm.cmdline() == psutil.Process(proc.pid).cmdline()
-    processes = [warm, *warm.children()]
-    assert len(processes) == 3, [c.cmdline() for c in processes]
+    try:
+        metrics = run_dir / "logs" / "metrics.jsonl"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.stat().st_size > 0):
+            assert proc.poll() is None, proc.stdout.read().decode()
+            time.sleep(0.1)
+        assert metrics.exists(), "training did not start within 60 s"
+        # The warm process and the two workers it forked (docs/architecture.md, "Start-up"): here a
+        # fork of the script, which ran no torch operation before FabricModel(...).
+        (warm,) = psutil.Process(proc.pid).children()
+        assert warm.cmdline() == psutil.Process(proc.pid).cmdline()
+        processes = [warm, *warm.children()]
+        assert len(processes) == 3, [c.cmdline() for c in processes]
+    except BaseException:
+        proc.kill()  # the warm process and its workers die with it (PR_SET_PDEATHSIG)
+        proc.communicate(timeout=10)
+        raise
     return proc, processes
 
 
@@ -156,6 +163,5 @@ def test_ctrl_c_stops_everything(run_dir):
 def test_killed_driver_takes_its_workers_along(run_dir):
     proc, workers = _start_driver(run_dir)
     proc.kill()
-    proc.wait(timeout=10)
-    proc.stdout.close()
+    proc.communicate(timeout=10)  # reaped, its pipe read and closed
     _assert_gone(workers, within=10)

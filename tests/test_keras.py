@@ -471,6 +471,7 @@ def test_keras_job_killed_whole_resumes_to_the_undisturbed_weights(tmp_path, und
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
     resumed = keras.saving.load_model(run_dir / "model" / "model.keras")
     assert max_rel_diff(floats(resumed), undisturbed) < 1e-5
     assert records(run_dir, "resume")
@@ -559,6 +560,7 @@ from fabric_model import quiet_tensorflow
 with quiet_tensorflow():
     os.write(2, b"a real error line\\n")
     import tensorflow
+tensorflow.constant(1.0) + 1.0  # the first operation: no CUDA notice left to print here
 """
 
 
@@ -572,6 +574,8 @@ def test_quiet_tensorflow_drops_only_the_start_up_notices(level):
     assert done.returncode == 0, done.stderr
     assert "a real error line" in done.stderr
     assert ("oneDNN custom operations" in done.stderr) == (level == "0")
+    if level == "2":  # TensorFlow's CUDA build on a machine without a driver: said once, then dropped
+        assert "Could not find cuda drivers" not in done.stderr and "failed call to cuInit" not in done.stderr
 
 
 @pytest.mark.processes

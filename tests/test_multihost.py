@@ -156,7 +156,7 @@ class HandStarter:
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-                    proc.wait()
+                    proc.wait(timeout=10)
 
 
 @pytest.mark.processes

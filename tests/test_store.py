@@ -79,7 +79,7 @@ class _Workers:
             finally:
                 if proc.poll() is None:
                     proc.kill()
-                    proc.wait()
+                    proc.wait(timeout=10)
                 proc.stdout.close()  # type: ignore[union-attr]
 
 

@@ -4,16 +4,12 @@ and CSV files, ``fabric-model status`` and ``plot`` (docs/architecture.md, "Disp
 from __future__ import annotations
 
 import csv
-import fcntl
 import os
-import pty
 import re
 import select
 import signal
-import struct
 import subprocess
 import sys
-import termios
 import threading
 import time
 import types
@@ -71,15 +67,16 @@ def test_a_pipe_gets_plain_lines_start_up_lines_first(piped_run):
     first_progress = next(i for i, line in enumerate(lines) if line.startswith("epoch "))
     start_up = "\n".join(lines[:first_progress])
     assert f"run directory: {run_dir}" in start_up
-    assert "2 local worker slot(s) on cpu x2" in start_up and "global batch 32" in start_up
-    assert f"tensorboard --logdir {run_dir / 'tensorboard'}" in start_up
-    assert "generation 0: 2 worker(s)" in start_up
-    progress = [line for line in lines if re.match(r"epoch \d/2 step \d+/6 ", line)]
-    assert progress and all(re.search(r"elapsed \d\d:\d\d eta (\?|\d\d:\d\d)", line) for line in progress)
-    assert any(re.search(r"samples/s workers=2", line) for line in progress)
-    for epoch in (1, 2):
-        assert any(line.startswith(f"epoch {epoch}/2: loss=") for line in lines)
-        assert any(line.startswith(f"epoch {epoch}/2 validation: val_loss=") for line in lines)
+    assert "starting 2 workers on cpu: 2 epochs of 6 steps, global batch 32" in start_up
+    assert f"tensorboard --logdir {run_dir / 'tensorboard'}" in start_up  # a run outside the working directory
+    assert re.search(r"^2 workers training \(started in \d+\.\d s\)$", start_up, re.M), start_up
+    progress = [line for line in lines if re.match(r"epoch \d/2 step \d+/6 ", line)]  # steps of the epoch
+    assert progress and all(re.search(r"workers=2 .* eta (\?|\d\d:\d\d)", line) for line in progress)
+    for epoch in (1, 2):  # one line per epoch, its validation on it
+        (line,) = [line for line in lines if line.startswith(f"epoch {epoch}/2:")]
+        assert re.match(rf"epoch {epoch}/2: loss=\d\.\d{{4}} accuracy=\d\.\d{{4}} val_loss=\d\.\d{{4}} ", line), line
+    assert "generation" not in text and "checkpoint" not in text  # said in logs/driver.log
+    assert "checkpoint ckpt-unit-" in (run_dir / "logs" / "driver.log").read_text()
     assert "run directory" in (run_dir / "logs" / "driver.log").read_text()  # the full log on disk
 
 
@@ -91,7 +88,7 @@ def test_tensorboard_files_hold_the_scalars_and_the_csv_parses(piped_run):
     expected = {"train/loss", "train/accuracy", "epoch/loss", "epoch/accuracy", "val/loss", "val/accuracy"}
     assert expected | {"workers", "generation", "samples_per_s"} <= tags
     assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 13))  # per step, by iteration
-    assert [e.step for e in events.Scalars("epoch/loss")] == [6, 12]
+    assert [e.step for e in events.Scalars("epoch/loss")] == [1, 2]  # per epoch, by epoch
     assert all(e.value == 2 for e in events.Scalars("workers"))
     steps = {
         r["iteration"]: r["metrics"]["loss"]
@@ -103,7 +100,7 @@ def test_tensorboard_files_hold_the_scalars_and_the_csv_parses(piped_run):
         rows = list(csv.DictReader(f))
     assert [int(r["epoch"]) for r in rows] == [1, 2]
     assert {"loss", "accuracy", "val_loss", "val_accuracy", "samples_per_s", "workers"} <= set(rows[0])
-    assert float(rows[1]["val_loss"]) > 0 and float(rows[1]["samples_per_s"]) > 0
+    assert all(float(r["val_loss"]) > 0 for r in rows) and float(rows[1]["samples_per_s"]) > 0
 
 
 @pytest.mark.processes
@@ -138,34 +135,6 @@ def read_pty(master: int, proc: subprocess.Popen, timeout: float) -> str:
 
 
 @pytest.mark.processes
-def test_a_terminal_of_80_columns_gets_one_bar_with_eta_and_no_stale_text(tmp_path):
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
-    proc = subprocess.Popen(
-        [*JOB, str(tmp_path / "run"), "2", "0.15"], stdin=slave, stdout=slave, stderr=slave, cwd=ROOT, env=job_env()
-    )
-    os.close(slave)
-    try:
-        text = read_pty(master, proc, 240)
-        assert proc.wait(timeout=30) == 0, text[-3000:]
-    finally:
-        os.close(master)
-        if proc.poll() is None:
-            proc.kill()
-    redraws = 0
-    for line in text.replace("\r\n", "\n").split("\n"):
-        shown = [ANSI.sub("", s) for s in line.split("\r")]
-        for before, after in zip(shown, shown[1:]):
-            assert len(after) >= len(before.rstrip()), (before, after)  # each redraw covers the last
-        bars = [s for s in shown if "%|" in s]
-        assert all(len(s) <= 80 for s in bars), bars  # the bar never wraps (printed lines may)
-        redraws += len(bars)
-    assert redraws >= 3 and all("workers=2, " in s for s in bars if "epoch" in s)  # the live worker count
-    assert re.search(r"epoch [12]/2 +\d+%\|.*\| \d+/12 \[\d\d:\d\d<\d\d:\d\d", text), text[-2000:]  # elapsed<ETA
-    assert "run directory:" in text and "epoch 2/2 validation: val_loss=" in text
-
-
-@pytest.mark.processes
 def test_ctrl_c_says_how_to_resume_and_leaves_no_process(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
@@ -180,20 +149,20 @@ def test_ctrl_c_says_how_to_resume_and_leaves_no_process(tmp_path):
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
     reader.start()
-    deadline = time.monotonic() + 180
-    while not any(line.startswith("epoch 1/30 step") for line in lines) and time.monotonic() < deadline:
-        assert proc.poll() is None, "".join(lines)
-        time.sleep(0.1)
-    children = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
-    assert len(children) >= 2  # the workers are running
-    os.killpg(proc.pid, signal.SIGINT)
     try:
+        deadline = time.monotonic() + 180
+        while not any(line.startswith("epoch 1/30 step") for line in lines) and time.monotonic() < deadline:
+            assert proc.poll() is None, "".join(lines)
+            time.sleep(0.1)
+        children = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        assert len(children) >= 2  # the workers are running
+        os.killpg(proc.pid, signal.SIGINT)
         code = proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)  # its own process group: the job, whatever it started
             proc.wait(timeout=10)
-    reader.join(10)
+        reader.join(10)
     text = "".join(lines)
     assert code == 130, text[-3000:]
     assert "Traceback" not in text and "KeyboardInterrupt" not in text
@@ -210,8 +179,8 @@ def test_plot_draws_the_worker_count_of_a_run_with_a_kill_and_a_join(tmp_path, m
     elastic_train(run_dir, tmp_path, [Kill(1, 2), HoldForJoin(4)], joins=[4], workers=2)
     screen = capfd.readouterr().err
     # One short line per generation change; the error's internals only in logs/driver.log.
-    assert re.search(r"^generation 1: 1 worker\(s\) \(worker \d[^()\[\]]*\)$", screen, re.M), screen
-    assert re.search(r"^generation 2: 2 worker\(s\) \(worker \d+ joins\)$", screen, re.M), screen
+    assert re.search(r"^now 1 worker \(worker \d[^()\[\]]*\)$", screen, re.M), screen
+    assert re.search(r"^now 2 workers \(worker \d+ joins\)$", screen, re.M), screen
     assert "pair.cc" not in screen and "generation 1 ending" in (run_dir / "logs" / "driver.log").read_text()
     records = [r for r in read_records(run_dir / "logs" / "metrics.jsonl") if r["type"] == "generation"]
     assert [r["workers"] for r in records] == [2, 1, 2]

@@ -146,6 +146,7 @@ class Driver:
             wrap_stream=hooks.wrap_checkpoint_stream,  # the driver writes the files (testing seam)
             best=setup.keep_best,
             epoch_logs=lambda e: epoch_logs(self.progress.train_history, self.progress.test_history, e),
+            on_written=hooks.on_checkpoint,
         )
         # Checkpoints and snapshots that rank 0 uploads (docs/architecture.md, "Elasticity").
         self.states = StateBook(self.checkpoints, self.progress.committed)

@@ -2,10 +2,10 @@
 
 Two handlers on the ``fabric_model`` logger while a run lasts: ``logs/driver.log`` in the run
 directory gets every message in full, always; the screen gets a short form (the first line, at
-most ``SCREEN_WIDTH`` characters: a lost worker's reason can carry pages of gloo internals),
-printed above the progress bar, but only when ``verbose >= 1`` and the user has configured no
-logging of their own (a handler on the root or the ``fabric_model`` logger), so nothing is
-printed twice.
+most ``SCREEN_WIDTH`` characters, a warning's cut to the terminal's width: a lost worker's
+reason can carry pages of gloo internals), printed above the progress bar, but only when
+``verbose >= 1`` and the user has configured no logging of their own (a handler on the root or
+the ``fabric_model`` logger), so nothing is printed twice.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from tqdm import tqdm
+from . import screen
 
 LOGGER = "fabric_model"
 #: The most characters of a message shown on screen (the log file has the rest).
@@ -28,21 +28,24 @@ SAID_BY_THE_DISPLAY = (
     "generation %d ending: %s",
     "worker %d lost: %s",
     "generation %d: %d worker(s) %s on %s, resuming at unit %d (%s)",
+    "checkpoint %s after epoch %d (%.3f s)",  # the epoch's line gets a mark
+    "training stopped by a callback after epoch %d",  # a note of the display's
 )
 
 
 class ScreenHandler(logging.Handler):
-    """One short line per message on stderr, above the progress bar (``tqdm.write``)."""
+    """One short line per message on stderr, fitted to its width, above the progress bar."""
 
     def emit(self, record: logging.LogRecord) -> None:
         if record.msg in SAID_BY_THE_DISPLAY:
             return
         try:
             text = record.getMessage().strip().splitlines()[0] if record.getMessage().strip() else ""
-            if len(text) > SCREEN_WIDTH:
-                text = text[: SCREEN_WIDTH - 1] + "…"
             prefix = "" if record.levelno <= logging.INFO else f"{record.levelname.lower()}: "
-            tqdm.write(f"[fabric-model] {prefix}{text}", file=sys.stderr)
+            # A warning's first line can hold an error's internals: cut to the terminal. Our
+            # own information lines are short but may hold a path, which a cut would spoil.
+            width = SCREEN_WIDTH if record.levelno <= logging.INFO else min(SCREEN_WIDTH, screen.width_of(sys.stderr))
+            screen.write_line(screen.fit([screen.Field(f"[fabric-model] {prefix}{text}")], width), sys.stderr)
         except Exception:  # a display problem must never stop training
             self.handleError(record)
 

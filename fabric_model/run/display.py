@@ -11,9 +11,11 @@ import logging
 import sys
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..frameworks.keras.quiet import notices_for_workers
+from ..state.checkpoint import list_checkpoints
 from . import console
 from .hooks import Hooks
 from .progress_bar import ProgressBar
@@ -43,8 +45,15 @@ def samples_per_step(setup: DriverSetup) -> int:
 
 def driver_hooks(user_loggers: Any, setup: DriverSetup, run: RunDirectory, verbose: int, tensorboard: bool) -> Hooks:
     """The user's driver logger(s), the progress display (unless ``verbose=0``) and the recorder."""
-    plan, samples = setup.plan, samples_per_step(setup)
-    progress = ProgressBar(setup.config.epochs, plan.steps_per_epoch, samples, verbose=verbose)
+    plan, samples, config = setup.plan, samples_per_step(setup), setup.config
+    progress = ProgressBar(
+        config.epochs,
+        plan.steps_per_epoch,
+        samples,
+        verbose=verbose,
+        validates=lambda e: setup.has_test and (e + 1) % config.validation_freq == 0,
+        saves=lambda e: config.checkpoint_freq > 0 and (e + 1) % config.checkpoint_freq == 0,
+    )
     recorder = None
     if tensorboard:
         tb, csv = run.path / "tensorboard", run.logs / "metrics.csv"
@@ -65,6 +74,9 @@ def run_with_display(
         with notices_for_workers(verbose == 2):  # TensorFlow's start-up notices in the worker logs
             return start(hooks), hooks
     except KeyboardInterrupt:
+        for obj in hooks.loggers:  # nothing is drawn after the message
+            if isinstance(obj, ProgressBar):
+                obj.interrupt()
         interrupted(run)
         raise
     finally:
@@ -76,21 +88,38 @@ def run_with_display(
 
 def startup_lines(setup: DriverSetup, run: RunDirectory, tensorboard: bool) -> None:
     """Where the run lives and what runs it, before the first worker starts (the resume point is
-    said by the checkpoint book as it opens the checkpoint)."""
-    devices = ", ".join(f"{d} x{n}" for d, n in Counter(str(d) for d in setup.devices).items())
-    plan, config = setup.plan, setup.config
-    log.info("run directory: %s", run.path)
+    said by the checkpoint book as it opens the checkpoint). Paths under the working directory
+    are given relative to it: the lines fit a narrow terminal."""
+    kinds = Counter(str(d) for d in setup.devices)
+    devices = ", ".join(kinds) if len(kinds) > 1 or len(setup.devices) == 1 else next(iter(kinds))
+    plan, config, workers = setup.plan, setup.config, len(setup.devices)
+    log.info("run directory: %s", _shown(run.path))
+    most = max(workers, setup.max_workers or 0)
     log.info(
-        "%d local worker slot(s) on %s (at most %d workers); %d epoch(s) of %d step(s), global batch %d",
-        len(setup.devices),
+        "starting %s on %s%s: %s of %s, global batch %d",
+        _count(workers, "worker"),
         devices,
-        max(len(setup.devices), setup.max_workers or 0),
-        config.epochs,
-        plan.steps_per_epoch,
+        f" (up to {most})" if most > workers else "",
+        _count(config.epochs, "epoch"),
+        _count(plan.steps_per_epoch, "step"),
         samples_per_step(setup),
     )
     if tensorboard:
-        log.info("tensorboard --logdir %s", run.path / "tensorboard")
+        # The runs' folder when it is under the working directory: this run and the earlier ones.
+        shown = _shown(run.path.parent)
+        log.info("tensorboard --logdir %s", shown if not shown.is_absolute() else run.path / "tensorboard")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _shown(path: Path) -> Path:
+    """``path`` relative to the working directory when it is under it."""
+    try:
+        return path.resolve().relative_to(Path.cwd().resolve())
+    except (OSError, ValueError):
+        return path
 
 
 def interrupted(run: RunDirectory) -> None:
@@ -99,10 +128,12 @@ def interrupted(run: RunDirectory) -> None:
     In a script: the message and exit status 130, no traceback. In an interactive session
     (a REPL, IPython, Jupyter) ``KeyboardInterrupt`` is raised again, which they show briefly.
     """
+    saved = list_checkpoints(run.checkpoints)
+    start = f"its newest checkpoint, {saved[-1][1].name}" if saved else "the beginning (no checkpoint yet)"
     sys.stderr.write(
         f"\nInterrupted. The run is in {run.path}; every worker was stopped.\n"
-        f"Resume it with train(..., run_dir={str(run.path)!r}, resume=True)"
-        " from its newest checkpoint.\n"
+        f"Resume it with train(..., run_dir={str(run.path)!r}, resume=True)\n"
+        f"from {start}.\n"
     )
     sys.stderr.flush()
     if hasattr(sys, "ps1") or sys.flags.interactive or "IPython" in sys.modules:

@@ -121,6 +121,10 @@ class Hooks:
         """A generation formed: ``generation``, ``members``, ``reason``, ``iteration``, ``resume_unit``."""
         self._call(self._opening(), "on_generation", record)
 
+    def on_checkpoint(self, epoch: int, name: str) -> None:
+        """The checkpoint after ``epoch`` (0-based) is on disk, in the file ``name``."""
+        self._call(self._opening(), "on_checkpoint", epoch, name)
+
     def note(self, line: str) -> None:
         """A line for the progress display (what happened after training, say)."""
         self._call(self._opening(), "note", line)

@@ -46,6 +46,7 @@ class CheckpointBook:
             "Testing seams").
         best: which of the older checkpoints to spare by a monitored metric, if any.
         epoch_logs: ``epoch -> logs`` (training averages and ``val_`` metrics) the driver has so far.
+        on_written: called with ``(epoch, file name)`` once a checkpoint is on disk (the display's mark).
     """
 
     def __init__(
@@ -58,11 +59,12 @@ class CheckpointBook:
         wrap_stream: Any = None,
         best: BestCheckpoints | None = None,
         epoch_logs: Callable[[int], dict[str, float]] | None = None,
+        on_written: Callable[[int, str], None] | None = None,
     ) -> None:
         self.directory, self.framework, self.keep, self.metrics = directory, framework, keep, metrics
         self.units_per_epoch = units_per_epoch
         self.wrap_stream = wrap_stream
-        self.best, self.epoch_logs = best, epoch_logs
+        self.best, self.epoch_logs, self.on_written = best, epoch_logs, on_written
         self._scored: dict[int, float] = {}  # what the spared set was last computed from
         self.by_unit: dict[int, Path] = {}
         self.accepted = -1  # the newest checkpoint handed to the writer (written or not yet)
@@ -198,3 +200,5 @@ class CheckpointBook:
             removed=[q.name for q in removed],
         )
         log.info("checkpoint %s after epoch %d (%.3f s)", done.path.name, done.epoch + 1, done.seconds)
+        if self.on_written is not None:
+            self.on_written(done.epoch, done.path.name)

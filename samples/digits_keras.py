@@ -16,6 +16,7 @@ Run it from the repository root, after ``pip install -e ".[tensorflow]"`` (or wi
 """
 
 import argparse
+import os
 import sys
 
 import numpy as np
@@ -68,8 +69,9 @@ def main():
     result = fm.train(args.epochs, args.batch_size, args.engines, seed=args.seed, run_dir=args.run_dir)
 
     test_accuracy = result.test_history[-1]["accuracy"]
-    print(f"final test accuracy: {test_accuracy:.4f} ({args.engines} workers, logs in {result.run_dir})")
-    print(f"trained model: {result.run_dir / 'model' / 'model.keras'} (keras.saving.load_model(path))")
+    run_dir = os.path.relpath(result.run_dir)  # short: the lines fit a narrow terminal
+    print(f"final test accuracy: {test_accuracy:.4f} ({args.engines} workers); run in {run_dir}")
+    print(f"trained model: {os.path.join(run_dir, 'model', 'model.keras')} (keras.saving.load_model)")
     # `model` now holds the trained weights too and can be used directly, e.g. model.predict(x).
     if test_accuracy < 0.95:
         print("FAILED: test accuracy is below 0.95", file=sys.stderr)

@@ -14,6 +14,7 @@ After ``pip install -e .``, from anywhere:
 """
 
 import argparse
+import os
 import sys
 
 import torch
@@ -69,7 +70,8 @@ def main():
     result = fm.train(args.epochs, args.batch_size, args.engines, seed=args.seed)
 
     test_accuracy = result.test_history[-1]["accuracy"]
-    print(f"final test accuracy: {test_accuracy:.4f} ({args.engines} workers, logs in {result.run_dir})")
+    run_dir = os.path.relpath(result.run_dir)  # short: the lines fit a narrow terminal
+    print(f"final test accuracy: {test_accuracy:.4f} ({args.engines} workers); run in {run_dir}")
     # `model` now holds the trained weights and can be used directly, e.g. model.eval(); model(x).
     if test_accuracy < 0.95:
         print("FAILED: test accuracy is below 0.95", file=sys.stderr)

@@ -70,7 +70,7 @@ def main():
 
     test_accuracy = result.test_history[-1]["accuracy"]
     run_dir = os.path.relpath(result.run_dir)  # short: the lines fit a narrow terminal
-    print(f"final test accuracy: {test_accuracy:.4f} ({args.engines} workers); run in {run_dir}")
+    print(f"test accuracy: {test_accuracy:.4f} on {args.engines} workers; run: {run_dir}")
     print(f"trained model: {os.path.join(run_dir, 'model', 'model.keras')} (keras.saving.load_model)")
     # `model` now holds the trained weights too and can be used directly, e.g. model.predict(x).
     if test_accuracy < 0.95:

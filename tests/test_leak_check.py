@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 LEAKY_MODULE = textwrap.dedent("""
@@ -33,6 +35,7 @@ LEAKY_MODULE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.processes  # a pytest process of its own, whose tests start children
 def test_the_leak_check_names_the_leaking_test_once_and_spares_the_later_ones(tmp_path):
     (tmp_path / "conftest.py").write_text("from tests.conftest import no_leaks  # noqa: F401\n")
     (tmp_path / "test_leaky.py").write_text(LEAKY_MODULE)

@@ -209,13 +209,23 @@ def _address(hex_address: str) -> str:
 
 
 class AddressWatch:
-    """Samples the sockets of every host while the job runs."""
+    """Samples the sockets of every host while the job runs. The ``network`` fixtures stop any
+    left running (:meth:`stop_all`): a test that fails midway must not leave a thread starting
+    ``ip`` processes under the later tests."""
+
+    running: list[AddressWatch] = []
 
     def __init__(self, hosts: list[netns.Host]) -> None:
         self.hosts, self.seen = hosts, set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
+        AddressWatch.running.append(self)
+
+    @classmethod
+    def stop_all(cls) -> None:
+        while cls.running:
+            cls.running.pop().stop()
 
     def _run(self) -> None:
         while not self._stop.wait(0.3):
@@ -238,7 +248,10 @@ def in_test_network(address: str) -> bool:
 def network():
     netns.skip_unless_available()
     with netns.Network(5) as net:
-        yield net
+        try:
+            yield net
+        finally:
+            AddressWatch.stop_all()
     # Ours only: other runs on this machine make and delete their own namespaces meanwhile.
     left = {n for n in netns.namespaces() if n.startswith(net.tag)}
     assert not left, f"namespaces left behind: {left}"

@@ -70,7 +70,10 @@ def network():
     try:
         with netns.Network(4) as net:
             net.scratch = Path(scratch)
-            yield net
+            try:
+                yield net
+            finally:
+                AddressWatch.stop_all()
             started = {pid for host in net.hosts for pid in host.pids()}  # Ray's, the workers'
         # Leaving the block SIGKILLed every process in the namespaces (never `ray stop`).
         assert all(wait_gone(pid, 10.0) for pid in started), "a process outlived its namespace"

@@ -191,6 +191,10 @@ def test_step_reports_commit_through_the_ledger_and_membership_sees_it(harness: 
     harness.step(1, 1, generation=7)
     assert harness.driver.progress.committed_unit == 1 and harness.recorder.steps == [1]
     harness.driver.handle(1, p.EvalDone(0, (2.0, 4.0)))
+    assert harness.driver.test_history == []  # held: epoch 0's last step is not committed yet
+    for step in (1, 2, 3):
+        harness.step(0, step)
+        harness.step(1, step)
     assert harness.driver.test_history == [{"epoch": 0, "loss": 0.5}]
 
 

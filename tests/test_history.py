@@ -13,7 +13,6 @@ import pytest
 import torch.nn.functional as F
 
 from fabric_model import FabricModel
-from fabric_model.run.recorder import RunRecorder
 from fabric_model.run.result import History
 
 from .helpers import accuracy, fresh_model_and_optimizer, make_data
@@ -104,22 +103,3 @@ def test_history_by_int_slice_and_str():
     with pytest.raises(KeyError, match="val_accuracy"):
         history["val_accuracy"]
     assert History() == [] and History().history == {}
-
-
-def test_the_csv_row_waits_for_its_validation_or_takes_one_that_came_before(tmp_path):
-    """The orders the driver sees: validations after the epoch's last step, or before it."""
-    recorder = RunRecorder(tmp_path / "tb", tmp_path / "metrics.csv", ["loss"], 8, 2)
-    recorder.record_step({"loss": 1.0}, 1, 0, 2)
-    # One worker's reports of its steps still on their way: epochs 0 and 1 validated before
-    # epoch 0's last step commits (a run's logs/metrics.jsonl showed this order).
-    recorder.log_test_metrics({"loss": 0.9}, 2, 0)
-    recorder.log_test_metrics({"loss": 0.4}, 4, 1)
-    for iteration, epoch, loss in [(2, 0, 1.0), (3, 1, 0.5), (4, 1, 0.5), (5, 2, 0.25), (6, 2, 0.25)]:
-        recorder.record_step({"loss": loss}, iteration, epoch, 2)
-        recorder.log_train_metrics({"loss": loss}, iteration, epoch, 2)
-    recorder.log_test_metrics({"loss": 0.2}, 6, 2)  # the usual order: after it
-    recorder.close()
-    with open(tmp_path / "metrics.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
-    expected = [("1", 1.0, 0.9), ("2", 0.5, 0.4), ("3", 0.25, 0.2)]
-    assert [(r["epoch"], float(r["loss"]), float(r["val_loss"])) for r in rows] == expected

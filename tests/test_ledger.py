@@ -239,3 +239,24 @@ def test_replicas_that_finished_with_different_states_fail_the_run(ledger: Ledge
         progress.check_replicas()
     (end,) = ledger.records("end")
     assert end["replica_digests"] == {"0": "aaaa", "1": "bbbb"}
+
+
+def test_a_validation_that_overtakes_its_epochs_last_step_reaches_the_hooks_after_it(ledger: Ledger):
+    """Rank 0's validation can reach the driver before another worker's report of the epoch's
+    last step (even of the next epoch's): loggers, the screen and metrics.csv see each epoch's
+    training averages, then its validation, in epoch order."""
+    progress = ledger.progress
+    progress.step_done(report(0, 0, 1))
+    progress.eval_done(p.EvalDone(0, (3.6, 3.2, 4.0)), workers=1)  # early: epoch 0 is not done
+    progress.eval_done(p.EvalDone(1, (1.6, 3.6, 4.0)), workers=1)
+    assert progress.test_history == [] and [c[0] for c in ledger.recorder.calls] == ["step", "train"]
+    for epoch in (0, 1):
+        for step in range(epoch == 0, 3):
+            progress.step_done(report(step, 0, 1, epoch=epoch))
+    order = [(c[0], c[2]) for c in ledger.recorder.calls if c[0] != "step"]
+    runs = [x for i, x in enumerate(order) if i == 0 or order[i - 1] != x]  # one entry per run of equal calls
+    assert runs == [("train", 0), ("test", 0), ("train", 1), ("test", 1)], order
+    assert [(t["epoch"], t["loss"]) for t in progress.test_history] == [
+        (0, pytest.approx(0.9)),
+        (1, pytest.approx(0.4)),
+    ]

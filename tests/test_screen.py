@@ -112,8 +112,8 @@ def test_the_bar_counts_this_epochs_steps_and_drops_fields_in_the_stated_order(c
 
 
 def test_one_line_per_epoch_in_order_with_validation_and_checkpoint_mark(columns, monkeypatch):
-    """Validations and checkpoints arrive before or after their epoch's last step; each epoch's
-    line waits for them and the lines come out in epoch order."""
+    """Validations come after their epoch's last step (the ledger holds one that overtakes it),
+    checkpoints before or after; each epoch's line waits for them, the lines in epoch order."""
     stream = Terminal()
     bar = ProgressBar(4, 3, 8, stream=stream, validates=lambda e: e != 2, saves=lambda e: True)
     val = {"loss": 0.25, "accuracy": 0.5}
@@ -122,10 +122,10 @@ def test_one_line_per_epoch_in_order_with_validation_and_checkpoint_mark(columns
     bar.on_checkpoint(0, "ckpt-unit-00000003.pt")
     assert shown_lines(stream) == []  # epoch 1 waits for its validation
     bar.log_test_metrics(val, 3, 0)
-    bar.log_test_metrics(val, 6, 1)  # epoch 2's validation before its last step was committed
+    bar.on_checkpoint(1, "ckpt-unit-00000007.pt")  # epoch 2's checkpoint before its last step
     for step in range(4, 7):
         bar.log_train_metrics(val, step, 1, 2)
-    bar.on_checkpoint(1, "ckpt-unit-00000007.pt")
+    bar.log_test_metrics(val, 6, 1)
     for step in range(7, 10):  # epoch 3: no validation; its checkpoint comes after epoch 4's end
         bar.log_train_metrics(val, step, 2, 2)
     for step in range(10, 13):

@@ -72,6 +72,9 @@ class Progress:
         self._steps: dict[tuple[int, int, int], _StepReports] = {}
         self._average = EpochAverage(stat_names)
         self._stats: dict[tuple[int, int], tuple[float, ...]] = {}  # (epoch, step) -> committed sums
+        # Validations that came before their epoch's last step was committed (rank 0's report
+        # can overtake another worker's step reports): held, so every hook sees them in order.
+        self._early_evals: dict[int, tuple[p.EvalDone, int]] = {}
 
     def start_at(self, unit: int, train_history: list[dict[str, float]], test_history: list[dict[str, float]]) -> None:
         """A resumed run: the position and the history below ``unit`` (replayed from the log)."""
@@ -90,6 +93,7 @@ class Progress:
             [h for h in self.test_history if self.schedule.unit(int(h["epoch"]), steps) < unit],
         )
         self._steps.clear()
+        self._early_evals.clear()  # their epochs' last steps were not committed: redone, revalidated
         self._stats = {k: v for k, v in self._stats.items() if self.schedule.unit(*k) < unit}
         # The epoch average goes on from the sums of the epoch's steps that stay committed.
         epoch = unit // self.schedule.units_per_epoch
@@ -157,6 +161,8 @@ class Progress:
         )
         self.hooks.record_step(step_metrics, self.iteration, epoch, reports.world_size)
         self.hooks.log_train_metrics(averages, self.iteration, epoch, reports.world_size)
+        if step == self.plan.steps_per_epoch - 1 and epoch in self._early_evals:
+            self.eval_done(*self._early_evals.pop(epoch))
         return self.committed.unit
 
     @property
@@ -169,6 +175,9 @@ class Progress:
         epoch = message.epoch
         if any(t["epoch"] == epoch for t in self.test_history):
             return  # a validation redone after a generation change
+        if self.committed.unit <= self.schedule.unit(epoch, self.plan.steps_per_epoch - 1):
+            self._early_evals.setdefault(epoch, (message, workers))  # until the epoch's last step
+            return
         metrics = validation_means(self.stat_names, message.stats)
         iteration = (epoch + 1) * self.plan.steps_per_epoch  # validation follows the epoch's last step
         self.test_history.append({"epoch": epoch, **metrics})

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..frameworks.keras.quiet import notices_for_workers
-from ..state.checkpoint import list_checkpoints
-from . import console
+from ..state.checkpoint import checkpoint_due, list_checkpoints
+from ..step.plan import Schedule
+from . import console, screen
 from .hooks import Hooks
 from .progress_bar import ProgressBar
 from .recorder import RunRecorder
@@ -46,13 +47,14 @@ def samples_per_step(setup: DriverSetup) -> int:
 def driver_hooks(user_loggers: Any, setup: DriverSetup, run: RunDirectory, verbose: int, tensorboard: bool) -> Hooks:
     """The user's driver logger(s), the progress display (unless ``verbose=0``) and the recorder."""
     plan, samples, config = setup.plan, samples_per_step(setup), setup.config
+    schedule = Schedule(plan, config.epochs, config.validation_freq, setup.has_test)
     progress = ProgressBar(
         config.epochs,
         plan.steps_per_epoch,
         samples,
         verbose=verbose,
-        validates=lambda e: setup.has_test and (e + 1) % config.validation_freq == 0,
-        saves=lambda e: config.checkpoint_freq > 0 and (e + 1) % config.checkpoint_freq == 0,
+        validates=schedule.validation_due,
+        saves=lambda e: checkpoint_due(schedule, config.checkpoint_freq, schedule.unit(e, plan.steps_per_epoch)),
     )
     recorder = None
     if tensorboard:
@@ -97,21 +99,17 @@ def startup_lines(setup: DriverSetup, run: RunDirectory, tensorboard: bool) -> N
     most = max(workers, setup.max_workers or 0)
     log.info(
         "starting %s on %s%s: %s of %s, global batch %d",
-        _count(workers, "worker"),
+        screen.count(workers, "worker"),
         devices,
         f" (up to {most})" if most > workers else "",
-        _count(config.epochs, "epoch"),
-        _count(plan.steps_per_epoch, "step"),
+        screen.count(config.epochs, "epoch"),
+        screen.count(plan.steps_per_epoch, "step"),
         samples_per_step(setup),
     )
     if tensorboard:
         # The runs' folder when it is under the working directory: this run and the earlier ones.
         shown = _shown(run.path.parent)
         log.info("tensorboard --logdir %s", shown if not shown.is_absolute() else run.path / "tensorboard")
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _shown(path: Path) -> Path:

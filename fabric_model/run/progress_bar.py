@@ -45,10 +45,6 @@ def _clock(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
 
 
-def _workers(n: int) -> str:
-    return f"{n} worker" if n == 1 else f"{n} workers"
-
-
 def _priority(name: str, order: tuple[str, ...]) -> int:
     return order.index(name)
 
@@ -115,8 +111,7 @@ class ProgressBar:
         self._last_plain = 0.0
         self._bar_text = 0.0  # time.monotonic() the status line was last drawn
         self._pending: dict[int, _Epoch] = {}
-        self._early_val: dict[int, dict[str, float]] = {}  # validations that came before their epoch's end
-        self._early_saved: set[int] = set()  # checkpoints likewise
+        self._early_saved: set[int] = set()  # checkpoints recorded before their epoch's last step
         self._printed = -1  # the newest epoch whose line was printed
         self._created = time.monotonic()
         self._closed = False
@@ -202,17 +197,16 @@ class ProgressBar:
 
     # -- the epoch lines ------------------------------------------------------------------
     def log_test_metrics(self, metrics: dict[str, float], iteration: int, epoch: int) -> None:
-        # A validation can be reported before its epoch's last step is committed (the workers'
-        # step reports and rank 0's validation arrive on separate connections): it waits.
+        # The ledger passes a validation on after its epoch's last step (driver/ledger.py).
         if self._closed:
             return
-        if epoch <= self._printed:  # its line is out already: a line of its own
-            if self.verbose >= 1:
-                fields = [Field(f"epoch {epoch + 1}/{self.epochs}:", 0), *self._fields(metrics, EPOCH_FIELDS, "val_")]
-                screen.write_line(screen.fit(fields, screen.width_of(self.stream)), self.stream)
-            return
-        self._early_val[epoch] = dict(metrics)
-        self._flush()
+        pending = self._pending.get(epoch)
+        if pending is not None:
+            pending.val = dict(metrics)
+            self._flush()
+        elif self.verbose >= 1:  # its line is out already (a resume's first epoch): a line of its own
+            fields = [Field(f"epoch {epoch + 1}/{self.epochs}:", 0), *self._fields(metrics, EPOCH_FIELDS, "val_")]
+            screen.write_line(screen.fit(fields, screen.width_of(self.stream)), self.stream)
 
     def on_checkpoint(self, epoch: int, name: str) -> None:
         """The checkpoint after ``epoch`` is on disk: its line gets the mark."""
@@ -227,7 +221,6 @@ class ProgressBar:
         now = time.monotonic()
         for epoch in sorted(self._pending):
             line = self._pending[epoch]
-            line.val = line.val or self._early_val.pop(epoch, None)
             line.saved = line.saved or epoch in self._early_saved
             if not (final or self._complete(line)):
                 validated = line.val is not None or not self.validates(epoch)
@@ -241,7 +234,7 @@ class ProgressBar:
                 screen.write_line(self._epoch_line(line), self.stream)
 
     def _complete(self, line: _Epoch) -> bool:
-        val = line.val is not None or line.epoch in self._early_val or not self.validates(line.epoch)
+        val = line.val is not None or not self.validates(line.epoch)
         saved = line.saved or line.epoch in self._early_saved or not self.saves(line.epoch)
         return val and saved
 
@@ -267,10 +260,10 @@ class ProgressBar:
             return
         if record["reason"] == "start":
             took = time.monotonic() - self._created
-            self.write(f"{_workers(self.workers)} training (started in {took:.1f} s)")
+            self.write(f"{screen.count(self.workers, 'worker')} training (started in {took:.1f} s)")
         else:
             self._flush(final=True)  # the epochs before the change stay above its line
-            self.write(f"now {_workers(self.workers)} ({short_reason(record['reason'])})")
+            self.write(f"now {screen.count(self.workers, 'worker')} ({short_reason(record['reason'])})")
 
     def note(self, line: str) -> None:
         """A line of its own under the epoch lines (what happened after training, say)."""

@@ -10,10 +10,8 @@ set-up are not throughput), and ``lr`` when a metric of that name is reported. T
 per-epoch scalars (``epoch/*``, ``val/*``, ``samples_per_s``) is the epoch, counted from 1 as in
 the CSV and the progress lines (Keras' TensorBoard callback logs its epoch scalars by epoch too,
 from 0); that of the others the global iteration (steps committed). The CSV has one row per
-epoch, as Keras' ``CSVLogger``, written once the epoch's validation is in: with several workers
-validations can reach the driver before the epoch's last step commits (another worker's reports
-of its steps still on their way, even those of epochs before), so whichever comes first waits
-for the other.
+epoch, as Keras' ``CSVLogger``, written once the epoch's validation is in (the driver's ledger
+passes a validation on only after its epoch's last step, however the reports arrived).
 """
 
 from __future__ import annotations
@@ -48,7 +46,6 @@ class RunRecorder:
         self._writer: EventWriter | None = None
         self._csv_file: Any = None
         self._row: dict[str, Any] | None = None  # the last epoch's row, until its validation is in
-        self._early: dict[int, dict[str, float]] = {}  # epoch -> val_* values that came before its row
         self._start: tuple[float, int] | None = None  # (time, iteration) of the first step seen
         self._flushed = 0.0
         self._workers = 0
@@ -118,22 +115,16 @@ class RunRecorder:
         events.flush()
         self._row = {"epoch": epoch + 1, "iteration": iteration, "workers": workers, **metrics}
         self._row["samples_per_s"] = "" if rate is None else f"{rate:.1f}"
-        if epoch in self._early:
-            self._row.update(self._early.pop(epoch))
-            self._write_row()
 
     def log_test_metrics(self, metrics: dict[str, float], iteration: int, epoch: int) -> None:
-        """A validation after ``epoch``: completes its row, or waits for it (module docstring)."""
+        """A validation after ``epoch``: completes its row."""
         events, now = self._events(), time.time()
         for name, value in metrics.items():
             events.scalar(f"val/{name}", value, epoch + 1, now)
         events.flush()
-        values = {f"val_{k}": v for k, v in metrics.items()}
         if self._row is not None and self._row["epoch"] == epoch + 1:
-            self._row.update(values)
+            self._row.update({f"val_{k}": v for k, v in metrics.items()})
             self._write_row()
-        else:
-            self._early[epoch] = values
 
     def on_generation(self, record: dict[str, Any]) -> None:
         """A generation formed: its number and size at the iteration it resumes from."""

@@ -150,5 +150,10 @@ def write_line(line: str, stream: TextIO | None = None) -> None:
         pass
 
 
+def count(n: int, noun: str) -> str:
+    """``1 worker``, ``2 workers``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def unicode_ok(stream: TextIO) -> bool:
     return "utf" in (getattr(stream, "encoding", None) or "").lower()

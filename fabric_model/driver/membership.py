@@ -108,7 +108,6 @@ class Membership:
         self._aborted_generation = -1
         self._user_errors: collections.Counter[tuple[str, int]] = collections.Counter()
         self._last_user_error: BaseException | None = None
-        self._failed_at: dict[int, tuple[str, int]] = {}  # member -> its user error (signature, unit)
         self._slot_failures: collections.Counter[int] = collections.Counter()
         self._start_crashes = 0  # processes that died before being ready, before the first generation
         self._replacements: list[tuple[float, int]] = []  # (when, slot)
@@ -235,9 +234,10 @@ class Membership:
     ) -> list[Command]:
         """The worker raised ``exc`` in user code (``signature``: its traceback's last line).
 
-        It is the user's, and raised, when every member of the generation raised it at the same
-        ``unit`` (a deterministic bug, say in ``forward``: the job fails at once, with no generation
-        change or rollback), when it came ``USER_ERROR_LIMIT`` times at the same unit, or after the
+        It is the user's, and raised, when every member of the generation (up to
+        ``USER_ERROR_LIMIT`` of them) raised it at the same ``unit`` (a deterministic bug, say in
+        ``forward``: the job fails at once, with no generation change or rollback), when it came
+        ``USER_ERROR_LIMIT`` times at the same unit, or after the
         last step (the worker was at ``unit`` past it, every step is committed, or a peer finished the
         schedule). Otherwise the worker is lost, as a one-off (a flaky read on one host). A worker
         failing while setting up has no unit; then the same error on every slot is the user's."""
@@ -250,16 +250,13 @@ class Membership:
             # going on without the worker would hide it.
             raise exc
         # The worker's own position: the committed unit can lag it (a peer's report still on its
-        # way), and two members failing at the same step must count as the same error.
+        # way), and members failing at the same step must count as the same error: every member
+        # of a generation of up to USER_ERROR_LIMIT failing alike raises it at once, no line of ours.
         at = (unit if unit >= 0 else self.committed_unit) if member else -1
         key = (signature, at)
         self._user_errors[key] += 1
         self._last_user_error = exc
         peers = len(self.members) if member else self.limits.max_workers
-        if member:
-            self._failed_at[worker_id] = key
-            if all(self._failed_at.get(m) == key for m in self.members):
-                raise exc  # no line of ours: the error itself is what the user should see
         if self._user_errors[key] >= min(USER_ERROR_LIMIT, peers):
             raise exc
         return self.lost(worker_id, f"error: {str(exc)[:200]}", now, crashed=False)
@@ -418,7 +415,6 @@ class Membership:
         data = restore.data if restore is not None else None
         self.generation += 1
         self.members, self._change = members, None
-        self._failed_at = {}
         checkpoint = restore.name if restore is not None and restore.kind == "checkpoint" else None
         kind = restore.kind if restore is not None else None
         # Formed before the Sends: the driver's store admits the members before they are told.

@@ -9,12 +9,32 @@ from collections.abc import Callable
 import psutil
 import pytest
 
+from .load import scale
+
 # The elastic tests run more workers than this host has cores; the cap on CPU workers
 # (fabric_model/devices.py) is tested on its own, with this variable removed.
 os.environ.setdefault("FABRIC_MODEL_CPU_WORKERS", "16")
 
 # Variables that pytest and torch set for themselves on first use.
 _OWN_VARIABLES = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_", "_TORCHINDUCTOR_")
+
+
+def pytest_report_header(config) -> str:
+    return f"fabric-model: bounds stretched x{scale():.2f} for this machine's load (tests/load.py)"
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Every test's pytest-timeout bound (its marker's, else the configured one) stretched by
+    how busy the machine is (tests/load.py)."""
+    factor = scale()
+    if factor == 1.0:
+        return
+    default = float(config.getini("timeout") or 0)
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        seconds = float(marker.args[0]) if marker and marker.args else default
+        if seconds > 0:
+            item.add_marker(pytest.mark.timeout(seconds * factor), append=False)
 
 
 #: Module-scoped fixtures that own long-lived processes (a Ray cluster) register a callable

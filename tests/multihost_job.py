@@ -23,6 +23,7 @@ from fabric_model import FabricModel
 from fabric_model.step.plan import Plan
 
 from .helpers import fresh_model_and_optimizer, make_data
+from .load import scaled
 
 SEED, EPOCHS, BATCH, GLOBAL, ENGINES = 7, 8, 8, 24, 3
 DATA = make_data(240)  # 10 steps an epoch
@@ -34,10 +35,11 @@ def datasets():
 
 
 class Pace:
-    """A worker logger that sleeps ``seconds`` after each step while ``flag`` exists."""
+    """A worker logger that sleeps ``seconds`` after each step while ``flag`` exists (longer on a
+    busy machine, where the test's steps between faults take longer: tests/load.py)."""
 
     def __init__(self, flag: str, seconds: float = 0.25) -> None:
-        self.flag, self.seconds = flag, seconds
+        self.flag, self.seconds = flag, scaled(seconds)
 
     def on_train_begin(self) -> None:
         pass
@@ -87,6 +89,7 @@ def wait_for_ray_nodes(count: int, timeout: float = 90.0) -> None:
     import ray
 
     ray.init(logging_level="WARNING", log_to_driver=False)
+    timeout = scaled(timeout)
     deadline = time.monotonic() + timeout
     while sum(1 for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU")) < count:
         if time.monotonic() > deadline:

@@ -10,7 +10,7 @@ import os
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from .callbacks import Callback
 from .inference import InferenceMixin
@@ -153,7 +153,7 @@ class FabricModel(InferenceMixin):
         *,
         seed: int | None = None,
         run_dir: str | os.PathLike[str] | None = None,
-        resume: bool = False,
+        resume: bool | Literal["auto"] = False,
         keep_checkpoints: int = checkpoint.DEFAULT_KEEP,
         worker_memory: Any = None,
         driver_memory: Any = None,
@@ -182,9 +182,12 @@ class FabricModel(InferenceMixin):
             seed: the run's seed; by default drawn from the framework's global generator, so
                 ``torch.manual_seed(0)`` or ``keras.utils.set_random_seed(0)`` makes a run reproducible.
             run_dir: where logs go; default ``$RESULT_DIR`` or ``./fabric_runs/<run-id>``.
-            resume: continue the run in ``run_dir`` (or ``$RESULT_DIR``) from its newest complete
-                checkpoint, with its seed and plan (docs/run-directory.md, "Resume" says what
-                must match); without a checkpoint, training starts from the beginning.
+            resume: True: continue the run in ``run_dir`` (or ``$RESULT_DIR``) from its newest
+                complete checkpoint, with its seed and plan (docs/run-directory.md, "Resume" says
+                what must match); without a checkpoint, training starts from the beginning.
+                ``"auto"``: continue a run that did not finish (``run.json`` says it failed, was
+                interrupted or preempted, or its process was killed) and left a checkpoint, else
+                start afresh, so a requeued or restarted job runs the same call unchanged.
             keep_checkpoints: how many of the newest checkpoints to keep (older ones are deleted).
             worker_memory, driver_memory: IBM's; accepted and ignored (memory is not capped).
             bind_address: the address of this host the driver listens on, for workers started by
@@ -215,7 +218,9 @@ class FabricModel(InferenceMixin):
             )
             ignored = {"worker_memory": worker_memory, "driver_memory": driver_memory}
             sizes = pipeline.RunSizes(epoch_number, batch_size, engines_number, effective_batch_size)
-            setup, adapter, train_set = pipeline.prepare(self, sizes, loop, seed, run_dir, resume, ignored, ray_cluster)
+            setup, adapter, train_set, resumed = pipeline.prepare(
+                self, sizes, loop, seed, run_dir, resume, ignored, ray_cluster
+            )
             # Unless told otherwise, a Ray job listens on the node's IP, a local one on loopback.
             setup = dataclasses.replace(setup, bind_address=host or (ray_cluster.host if ray_cluster else LOOPBACK))
             run = open_run(run_dir, setup)
@@ -223,7 +228,9 @@ class FabricModel(InferenceMixin):
             # a Ray job's has nothing to do.
             warm = None if ray_cluster else self._warm.take(self.framework, run.logs / "warm.log")
             self._warm.drop()
-            result = pipeline.run_job(self, setup, adapter, train_set, run, ray_cluster, (verbose, tensorboard), warm)
+            result = pipeline.run_job(
+                self, setup, adapter, train_set, run, ray_cluster, (verbose, tensorboard), warm, resumed.said
+            )
         except BaseException:
             self._warm.drop()  # a train() that fails leaves no process behind (the next starts its own)
             raise

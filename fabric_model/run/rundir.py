@@ -2,7 +2,8 @@
 
 Layout::
 
-    <run_dir>/run.json               the call's framework, config and plan (the seed a resume reuses)
+    <run_dir>/run.json               the call's framework, config and plan (the seed a resume reuses),
+                                     and once it ended, how (``end``: :meth:`RunDirectory.record_end`)
     <run_dir>/join.json              while the run lasts: driver address and secret (mode 0600)
     <run_dir>/logs/metrics.jsonl     the metric record (:class:`~fabric_model.run.metrics_log.MetricsLog`)
     <run_dir>/logs/worker-<id>.log   each launched worker's output
@@ -16,18 +17,25 @@ A leaf module: it imports nothing of the package but the settings registry, and 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
 from ..setup.settings import RESULT_DIR
 
+log = logging.getLogger(__name__)
+
 #: Where runs go when neither ``run_dir`` nor ``$RESULT_DIR`` is given.
 DEFAULT_PARENT = "fabric_runs"
+#: How a run ended, as ``run.json``'s ``end.state`` says (docs/run-directory.md, "Resume").
+END_STATES = ("finished", "failed", "interrupted", "preempted")
 
 
 class RunDirectory:
@@ -50,11 +58,9 @@ class RunDirectory:
         Raises:
             ValueError: ``for_resume`` with neither ``run_dir`` nor ``$RESULT_DIR``.
         """
-        if run_dir is not None:
-            return cls(run_dir)
-        result_dir = RESULT_DIR.get()
-        if result_dir is not None:
-            return cls(result_dir)
+        named = cls.named(run_dir)
+        if named is not None:
+            return named
         if for_resume:
             raise ValueError(
                 "Expected `run_dir` (or the RESULT_DIR environment variable) to name the run to continue with "
@@ -62,6 +68,15 @@ class RunDirectory:
                 "directory under ./fabric_runs/; pass run_dir=<that directory>."
             )
         return cls(Path(DEFAULT_PARENT) / f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}")
+
+    @classmethod
+    def named(cls, run_dir: str | os.PathLike[str] | None) -> RunDirectory | None:
+        """The directory ``run_dir`` or ``$RESULT_DIR`` names; None when neither is given (a run
+        then gets a new directory, so there is no earlier run to look at)."""
+        if run_dir is not None:
+            return cls(run_dir)
+        result_dir = RESULT_DIR.get()
+        return cls(result_dir) if result_dir is not None else None
 
     def create(self) -> RunDirectory:
         """Make the directory and its ``logs/``; returns itself."""
@@ -105,7 +120,8 @@ class RunDirectory:
     # -- run.json --------------------------------------------------------------------------
     def write_run_record(self, record: dict[str, Any]) -> None:
         """Write ``run.json`` (``framework``, ``config``, ``plan``, ``started``), atomically."""
-        atomic_write(self.run_json, lambda f: f.write(json.dumps(record, indent=2).encode()))
+        data = json.dumps(record, indent=2, default=str).encode()  # default: a Path among an end's details
+        atomic_write(self.run_json, lambda f: f.write(data))
 
     def recorded_seed(self) -> int | None:
         """The seed ``run.json`` recorded, or None without a readable one."""
@@ -113,6 +129,57 @@ class RunDirectory:
             return int(json.loads(self.run_json.read_text())["plan"]["seed"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
+
+    def record_end(self, state: str, **details: Any) -> bool:
+        """Add ``"end": {"state": state, "time": <ISO 8601, UTC>, **details}`` to ``run.json``, atomically.
+
+        The first end recorded stands (returns False for a later one): the exception that a
+        preemption or an interrupt raises through ``train()`` afterwards is not a failure of the
+        run. Best effort: an unreadable ``run.json`` or a failed write is logged, never raised, so
+        it cannot hide how the run ended. ``details`` must be JSON values (a path is written as text).
+
+        Args:
+            state: one of :data:`END_STATES`.
+            details: what a reader needs besides (``error=`` the exception's type, ``checkpoint=``...).
+        """
+        if state not in END_STATES:
+            raise ValueError(f"Expected an end state in {END_STATES}. Received: {state!r}")
+        try:
+            record = json.loads(self.run_json.read_text())
+        except (OSError, ValueError) as exc:
+            log.warning("run.json not updated with the run's end (%s): %s", state, exc)
+            return False
+        if not isinstance(record, dict) or record.get("end") is not None:
+            return False
+        record["end"] = {"state": state, "time": datetime.now(timezone.utc).isoformat(timespec="seconds"), **details}
+        try:
+            self.write_run_record(record)
+        except (OSError, TypeError, ValueError) as exc:  # a full disk; a detail that is no JSON value
+            log.warning("run.json not updated with the run's end (%s): %s", state, exc)
+            return False
+        return True
+
+    @contextlib.contextmanager
+    def recording_end(self) -> Iterator[None]:
+        """Records ``finished`` when the block ends, ``failed`` (with the error's type) when it
+        raises an ``Exception``; an interrupt or a preemption is recorded where it is handled
+        (run/display.py), and the first end recorded stands."""
+        try:
+            yield
+        except Exception as exc:
+            self.record_end("failed", error=type(exc).__name__)
+            raise
+        self.record_end("finished")
+
+    def end_state(self) -> dict[str, Any] | None:
+        """``run.json``'s ``end`` (``state``, ``time`` and the details), or None: the run has not
+        ended, or it was killed (SIGKILL, a lost machine) before it could say so, or there is no
+        readable ``run.json``."""
+        try:
+            end = json.loads(self.run_json.read_text()).get("end")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return end if isinstance(end, dict) and isinstance(end.get("state"), str) else None
 
     # -- join.json -------------------------------------------------------------------------
     def write_join_info(self, address: tuple[str, int], secret: bytes) -> None:

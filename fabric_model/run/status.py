@@ -42,6 +42,7 @@ class RunSummary:
     generations: list[Generation]
     checkpoint: str | None
     duration: float  # seconds from the first record to the last
+    end: dict[str, Any] | None = None  # run.json's "end": state, time and details (RunDirectory.record_end)
 
 
 def short_reason(reason: str, limit: int = 60) -> str:
@@ -82,8 +83,11 @@ def summarize(path: str | Path) -> RunSummary:
     epochs_train = {int(r["epoch"]): r["epoch_metrics"] for r in train if steps is None or r["step"] == steps - 1}
     epochs_val = {int(r["epoch"]): r["metrics"] for r in records if r.get("type") == "test"}
     ckpts = sorted(run.checkpoints.glob("ckpt-unit-*.pt")) if run.checkpoints.is_dir() else []
-    ended = any(r.get("type") == "end" for r in records)
-    state = "finished" if ended else "running" if run.join_json.exists() else "stopped (resume=True goes on)"
+    ended, end = any(r.get("type") == "end" for r in records), run.end_state()
+    if end is not None:  # what the run said as it ended (its join.json was removed before)
+        state = end["state"] if end["state"] == "finished" else f"{end['state']} (resume=True goes on)"
+    else:
+        state = "finished" if ended else "running" if run.join_json.exists() else "stopped (resume=True goes on)"
     return RunSummary(
         run.path,
         state,
@@ -95,7 +99,16 @@ def summarize(path: str | Path) -> RunSummary:
         generations(records),
         ckpts[-1].name if ckpts else None,
         records[-1]["time"] - records[0]["time"] if records else 0.0,
+        end,
     )
+
+
+def end_line(end: dict[str, Any]) -> str:
+    """``run.json``'s end in one short line: "preempted at 2026-01-01T12:00:00+00:00 (checkpoint=..., unit=21)"."""
+    # A path's name is enough: the run directory is on the first row.
+    shown = {k: Path(v).name if isinstance(v, str) and "/" in v else v for k, v in end.items()}
+    details = ", ".join(f"{k}={v}" for k, v in shown.items() if k not in ("state", "time") and v is not None)
+    return f"{end['state']} at {end.get('time', '?')}" + (f" ({details})" if details else "")
 
 
 def _values(metrics: dict[str, float], prefix: str = "") -> str:
@@ -125,6 +138,8 @@ def status_table(summary: RunSummary) -> str:
             ("workers", f"{gens[-1].workers} (generation {gens[-1].generation}; {faults} fault(s), {joins} join(s))")
         )
     rows.append(("checkpoint", summary.checkpoint or "none"))
+    if summary.end is not None:
+        rows.append(("ended", end_line(summary.end)))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     if gens:

@@ -61,7 +61,7 @@ ARGUMENT_CHECKS: dict[str, dict[str, str]] = {
         "effective_batch_size": f"{_SELF}:check_effective_batch",
         "seed": f"{_SELF}:check_train_arguments",
         "run_dir": "fabric_model.run.rundir:RunDirectory.resolve",
-        "resume": f"{_SELF}:check_bool",
+        "resume": f"{_SELF}:check_resume",
         "keep_checkpoints": f"{_SELF}:check_positive_int",
         "worker_memory": "",  # IBM's, accepted and ignored (said in the log)
         "driver_memory": "",  # IBM's, accepted and ignored (said in the log)
@@ -100,6 +100,16 @@ def check_callable(name: str, value: Any, *, allow_none: bool = False, hint: str
 def check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"Expected `{name}` to be True or False. Received: {name}={_show(value)}")
+
+
+def check_resume(name: str, value: Any) -> None:
+    """``train(resume=...)``: True, False or ``"auto"`` (see :func:`fabric_model.state.checkpoint.choose_resume`)."""
+    if isinstance(value, bool) or (isinstance(value, str) and value == "auto"):
+        return
+    raise TypeError(
+        f'Expected `{name}` to be True, False or "auto". Received: {name}={_show(value)}. '
+        'HINT: resume="auto" goes on with an unfinished run in run_dir and starts a finished or new one afresh.'
+    )
 
 
 def check_metrics(metrics: Any) -> list[Any]:
@@ -271,7 +281,7 @@ def check_train_arguments(
     check_positive_int("num_dataloader_threads", loop.num_dataloader_threads, minimum=0, allow_none=True)
     check_positive_int("validation_freq", loop.validation_freq)
     check_positive_int("checkpoint_freq", loop.checkpoint_freq, minimum=0)
-    check_bool("resume", resume)
+    check_resume("resume", resume)
     check_positive_int("keep_checkpoints", loop.keep_checkpoints)
     check_bool("deterministic", loop.deterministic)
     check_effective_batch(effective_batch_size, batch_size)

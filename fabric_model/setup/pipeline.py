@@ -5,6 +5,7 @@ run the driver with the display around it, and hand the trained state back to th
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from ..frameworks.base import FrameworkAdapter
     from ..launchers.warm_client import WarmProcess
 
+log = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass(frozen=True)
 class RunSizes:
@@ -45,12 +48,12 @@ def prepare(
     loop: LoopOptions,
     seed: int | None,
     run_dir: str | os.PathLike[str] | None,
-    resume: bool,
+    resume: bool | str,
     ignored: dict[str, Any],
     ray_cluster: Any = None,
-) -> tuple[DriverSetup, FrameworkAdapter, Any]:
+) -> tuple[DriverSetup, FrameworkAdapter, Any, checkpoint.ResumeChoice]:
     """Check ``train``'s arguments and the data, size the run, draw its seed, serialize the job;
-    returns what the driver needs, the adapter and the training set."""
+    returns what the driver needs, the adapter, the training set and how ``resume`` was resolved."""
     from ..driver.driver import DriverSetup
 
     epochs, batch_size = sizes.epoch_number, sizes.batch_size
@@ -66,7 +69,8 @@ def prepare(
     items_per_micro_batch, sizing = size_run(train_set, batch_size, sizes.engines_number, sizes.effective_batch_size)
     engines, (sizing, gpus) = sizing.max_workers, place_workers(sizing, ray_cluster)  # engines: all slots
     resumed = None
-    if resume:  # the run's own seed and newest checkpoint; its plan is checked below
+    choice = checkpoint.choose_resume(resume, run_dir)  # "auto": from run.json's end and the checkpoints
+    if choice.resume:  # the run's own seed and newest checkpoint; its plan is checked below
         resumed, seed = checkpoint.find_resume_point(run_dir, seed)
     seed = framework.draw_seed() if seed is None else seed
     plan = Plan(len(train_set), items_per_micro_batch, sizing.micro_batches, seed)
@@ -96,7 +100,7 @@ def prepare(
         resume=resumed,
         max_workers=engines,
     )
-    return setup, adapter, train_set
+    return setup, adapter, train_set, choice
 
 
 def ship(fm: FabricModel, train_set: Any, has_test: bool, exact: int | None) -> tuple[FrameworkAdapter, bytes]:
@@ -121,40 +125,48 @@ def run_job(
     ray_cluster: Any,
     display: tuple[int, bool],
     warm: WarmProcess | None,
+    resume_said: str | None = None,
 ) -> TrainResult:
     """Train with the driver (workers local, forked from ``warm`` when there is one, or on
-    ``ray_cluster``), then hand the result over."""
-    from ..driver.driver import Driver  # torch.distributed is imported only once training starts
-    from ..launchers.local import local_launcher_factory
-    from ..run.display import run_with_display
+    ``ray_cluster``), then hand the result over; ``run.json`` records how the run ended
+    (finished, or failed with the error's type; an interrupt or a preemption is the display's
+    to record, and a failure recorded after it does not replace it).
 
-    launcher = (
-        ray_cluster.launcher_factory(run.worker_log)
-        if ray_cluster
-        else local_launcher_factory(run.worker_log, setup.threads, warm)
-    )
+    ``resume_said``: what ``resume="auto"`` decided, logged once the run's log is open."""
+    with run.recording_end():
+        from ..driver.driver import Driver  # torch.distributed is imported only once training starts
+        from ..launchers.local import local_launcher_factory
+        from ..run.display import run_with_display
 
-    def start(hooks: Hooks) -> tuple[Driver, Any]:
-        driver = Driver(setup, run, hooks, launcher)
-        return driver, driver.run()
+        launcher = (
+            ray_cluster.launcher_factory(run.worker_log)
+            if ray_cluster
+            else local_launcher_factory(run.worker_log, setup.threads, warm)
+        )
 
-    try:
-        (driver, final), hooks = run_with_display(fm.driver_logger_callback, setup, run, display, start)
-    except BaseException as exc:  # a worker's error: its traceback is the cause, the driver's frames noise
-        from ..errors import RemoteTraceback
+        def start(hooks: Hooks) -> tuple[Driver, Any]:
+            if resume_said is not None:  # here, in driver.log and on screen, not before the log is open
+                log.info("%s", resume_said)
+            driver = Driver(setup, run, hooks, launcher)
+            return driver, driver.run()
 
-        if isinstance(exc.__cause__, RemoteTraceback):
-            raise exc.with_traceback(None) from exc.__cause__
-        raise
-    finally:
-        if warm is not None:
-            warm.close()
-    path, onnx_diff = finish(fm, final, adapter, train_set, run, hooks)
-    if final.divergence is not None:
-        fm.run_dir = run.path  # download() zips the model written
-        raise diverged(final, path)
-    history = History(driver.train_history, driver.test_history)
-    return TrainResult(run.path, history, driver.test_history, setup.plan.seed, driver.replica_digests, onnx_diff)
+        try:
+            (driver, final), hooks = run_with_display(fm.driver_logger_callback, setup, run, display, start)
+        except BaseException as exc:  # a worker's error: its traceback is the cause, the driver's frames noise
+            from ..errors import RemoteTraceback
+
+            if isinstance(exc.__cause__, RemoteTraceback):
+                raise exc.with_traceback(None) from exc.__cause__
+            raise
+        finally:
+            if warm is not None:
+                warm.close()
+        path, onnx_diff = finish(fm, final, adapter, train_set, run, hooks)
+        if final.divergence is not None:
+            fm.run_dir = run.path  # download() zips the model written
+            raise diverged(final, path)
+        history = History(driver.train_history, driver.test_history)
+        return TrainResult(run.path, history, driver.test_history, setup.plan.seed, driver.replica_digests, onnx_diff)
 
 
 def diverged(final: Any, path: Path) -> Exception:

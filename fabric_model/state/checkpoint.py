@@ -252,6 +252,43 @@ def set_aside_after(directory: Path, unit: int) -> None:
 
 
 # -- resume, checked in the caller before anything starts -----------------------------------
+#: ``train(resume=...)``'s value that decides by itself (docs/run-directory.md, "Resume").
+AUTO = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeChoice:
+    """``train(resume=...)`` resolved: whether to continue the run in the run directory, and
+    for ``resume="auto"`` the line that says which and why (logged once the run's log is open)."""
+
+    resume: bool
+    said: str | None = None
+
+
+def choose_resume(resume: bool | str, run_dir: str | os.PathLike[str] | None) -> ResumeChoice:
+    """Resolve ``resume`` (already checked: True, False or ``"auto"``).
+
+    ``"auto"`` continues a run that did not finish and left a checkpoint: its ``run.json`` says it
+    ended failed, interrupted or preempted, or says no end (the process was killed). It starts
+    afresh with no run directory named, no checkpoint, or a finished run, so that a requeued
+    Slurm job or a restarted pod runs the same command unchanged.
+    """
+    if resume != AUTO:
+        return ResumeChoice(bool(resume))
+    run = RunDirectory.named(run_dir)
+    if run is None:  # every run gets a new directory: there is never one to go on with
+        return ResumeChoice(False, 'resume="auto": no run_dir or $RESULT_DIR names a run to go on with; a new run')
+    end = run.end_state()
+    if end is not None and end["state"] == "finished":
+        return ResumeChoice(False, f'resume="auto": the run in {run.path} finished; starting afresh')
+    info = newest_checkpoint(run.checkpoints)
+    if info is None:
+        what = "no checkpoint to resume from" if run.path.exists() else "no run"
+        return ResumeChoice(False, f'resume="auto": {run.path} holds {what}; starting afresh')
+    how = f"ended {end['state']}" if end is not None else "recorded no end (its process was killed)"
+    return ResumeChoice(True, f'resume="auto": the run in {run.path} {how}; resuming from {info.path.name}')
+
+
 def find_resume_point(
     run_dir: str | os.PathLike[str] | None, seed: int | None
 ) -> tuple[CheckpointInfo | None, int | None]:

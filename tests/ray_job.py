@@ -10,6 +10,7 @@ from pathlib import Path
 from fabric_model.context import worker_context
 
 from .helpers import make_data
+from .load import scaled
 
 DATA = make_data(240)  # 10 steps an epoch of 24 samples
 
@@ -21,19 +22,25 @@ def datasets():
 class Pace:
     """A worker logger: records where this module was imported from; while ``<dir>/resized``
     is absent and ``workers == pace_while``, sleeps after each step from ``pace_from`` on (so a
-    node change lands mid-run); with ``hold_at`` workers, waits once for a join to be pending
-    (so the join lands before the end, however long the new node takes)."""
+    node change lands mid-run); sleeps ``every`` seconds after every step; with ``hold_at``
+    workers, waits once for a join to be pending (so the join lands before the end, however
+    long the new node takes)."""
 
-    def __init__(self, marker_dir: str, pace_while: int = 0, pace_from: int = 3, hold_at: int = 0) -> None:
+    def __init__(
+        self, marker_dir: str, pace_while: int = 0, pace_from: int = 3, hold_at: int = 0, every: float = 0.0
+    ) -> None:
         self.marker_dir, self.pace_while, self.pace_from, self.hold_at = marker_dir, pace_while, pace_from, hold_at
+        self.every = every  # seconds slept after every step
         self.held = False
+        self.wait_up_to = scaled(60.0)  # measured here, in the test's process, and pickled with the logger
 
     def on_train_begin(self) -> None:
         Path(self.marker_dir, f"module-{os.getpid()}").write_text(__file__)
 
     def log_train_metrics(self, metrics, iteration, epoch, workers) -> None:
+        time.sleep(self.every)
         resized = Path(self.marker_dir, "resized")
-        deadline = time.monotonic() + 60.0
+        deadline = time.monotonic() + self.wait_up_to
         if workers == self.pace_while and iteration >= self.pace_from:
             while not resized.exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -66,6 +73,6 @@ class ResizeAt:
         finally:
             Path(self.marker_dir, "resized").write_text(repr(time.time()))
 
-    def join(self, timeout: float = 60.0) -> None:
+    def join(self, timeout: float | None = None) -> None:
         if self.thread is not None:
-            self.thread.join(timeout)
+            self.thread.join(scaled(60.0) if timeout is None else timeout)

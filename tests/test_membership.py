@@ -217,6 +217,29 @@ def test_a_join_is_voted_and_the_newcomer_pulls_the_state():
     assert {w: (g.rank, g.resume_unit, g.source_rank) for w, g in entered.items()} == {0: (0, 30, 0), 7: (1, 30, 0)}
 
 
+def test_a_member_told_to_go_leaves_without_an_abort_and_the_others_go_on_from_the_same_unit():
+    """docs/architecture.md, "Preemption": the leaver is gone (nothing to kill, nothing aborted),
+    the others resume where all stopped with no state moved, and the slot comes back later."""
+    m = started(3)
+    m.seen(0, 5.0)
+    m.seen(2, 5.0)
+    switch = p.LeftGeneration(0, 12, failed=False, reason="switch")
+    assert m.left(0, switch, 5.0) == []  # a peer's report may come first
+    commands = m.left(1, p.LeftGeneration(0, 12, False, "leaves (SIGTERM)", leaving=True), 5.0)
+    assert commands == [] and m.state(1) is WorkerState.GONE
+    m.left(2, switch, 5.0)
+    commands = m.tick(5.1)
+    assert not [c for c in commands if isinstance(c, (Kill, AbortGeneration, RollBack))]
+    record = formed(commands)
+    assert record.members == (0, 2) and record.resume_unit == 12 and record.source_rank == -1
+    assert record.reason == "worker 1 leaves (SIGTERM)"
+    # Its local slot is asked for again after the slot's backoff, not at once (a notice, not a crash).
+    assert not [c for c in commands if isinstance(c, Start)]
+    m.seen(0, 6.2)
+    m.seen(2, 6.2)
+    assert [c for c in m.tick(6.2) if isinstance(c, Start)] == [Start(1, 3)]
+
+
 def test_a_join_beyond_engines_number_is_refused():
     m = started(2)
     m.seen(9, 3.0)

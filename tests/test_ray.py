@@ -261,3 +261,43 @@ def test_a_script_starts_its_own_ray_and_stops_it_and_its_modules_reach_the_work
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report == {"initialized": False, "left": [], "epochs": 1}  # the Ray it started is gone
     assert "[worker]" in (tmp_path / "run" / "logs" / "worker-0.log").read_text()
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(150)
+def test_a_drained_node_s_worker_leaves_after_its_step(two_nodes, undisturbed, run_dir, tmp_path, monkeypatch):
+    """Ray draining a node (``ray drain-node``, as its autoscaler does before taking a node back)
+    is a preemption notice: the worker there leaves after its step, and the other goes on with
+    nothing redone (docs/architecture.md, "Preemption")."""
+    cluster = two_nodes
+    monkeypatch.setenv("EDT_REPLACE_WORKERS", "0")  # the drained node takes no new actor anyway
+    drained = sorted(cluster.worker_nodes, key=lambda n: n.unique_id)[0]
+    accepted: list[bool] = []
+
+    def drain():
+        # What `ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION` and Ray's autoscaler send the GCS.
+        from ray.core.generated import autoscaler_pb2
+
+        reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+        deadline_ms = int(time.time() * 1000) + 60_000
+        client = ray._raylet.GcsClient(address=cluster.address)
+        accepted.append(client.drain_node(drained.node_id, reason, "test", deadline_ms)[0])
+
+    resize = ResizeAt(3, drain, str(tmp_path))
+    try:
+        # Slow steps (0.3 s): the driver reads Ray's draining nodes once a second.
+        model, result = train(run_dir, 2, worker_logger=Pace(str(tmp_path), every=0.3), driver_logger=resize)
+        resize.join()
+    finally:
+        cluster.remove_node(drained)  # a drained node takes no actor: the next test gets a fresh one
+        cluster.add_node(**NODE)
+
+    assert accepted == [True]
+    assert max_rel_diff(model.state_dict(), undisturbed) <= 1e-5
+    train_records = check_exactly_once(run_dir)
+    steps = [(r["epoch"], r["step"]) for r in train_records]
+    assert len(steps) == len(set(steps))  # nothing redone
+    generations = records(run_dir, "generation")
+    assert [g["workers"] for g in generations] == [2, 1]
+    assert generations[1]["reason"].endswith("leaves (SIGTERM)") and generations[1].get("rolled_back_from") is None
+    assert not our_processes()

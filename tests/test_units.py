@@ -162,3 +162,20 @@ def test_workers_get_cuda_visible_devices_as_the_process_started(monkeypatch):
     monkeypatch.setattr(devices, "_CUDA_VISIBLE_AT_START", None)
     assert devices.cuda_visible_for_workers("") == (True, None)  # unset again for the workers
     assert devices.cuda_visible_for_workers(None) == (False, None)
+
+
+def test_the_step_vote_says_whether_to_switch_and_how_many_members_leave():
+    """A join vote is 1, a leave vote 1 + LEAVE_VOTE (docs/architecture.md, "Preemption"); the
+    float32 sum of a step's votes tells both apart."""
+    import torch
+
+    from fabric_model.step.layout import LEAVE_VOTE, StepLayout
+
+    layout = StepLayout(0, 0, 0, 1)
+    for joins, leaves in [(0, 0), (3, 0), (0, 1), (2, 3), (0, 7)]:
+        tail = torch.zeros(layout.size, dtype=torch.float32)
+        tail[layout.vote] = sum(
+            [torch.tensor(1.0)] * joins + [torch.tensor(1.0 + LEAVE_VOTE)] * leaves, torch.tensor(0.0)
+        )
+        result = layout.result(tail.tolist())
+        assert (result.switch, result.leaving) == (joins + leaves > 0, leaves)

@@ -27,17 +27,18 @@ from ..run.rundir import RunDirectory
 from ..setup.config import TrainConfig
 from ..state.best import BestCheckpoints, epoch_logs
 from ..state.book import StateBook
-from ..state.checkpoint import CheckpointInfo, decode_state
+from ..state.checkpoint import CheckpointInfo, decode_state, encode_state, state_record
 from ..state.writer import CheckpointBook
 from ..step.plan import Plan, Schedule
 from ..transport import protocol as p
 from ..transport.control import ControlServer
 from ..transport.network import DEFAULT_BIND_ADDRESS, advertised_address
 from ..transport.store.server import StoreService
-from .commands import AbortGeneration, Command, Formed, Kill, Limits, RollBack, Send, Settle, Start
+from .commands import AbortGeneration, Command, Formed, Kill, Limits, RestorePoint, RollBack, Send, Settle, Start
 from .halt import Halt
 from .ledger import Progress
 from .membership import Membership, WorkerState
+from .preemption import Preempted, SignalWatch
 from .replicas import Divergence, ReplicaChecks, ReplicaDivergenceError
 
 log = logging.getLogger(__name__)
@@ -163,6 +164,7 @@ class Driver:
         # Replica checks (docs/architecture.md, "Replica checks"): once they differ, training halts.
         self.replicas = ReplicaChecks(lambda generation, unit: f"{self._position(unit)} (generation {generation})")
         self._halt: Halt | None = None
+        self._held: RestorePoint | None = None  # the saved state a preempted run writes, when no member sent one
         if setup.resume is not None and history is not None:
             self.progress.start_at(setup.resume.unit, *history)
         self._launcher_factory = launcher_factory or self._local_launcher
@@ -211,12 +213,20 @@ class Driver:
         timeouts = config.timeouts
         self._launcher = self._launcher_factory(address, secret)
         self.run_dir.write_join_info(address, secret)
+        stop = timeouts.stop
+        watch = self._watch = SignalWatch(config.preemption.signals, config.preemption.grace)
         try:
+            watch.__enter__()  # the preemption signals are caught from here (docs/architecture.md, "Preemption")
             self.checkpoints.prepare(self.setup.resume, self.progress.iteration)
             self._execute(self.membership.start(time.monotonic()))
             self.hooks.on_train_begin()
             while self._final is None:
                 self._next_event()
+                if watch.signal_name is not None and self._halt is None:
+                    self._preempt(watch)
+            if self._halt is not None and self._halt.preempted:
+                stop = max(0.5, min(stop, watch.deadline - time.monotonic()))  # what the grace leaves
+                self._save_preempted(self._final, watch)  # raises Preempted
             self.checkpoints.close(timeouts.stop)  # the last checkpoint is on disk when train() returns
             final = self._final
             if final.divergence is None:
@@ -231,11 +241,12 @@ class Driver:
             if final.divergence is None:  # else train() hands the state back, then raises
                 self.hooks.on_train_end()
         finally:
-            self.checkpoints.close(timeouts.stop)  # a failed job's last write may serve its resume
-            self._launcher.stop_all(timeouts.stop)
+            self.checkpoints.close(stop)  # a failed job's last write may serve its resume
+            self._launcher.stop_all(stop)
             self._server.close()
             self.metrics.close()
             self.run_dir.remove_join_info()
+            watch.__exit__()  # a signal caught but not acted on (training had ended) is raised again
         assert self._final is not None
         return self._final
 
@@ -271,7 +282,8 @@ class Driver:
     def handle(self, worker_id: int, message: Any) -> None:
         """Route one message from ``worker_id``."""
         alive = self.membership.seen(worker_id, time.monotonic())
-        if self._halt is not None and not isinstance(message, (p.StepDone, p.EvalDone)):
+        # A leaving rank 0's upload (docs/architecture.md, "Preemption") counts while halted too.
+        if self._halt is not None and not isinstance(message, (p.StepDone, p.EvalDone, p.StateChunk)):
             self._while_halted(worker_id, message)  # replicas diverged: only the state asked for matters
             return
         # A gone worker's error still counts: its exit may have been noticed before its report.
@@ -282,7 +294,10 @@ class Driver:
         """Periodic checks: ended processes, then membership's own (heartbeats, deadlines...)."""
         now = time.monotonic()
         if self._halt is not None:
-            if self._final is None and (self._halt.overdue(now) or self._halt.asked in self._launcher.exited()):
+            if self._final is None and self._halt.preempted and now > self._watch.deadline - self._watch.reserve:
+                log.warning("no member sent its state within the grace; keeping the newest state held")
+                self._final = self._held_state()
+            elif self._final is None and (self._halt.overdue(now) or self._halt.asked in self._launcher.exited()):
                 log.warning("worker %d sent no state; asking the next member", self._halt.asked)
                 self._ask_for_state()
             self.checkpoints.poll()
@@ -363,7 +378,7 @@ class Driver:
         while (worker := halt.next(time.monotonic())) is not None:
             if self.membership.state(worker) is not WorkerState.GONE and self._server.send(worker, p.SendFinalState()):
                 return
-        self._final = self._saved_state(halt.divergence)
+        self._final = self._saved_state(halt.divergence) if halt.divergence is not None else self._held_state()
 
     def _while_halted(self, worker_id: int, message: Any) -> None:
         halt = self._halt
@@ -371,12 +386,14 @@ class Driver:
         if worker_id != halt.asked:
             return
         if isinstance(message, p.FinalState):
-            rank = "rank 0, " if halt.divergence.reference == worker_id else ""
+            rank = "rank 0, " if halt.divergence is not None and halt.divergence.reference == worker_id else ""
             source = f"training stopped; worker {worker_id}'s state ({rank}{self._position(message.unit)})"
             self._final = FinalState(
                 message.model_state, message.optimizer_state, worker_id, message.unit, halt.divergence, source
             )
-        elif isinstance(message, (p.WorkerFailed, p.ConnectionLost)):
+        elif isinstance(message, (p.WorkerFailed, p.ConnectionLost)) or (
+            isinstance(message, p.LeftGeneration) and message.leaving
+        ):
             log.warning("worker %d could not send its state; asking the next member", worker_id)
             self._ask_for_state()
 
@@ -393,6 +410,61 @@ class Driver:
         source = f"training stopped; no member sent its state, so the {restore.name} ({self._position(restore.unit)})"
         return FinalState(state["model"], state["optimizer"], -1, restore.unit, divergence, source)
 
+    # -- preemption (docs/architecture.md, "Preemption") -------------------------------------
+    def _preempt(self, watch: SignalWatch) -> None:
+        """A preemption signal: stop training as a halt does, asking the members for their state
+        with what the grace leaves (a third of it each, the rest for writing and stopping)."""
+        members = [m for m in self.membership.members if self.membership.state(m) is not WorkerState.GONE]
+        log.warning(
+            "%s: stopping training and saving the newest state (FABRIC_MODEL_PREEMPT_GRACE %.0f s)",
+            watch.signal_name,
+            watch.grace,
+        )
+        watch.acted = True
+        self.hooks.note(f"{watch.signal_name}: stopping; saving the newest state")
+        patience = max(0.5, (watch.deadline - watch.reserve - time.monotonic()) / 3)
+        self._halt = Halt(None, members, patience, preempted=watch.signal_name)
+        if members and self.membership.generation >= 0:
+            self._execute([AbortGeneration(self.membership.generation, tuple(members))])
+        self._ask_for_state()
+
+    def _held_state(self) -> FinalState:
+        """No member sent its state in time: the newest checkpoint or snapshot the driver holds
+        (``_save_preempted`` writes a snapshot), else unit 0, the initial weights."""
+        self._held = restore = self.states.restore_point(self.progress.committed_unit)
+        if restore is None:
+            return FinalState({}, {}, -1, 0, source="the initial weights")
+        return FinalState({}, {}, -1, restore.unit, source=f"the {restore.name}")
+
+    def _save_preempted(self, final: FinalState | None, watch: SignalWatch) -> None:
+        """Write the state a member sent (or the snapshot held) as a checkpoint, then raise
+        :class:`~fabric_model.driver.preemption.Preempted`; ``run()``'s ``finally`` stops the workers."""
+        assert final is not None and watch.signal_name is not None
+        unit, generation = final.unit, self.membership.generation
+        if final.worker >= 0:
+            # Its steps below ``unit`` completed in an allreduce: commit those whose reports were cut off.
+            if self.progress.settle(unit, generation) is not None:
+                self._moved_on()
+            record = state_record(
+                self.schedule,
+                unit,
+                self.setup.framework,
+                self.setup.config.batch_size,
+                final.model_state,
+                final.optimizer_state,
+            )
+            self.checkpoints.store(final.worker, generation, unit, encode_state(record))
+        elif self._held is not None and self._held.kind == "snapshot":  # a checkpoint is on disk already
+            self.checkpoints.store(-1, generation, unit, self._held.data)
+        self.checkpoints.close(max(0.5, watch.deadline - time.monotonic()))
+        written = self.checkpoints.newest_on_disk(unit)
+        path = written[1] if written is not None and written[0] == unit else None
+        seconds = time.monotonic() - watch.received
+        log.warning(
+            "%s: saved %s in %.2f s", watch.signal_name, path.name if path else "nothing (no step done)", seconds
+        )
+        raise Preempted(watch.signal_name, path, unit, self._position(unit, screen=True), seconds)
+
     def _check_finished_replicas(self, final: FinalState) -> FinalState:
         """Invariant 4 at the end: replicas that differ hand back the state asked for (rank 0's)."""
         try:
@@ -405,13 +477,17 @@ class Driver:
             return dataclasses.replace(final, divergence=divergence, source=f"worker {final.worker}'s final state")
         return final
 
-    def _position(self, unit: int) -> str:
-        """Where ``unit`` is, for a person: the last unit done below it."""
+    def _position(self, unit: int, screen: bool = False) -> str:
+        """Where ``unit`` is, for a person: the last unit done below it; ``screen``: counted as the
+        screen counts, epochs and steps from 1 (else as the records count, from 0)."""
         if unit <= 0:
             return "at the start"
         if unit >= self.schedule.total_units:
             return "at the end"
         epoch, step = self.schedule.locate(unit - 1)
+        if screen:
+            done = f"step {step + 1}/{self.setup.plan.steps_per_epoch}" if step is not None else "its validation"
+            return f"at epoch {epoch + 1}, {done}"
         return f"after epoch {epoch}, step {step}" if step is not None else f"after epoch {epoch}'s validation"
 
     def _on_failed(self, worker_id: int, message: p.WorkerFailed) -> None:

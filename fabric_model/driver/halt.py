@@ -1,10 +1,10 @@
-"""Ending training because replicas diverged, with a state for the user (docs/architecture.md,
-"Replica checks").
+"""Ending training before its end with a state for the user: replicas diverged
+(docs/architecture.md, "Replica checks"), or the driver was told to go ("Preemption").
 
-Once the replicas' fingerprints differ, training stops: every member is sent ``Abort``, and the
-members are asked for their state one at a time, in rank order (rank 0 first), until one sends
-it. A member answers in place of entering a next generation, or at once if it had finished.
-Membership no longer acts: no new generation, no replacement. Pure: the driver does the sending.
+Training stops: every member is sent ``Abort``, and the members are asked for their state one
+at a time, in rank order (rank 0 first), until one sends it. A member answers in place of
+entering a next generation, or at once if it had finished. Membership no longer acts: no new
+generation, no replacement. Pure: the driver does the sending.
 """
 
 from __future__ import annotations
@@ -19,14 +19,16 @@ class Halt:
     """Who is asked for the state to hand back, and since when.
 
     Attributes:
-        divergence: what differed.
+        divergence: what differed; None when a preemption signal (``preempted``) stops training.
         candidates: the members still to ask, rank 0 first.
         patience: seconds a member has to send its state before the next is asked.
+        preempted: the signal's name when the driver was told to go.
     """
 
-    divergence: Divergence
+    divergence: Divergence | None
     candidates: list[int]
     patience: float
+    preempted: str | None = None
     asked: int = -1
     since: float = 0.0
 

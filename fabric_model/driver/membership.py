@@ -210,6 +210,8 @@ class Membership:
 
     def left(self, worker_id: int, message: p.LeftGeneration, now: float) -> list[Command]:
         """A member left its generation (a voted switch, or a failed collective)."""
+        if message.leaving:
+            return self._leaves(worker_id, message, now)
         if message.generation != self.generation or worker_id not in self.members:
             return []
         commands: list[Command] = []
@@ -221,6 +223,25 @@ class Membership:
             assert self._change is not None
             self._change.reports[worker_id] = message.next_unit
         return commands
+
+    def _leaves(self, worker_id: int, message: p.LeftGeneration, now: float) -> list[Command]:
+        """A member told to leave (a preemption signal) left after the step its generation voted
+        to end at, and exits by itself: it is gone, with no abort and nothing to kill; the others
+        report as after any voted switch. Its slot is asked for again as a lost worker's is, with
+        the slot's backoff (docs/architecture.md, "Preemption")."""
+        record = self.workers[worker_id]
+        if record.state is WorkerState.GONE:
+            return []
+        record.state = WorkerState.GONE
+        log.warning("worker %d %s at unit %d", worker_id, message.reason, message.next_unit)
+        if record.slot is not None and self.limits.replace_workers and not self.finishing:
+            self._replacements.append((now + self._backoff(record.slot, True, crashed=False), record.slot))
+        if message.generation == self.generation and worker_id in self.members and not self.finishing:
+            reason = f"worker {worker_id} {message.reason}"
+            if self._change is not None and self._change.reason.endswith(": switch"):
+                self._change.reason = reason  # a peer's report came first: the leave is the cause
+            self._begin_change(reason, now)
+        return []
 
     def finished(self, worker_id: int, next_unit: int) -> None:
         """The worker ran the schedule to its end."""

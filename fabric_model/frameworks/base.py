@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..step.data import Reader, is_batch_level
 from ..step.digest import state_fingerprint
+from ..step.layout import LEAVE_VOTE
 from ..step.options import StepOptions
 
 #: The keys under which a dict sample holds its target, looked for in this order (every framework).
@@ -82,9 +83,10 @@ class FrameworkAdapter(abc.ABC):
     def step_layout(self) -> StepLayout:
         """The layout of the current ``step_buffer``."""
 
-    def vote_switch(self) -> None:
-        """Vote, inside this step's allreduce, to end the generation after the step."""
-        self.step_buffer[self.step_layout.vote] = 1.0
+    def vote_switch(self, leaving: bool = False) -> None:
+        """Vote, inside this step's allreduce, to end the generation after the step (and, when
+        ``leaving``, to leave the job then: step/layout.py, ``LEAVE_VOTE``)."""
+        self.step_buffer[self.step_layout.vote] = 1.0 + (LEAVE_VOTE if leaving else 0.0)
 
     @abc.abstractmethod
     def finish_step(self) -> StepResult:

@@ -119,10 +119,13 @@ class LocalLauncher(Launcher):
         return True
 
     def stop_all(self, timeout: float = 5.0) -> None:
-        """Terminate every worker, kill those still alive after ``timeout``, reap them all."""
+        """Kill every worker still running and reap them all (up to ``timeout`` s each, then again).
+
+        SIGKILL, not SIGTERM: SIGTERM is a worker's notice to leave after its step
+        (worker/notice.py), and what is stopped here has nothing left to do."""
         for proc in self.processes.values():
             if proc.poll() is None:
-                proc.terminate()
+                proc.kill()
         deadline = time.monotonic() + timeout
         for proc in self.processes.values():
             try:

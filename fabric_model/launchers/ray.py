@@ -7,7 +7,9 @@ outstanding is the scale-up. Ray reports a lost actor (a node gone, the actor ki
 ``ActorDiedError`` on its outstanding ``wait`` call: that is an exit with a nonzero code, as a
 local process's death is. A frozen worker is not reported by Ray for 15 s or more; the
 driver's heartbeat finds it. Worker output is copied, chunk by chunk, from the actor's node
-into the driver's run directory (``logs/worker-<id>.log``).
+into the driver's run directory (``logs/worker-<id>.log``). A node Ray drains (``ray drain-node``,
+the autoscaler's preemption) is read from Ray's draining nodes once a second: its workers are
+sent SIGTERM, their notice to leave after their step (docs/architecture.md, "Preemption").
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ LOG_INTERVAL = 1.0
 KILL_WAIT = 0.3
 #: Exit code reported for a worker whose actor died (node lost, actor killed).
 ACTOR_DIED = -int(signal.SIGKILL)
+#: Seconds between two reads of the nodes Ray is draining.
+DRAIN_INTERVAL = 1.0
 
 
 @dataclasses.dataclass
@@ -45,6 +49,8 @@ class _Actor:
     started: Any  # ObjectRef of WorkerHost.start: ready once Ray placed the actor
     waited: Any  # ObjectRef of WorkerHost.wait: ready when the worker process ends
     host: str | None = None
+    node: str | None = None  # the Ray node id it was placed on
+    told_to_leave: bool = False  # its node is being drained: SIGTERM was sent
     local_pid: int | None = None  # the actor's pid, when it runs on this host
     code: int | None = None
     log_offset: int = 0
@@ -75,6 +81,7 @@ class RayLauncher(Launcher):
         self._remote = ray.remote(WorkerHost).options(max_concurrency=4, max_restarts=0, **actor_options)
         self._actors: dict[int, _Actor] = {}
         self._last_logs = 0.0
+        self._last_drain = 0.0
 
     def _child_env(self) -> dict[str, str]:
         env = {LAUNCHED.name: "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.threads)}
@@ -101,7 +108,7 @@ class RayLauncher(Launcher):
             actor = self._actors[waiting.pop(ref)]
             try:
                 where = ray.get(ref)
-                actor.host = where["ip"]
+                actor.host, actor.node = where["ip"], where.get("node")
                 if where["hostname"] == socket.gethostname():
                     actor.local_pid = int(where["pid"])
             except ray.exceptions.RayError:
@@ -118,12 +125,30 @@ class RayLauncher(Launcher):
     def exited(self) -> dict[int, int]:
         """Worker ids whose process ended (or whose actor died), with their exit codes."""
         self._copy_logs(wait=0.0)
+        self._tell_drained_to_leave()
         running = {a.waited: w for w, a in self._actors.items() if a.code is None}
         if running:
             ready, _ = ray.wait(list(running), num_returns=len(running), timeout=0)
             for ref in ready:
                 self._actors[running[ref]].code = self._exit_code(ref)
         return {w: a.code for w, a in self._actors.items() if a.code is not None}
+
+    def _tell_drained_to_leave(self) -> None:
+        """Send SIGTERM, once, to the workers on the nodes Ray is draining (read at most once per
+        ``DRAIN_INTERVAL``): they leave after their step, as on any preemption notice."""
+        now = time.monotonic()
+        if now - self._last_drain < DRAIN_INTERVAL:
+            return
+        self._last_drain = now
+        placed = [a for a in self._actors.values() if a.code is None and a.node and not a.told_to_leave]
+        if not placed:
+            return
+        draining = draining_nodes()
+        for worker_id, actor in self._actors.items():
+            if actor in placed and actor.node in draining:
+                log.warning("worker %d: its Ray node is being drained; telling it to leave after its step", worker_id)
+                actor.told_to_leave = True
+                actor.handle.kill_child.remote(int(signal.SIGTERM))
 
     @staticmethod
     def _exit_code(ref: Any) -> int:
@@ -163,10 +188,11 @@ class RayLauncher(Launcher):
         return True
 
     def stop_all(self, timeout: float = 5.0) -> None:
-        """SIGTERM every worker, SIGKILL after ``timeout``, copy the last output, kill every actor."""
+        """SIGKILL every worker (SIGTERM is a worker's notice to leave after its step:
+        worker/notice.py), wait up to ``timeout``, copy the last output, kill every actor."""
         live = {w: a for w, a in self._actors.items() if a.code is None and a.host not in (None, "?")}
         for actor in live.values():
-            actor.handle.kill_child.remote(int(signal.SIGTERM))
+            actor.handle.kill_child.remote(int(signal.SIGKILL))
         if live:
             ray.wait([a.waited for a in live.values()], num_returns=len(live), timeout=timeout)
         for worker_id, actor in self._actors.items():
@@ -245,3 +271,15 @@ def _wait_gone(pids: list[int], timeout: float) -> None:
             except OSError:
                 break  # gone (or no /proc: nothing to wait with)
             time.sleep(0.05)
+
+
+def draining_nodes() -> set[str]:
+    """The ids of the nodes Ray is draining (Ray 2.9+: ``ray drain-node``, or its autoscaler
+    taking a node back); empty where this Ray cannot say. Ray keeps this behind a private
+    interface (``ray._private.state``), so a failure to read it only turns the watch off."""
+    try:
+        from ray._private.state import state
+
+        return set(state.get_draining_nodes())
+    except Exception:  # noqa: BLE001 - not in this Ray version, or not connected: nothing is draining
+        return set()

@@ -57,7 +57,8 @@ class WorkerHost:
         cmd = module_command("fabric_model", "worker", *args)
         threading.Thread(target=self._run, args=(cmd, child_env), name="fabric-worker", daemon=True).start()
         self._started.wait()
-        return {"ip": ray.util.get_node_ip_address(), "hostname": socket.gethostname(), "pid": str(os.getpid())}
+        where = {"ip": ray.util.get_node_ip_address(), "hostname": socket.gethostname(), "pid": str(os.getpid())}
+        return {**where, "node": ray.get_runtime_context().get_node_id()}
 
     def _run(self, cmd: list[str], env: dict[str, str]) -> None:
         try:

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 #: Exit status after Ctrl-C, as a shell reports a process ended by SIGINT.
 INTERRUPTED_EXIT = 130
+#: What a shell reports for a process ended by SIGTERM (128 + 15): a preempted run's status.
+PREEMPTED_EXIT = 143
 
 
 def check_verbose(verbose: Any) -> int:
@@ -76,16 +78,52 @@ def run_with_display(
         with notices_for_workers(verbose == 2):  # TensorFlow's start-up notices in the worker logs
             return start(hooks), hooks
     except KeyboardInterrupt:
-        for obj in hooks.loggers:  # nothing is drawn after the message
-            if isinstance(obj, ProgressBar):
-                obj.interrupt()
+        _stop_bars(hooks)
+        run.record_end("interrupted")
         interrupted(run)
+        raise
+    except Exception as exc:
+        from ..driver.preemption import Preempted
+
+        if not isinstance(exc, Preempted):
+            raise
+        _stop_bars(hooks)
+        checkpoint = exc.checkpoint.name if exc.checkpoint is not None else None
+        run.record_end("preempted", signal=exc.signal_name, checkpoint=checkpoint, unit=exc.unit)
+        preempted(run, exc)
         raise
     finally:
         for obj in hooks.loggers:  # ours only: a user's logger is theirs to close
             if isinstance(obj, (ProgressBar, RunRecorder)):
                 obj.close()
         detach()
+
+
+def _stop_bars(hooks: Hooks) -> None:
+    for obj in hooks.loggers:  # nothing is drawn after the message
+        if isinstance(obj, ProgressBar):
+            obj.interrupt()
+
+
+def _interactive() -> bool:
+    return hasattr(sys, "ps1") or bool(sys.flags.interactive) or "IPython" in sys.modules
+
+
+def preempted(run: RunDirectory, exc: Exception) -> None:
+    """After a preemption signal (the state is saved, every worker stopped): one line that says
+    where it stopped and how to come back, then exit status 143 in a script; in an interactive
+    session the :class:`~fabric_model.driver.preemption.Preempted` error is raised again."""
+    from ..driver.preemption import Preempted
+
+    assert isinstance(exc, Preempted)
+    saved = f"{exc.checkpoint.name} saved in {exc.seconds:.1f} s" if exc.checkpoint is not None else "no step done yet"
+    sys.stderr.write(
+        f"\n{exc.signal_name}: preempted {exc.position} ({saved}); every worker was stopped.\n"
+        f'Resume with train(..., run_dir={str(run.path)!r}, resume=True) (or resume="auto").\n'
+    )
+    sys.stderr.flush()
+    if not _interactive():
+        raise SystemExit(PREEMPTED_EXIT)
 
 
 def startup_lines(setup: DriverSetup, run: RunDirectory, tensorboard: bool) -> None:
@@ -134,6 +172,6 @@ def interrupted(run: RunDirectory) -> None:
         f"from {start}.\n"
     )
     sys.stderr.flush()
-    if hasattr(sys, "ps1") or sys.flags.interactive or "IPython" in sys.modules:
+    if _interactive():
         raise KeyboardInterrupt
     raise SystemExit(INTERRUPTED_EXIT)

@@ -50,6 +50,20 @@ class Timeouts:
 
 
 @dataclasses.dataclass(frozen=True)
+class Preemption:
+    """What a notice to leave is and how long leaving may take (docs/elasticity.md, "Preemption"):
+    the signals that mean it, and the grace within which a worker finishes its step and the
+    driver saves and exits."""
+
+    signals: tuple[str, ...] = settings.PREEMPT_SIGNALS.default
+    grace: float = settings.PREEMPT_GRACE.default
+
+    @classmethod
+    def from_environment(cls) -> Preemption:
+        return cls(signals=settings.PREEMPT_SIGNALS.get(), grace=settings.PREEMPT_GRACE.get())
+
+
+@dataclasses.dataclass(frozen=True)
 class SnapshotCadence:
     """How often rank 0 sends the driver an in-memory snapshot of the state (docs/architecture.md,
     "Elasticity"): every ``steps`` committed steps, or once ``seconds`` have passed since the last
@@ -153,3 +167,4 @@ class TrainConfig:
     #: Replicas compare state fingerprints every this many steps and after each epoch (0: at the
     #: end only): docs/architecture.md, "Replica checks". Read once in the caller, so all compare alike.
     replica_check_steps: int = 0
+    preemption: Preemption = Preemption()

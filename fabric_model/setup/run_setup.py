@@ -15,6 +15,7 @@ from ..run.rundir import RunDirectory
 from ..step.data import is_batch_level
 from .config import (
     EngineSizing,
+    Preemption,
     SnapshotCadence,
     Timeouts,
     TrainConfig,
@@ -114,6 +115,7 @@ def train_config(epoch_number: int, batch_size: int, sizing: EngineSizing, loop:
         checkpoint_freq=loop.checkpoint_freq,
         timeouts=Timeouts.from_environment(),  # read once, here; every worker gets the same bounds
         snapshots=SnapshotCadence.from_environment(),
+        preemption=Preemption.from_environment(),
         backend=collective_backend(gpus, workers_per_gpu()),  # as the workers will see the GPUs
         keep_freed_memory=keep_freed_memory_setting(),
         replica_check_steps=DIVERGENCE_CHECK_STEPS.get(),

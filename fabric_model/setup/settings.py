@@ -221,6 +221,21 @@ def _ray_flag(text: str) -> bool:
     return text.strip() == "1"  # Ray's own reading: anything else is "off"
 
 
+def _preempt_signals(text: str) -> tuple[str, ...]:
+    """``SIGTERM,SIGUSR1`` (or ``TERM,USR1``) as canonical names; SIGKILL and SIGSTOP cannot be
+    caught, and SIGINT is Ctrl-C's."""
+    import signal
+
+    names = []
+    for part in text.split(","):
+        name = part.strip().upper()
+        name = name if name.startswith("SIG") else f"SIG{name}"
+        if name in ("SIGKILL", "SIGSTOP", "SIGINT") or not hasattr(signal.Signals, name):
+            raise ValueError(text)
+        names.append(name)
+    return tuple(dict.fromkeys(names))
+
+
 _FLAG = "1 or 0"
 _POSITIVE = "a positive integer"
 _SECONDS = "a positive number of seconds"
@@ -304,6 +319,27 @@ SNAPSHOT_SHARE: Setting[float] = declare(
         _fraction,
         "a fraction of the training time, 0 or more and below 1",
         "The steps' rule waits while snapshots would take more than this share of the time (`0`: never waits).",
+    )
+)
+PREEMPT_SIGNALS: Setting[tuple[str, ...]] = declare(
+    Setting(
+        "FABRIC_MODEL_PREEMPT_SIGNALS",
+        ("SIGTERM",),
+        _preempt_signals,
+        "signal names separated by commas (SIGTERM,SIGUSR1), not SIGKILL, SIGSTOP or SIGINT",
+        'The signals that mean "leave now, keep the work": a worker leaves after its step, the driver '
+        'saves a checkpoint and exits (docs/elasticity.md, "Preemption").',
+        shown_default="`SIGTERM`",
+    )
+)
+PREEMPT_GRACE: Setting[float] = declare(
+    Setting(
+        "FABRIC_MODEL_PREEMPT_GRACE",
+        20.0,
+        _positive_seconds,
+        _SECONDS,
+        "How long a preempted worker may take to finish its step, and the driver to save and exit; "
+        "past it, a worker leaves as a lost one does and the driver keeps the newest state it holds.",
     )
 )
 DIVERGENCE_CHECK_STEPS: Setting[int] = declare(

@@ -9,6 +9,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+#: A member told to leave (docs/architecture.md, "Preemption") votes this much more than one
+#: that asks to switch for a newcomer: the sum says how many members leave (while fewer than
+#: this many vote, the float32 sum stays exact).
+LEAVE_VOTE = 1024.0
+
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
@@ -18,10 +23,12 @@ class StepResult:
         stats: the stat sums (loss, metrics..., in ``stat_names`` order) then the step's sample
             count, summed over the group: what the driver averages.
         switch: whether some member voted to end the generation after this step.
+        leaving: how many members voted to leave after it (a preemption notice).
     """
 
     stats: list[float]
     switch: bool
+    leaving: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +40,8 @@ class StepLayout:
 
     Gradients and buffer deltas are already weighted by each micro-batch's share of the step;
     a flag is 1 where some micro-batch produced the parameter's gradient; the vote is 1 where a
-    member asks to switch generation. Everything is summed by one allreduce.
+    member asks to switch generation, and ``1 + LEAVE_VOTE`` where it leaves after the step.
+    Everything is summed by one allreduce.
 
     Attributes:
         n_gradients: elements of all trainable parameters.
@@ -99,4 +107,5 @@ class StepLayout:
         values = list(tail)
         if len(values) != self.n_stats + 2:
             raise ValueError(f"expected {self.n_stats + 2} tail values, got {len(values)}")
-        return StepResult(stats=values[:-1], switch=values[-1] > 0)
+        vote = values[-1]
+        return StepResult(stats=values[:-1], switch=vote > 0, leaving=int(vote // LEAVE_VOTE))

@@ -21,7 +21,7 @@ a full disk would.
 
 from __future__ import annotations
 
-from .faults import CheckpointFault, FailCollective, FaultInjector, Hang, HoldForJoin, Kill, fired_at
+from .faults import CheckpointFault, FailCollective, FaultInjector, Hang, HoldForJoin, Kill, Preempt, fired_at
 from .starter import WorkerStarter
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "Hang",
     "HoldForJoin",
     "Kill",
+    "Preempt",
     "WorkerStarter",
     "fired_at",
 ]

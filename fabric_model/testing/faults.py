@@ -37,6 +37,18 @@ class Hang:
 
 
 @dataclasses.dataclass(frozen=True)
+class Preempt:
+    """Send worker ``worker`` the signal ``signal_name`` in step ``step``, as a platform taking
+    its machine back would (docs/architecture.md, "Preemption"): just before its allreduce, or
+    once the step has committed (``after_step``, the default)."""
+
+    worker: int
+    step: int
+    when: str = "after_step"
+    signal_name: str = "SIGTERM"
+
+
+@dataclasses.dataclass(frozen=True)
 class FailCollective:
     """Make worker ``worker``'s allreduce in step ``step`` raise, as a broken link would."""
 
@@ -73,7 +85,7 @@ class CheckpointFault:
             raise ValueError(f"Expected `mode` to be 'kill' or 'enospc'. Received: mode={self.mode!r}")
 
 
-StepFault = Kill | Hang | FailCollective | HoldForJoin
+StepFault = Kill | Hang | Preempt | FailCollective | HoldForJoin
 Fault = StepFault | CheckpointFault
 
 
@@ -153,6 +165,8 @@ class FaultInjector:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif isinstance(fault, Hang):
                 os.kill(os.getpid(), signal.SIGSTOP)
+            elif isinstance(fault, Preempt):
+                os.kill(os.getpid(), signal.Signals[fault.signal_name])
             else:
                 raise _InjectedFailure(f"injected collective failure at step {fault.step} on worker {fault.worker}")
 

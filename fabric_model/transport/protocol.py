@@ -59,12 +59,15 @@ class LeftGeneration:
     """The worker left ``generation`` at ``next_unit`` (-1: it never entered it).
 
     ``failed`` False: it stopped after the step its generation voted to switch at;
-    True: a collective failed (a peer died or the driver aborted) and the step was undone."""
+    True: a collective failed (a peer died or the driver aborted) and the step was undone.
+    ``leaving``: it leaves the job now (a preemption signal) and exits; it holds nothing for the
+    next generation."""
 
     generation: int
     next_unit: int
     failed: bool
     reason: str = ""
+    leaving: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,8 +5,9 @@ from a position every member of its generation shares. Two things end a generati
 
 - a collective fails (a peer died or hung): the interrupted step is undone, the worker
   reports how far it got, and waits for the driver's next generation;
-- the members vote, inside the step's allreduce, to switch (someone asked to join): every
-  replica sees the same vote, so all stop after the same committed step.
+- the members vote, inside the step's allreduce, to switch (someone asked to join, or a member
+  was told to leave: worker/notice.py): every replica sees the same vote, so all stop after the
+  same committed step, and a member that leaves exits then.
 
 Entering a generation: join its process group, take the state from the member that holds
 the latest committed step (when members differ, or a newcomer needs it), resume at the
@@ -45,8 +46,13 @@ from ..transport import protocol as p
 from ..transport.collective import Collective, CollectiveError
 from ..transport.control import Channel
 from .inbox import REPORT_WITHIN, Inbox
+from .notice import LeaveNotice
 
 log = logging.getLogger(__name__)
+
+
+class WorkerLeft(Exception):
+    """This worker left the job after a step, told to by a preemption signal (worker/notice.py)."""
 
 
 class TrainingLoop:
@@ -62,6 +68,7 @@ class TrainingLoop:
         collective: Collective,
         datasets: tuple[Any, Any],
         context: WorkerContext,
+        notice: LeaveNotice | None = None,
     ) -> None:
         self.job, self.config, self.plan = job, config, plan
         self.check_steps = config.replica_check_steps  # replicas compare fingerprints every this many steps
@@ -73,6 +80,8 @@ class TrainingLoop:
         if self._epoch_items:
             self.train_set = EpochShuffledBatches(self.train_set, plan.seed)
         self.context = context
+        self.notice = notice or LeaveNotice()
+        self.leavers = 0  # members that voted to leave after the last step (this one among them, if told to)
         self.recovery_timeout = config.timeouts.recovery
         self.schedule = Schedule(plan, config.epochs, config.validation_freq, self.test_set is not None)
         self.next_unit = 0
@@ -97,6 +106,8 @@ class TrainingLoop:
                 self._run_generation()
                 if self.next_unit >= self.schedule.total_units:
                     break
+                if self.notice.requested:
+                    self._leave()  # does not return
                 failed, reason = False, "switch"
             except CollectiveError as exc:
                 self.adapter.abort_step()
@@ -119,6 +130,20 @@ class TrainingLoop:
                 self.collective.shutdown()
                 self.channel.send(self.position(True, str(exc).splitlines()[0][:300]))
 
+    def _leave(self) -> None:
+        """Leave the job after the step the generation voted to end at (docs/architecture.md,
+        "Preemption"): when every member leaves, rank 0 first hands the driver the state, so no
+        committed step is lost; then the position, marked as leaving, and exit 0."""
+        collective = self.collective
+        if self.leavers >= collective.world_size and collective.rank == 0:
+            state = (self.adapter.model_state(), self.loop_state.pack(self.adapter.optimizer_state()))
+            self.uploads.upload("snapshot", self.next_unit, collective.generation, *state)
+            self.uploads.flush(self.notice.grace)
+        collective.shutdown()
+        reason = f"leaves ({self.notice.signal_name})"
+        self.channel.send(p.LeftGeneration(collective.generation, self.next_unit, False, reason, leaving=True))
+        raise WorkerLeft(reason)
+
     def position(self, failed: bool, reason: str = "") -> p.LeftGeneration:
         """How far this worker got in the generation it leaves."""
         return p.LeftGeneration(self.collective.generation, self.next_unit, failed, reason)
@@ -138,6 +163,7 @@ class TrainingLoop:
                 raise RuntimeError(f"{restore} holds unit {state['unit']}, not {generation.resume_unit}")
             self.adapter.load_state(state["model"], self.loop_state.unpack(state["optimizer"]))
         self.uploads.entered(generation.checkpoint, generation.resume_unit)
+        self.notice.holds_state = True  # from here a notice to leave waits for a step boundary
         if source >= 0:  # the members that lack the agreed state take it from the one that holds it
             mine = self._state() if self.collective.rank == source else None
             state = broadcast_state(self.collective, mine, source)
@@ -280,11 +306,12 @@ class TrainingLoop:
             seed = micro_batch_seed(plan.seed, epoch, step, j)
             adapter.train_micro_batch(batch, len(indices), step_samples, seed, last=position == len(mine) - 1)
         # The switch vote rides in the same allreduce, so every member reads the same sum.
-        if self.inbox.pending_generation > collective.generation:
-            adapter.vote_switch()
+        leaving = self.notice.requested
+        if leaving or self.inbox.pending_generation > collective.generation:
+            adapter.vote_switch(leaving)
         adapter.all_reduce(collective)
         result = adapter.finish_step()
-        stats, switch = result.stats, result.switch
+        stats, switch, self.leavers = result.stats, result.switch, result.leaving
         self.loop_state.step_done(epoch, stats)
         self.iterations += 1
         report = p.StepDone(

@@ -27,7 +27,14 @@ from ..errors import encode_exception, user_traceback
 from ..frameworks.keras.quiet import quiet_tensorflow
 from ..setup.config import Timeouts, heartbeat_interval
 from ..setup.job import Job
-from ..setup.settings import GLOO_SOCKET_IFNAME, HEARTBEAT_TIMEOUT, LAUNCHED, START_TIMEOUT
+from ..setup.settings import (
+    GLOO_SOCKET_IFNAME,
+    HEARTBEAT_TIMEOUT,
+    LAUNCHED,
+    PREEMPT_GRACE,
+    PREEMPT_SIGNALS,
+    START_TIMEOUT,
+)
 from ..step.digest import state_digest
 from ..transport import control
 from ..transport import protocol as p
@@ -38,8 +45,9 @@ from ..transport.store.client import RemoteStore
 from . import cli
 from .allocator import keep_freed_memory, release_free_memory
 from .inbox import Heartbeat, Inbox, TrainingHalted
-from .loop import TrainingLoop
+from .loop import TrainingLoop, WorkerLeft
 from .native import die_with_parent
+from .notice import LeaveNotice
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +105,7 @@ def _train(
     channel: Channel,
     store: RemoteStore,
     position: list[TrainingLoop],
+    notice: LeaveNotice,
 ) -> Collective | None:
     """Set up, join, train to the schedule's end, report and hand over the final state on request.
     ``position`` gets the loop, whose ``next_unit`` a failure reports."""
@@ -117,7 +126,7 @@ def _train(
     collective = job.hooks.wrap_collective(
         Collective(store, config.backend, timedelta(seconds=timeouts.collective), device, inbox.aborted)
     )
-    loop = TrainingLoop(job, config, plan, channel, inbox, collective, datasets, context)
+    loop = TrainingLoop(job, config, plan, channel, inbox, collective, datasets, context, notice)
     position.append(loop)
     if not _join(loop, inbox, channel, timeouts):
         return collective
@@ -153,7 +162,7 @@ def _report_failure(channel: Channel, exc: BaseException, unit: int) -> None:
         pass
 
 
-def run(address: tuple[str, int], secret: bytes, worker_id: int | None, device: str | None) -> int:
+def run(address: tuple[str, int], secret: bytes, worker_id: int | None, device: str | None, notice: LeaveNotice) -> int:
     """The whole life of a worker; returns the process exit code."""
     try:
         channel = control.connect(address, secret)
@@ -176,9 +185,13 @@ def run(address: tuple[str, int], secret: bytes, worker_id: int | None, device: 
         payload = [spec.payload]
         spec = dataclasses.replace(spec, payload=b"")
         heartbeat.interval = heartbeat_interval(spec.config.timeouts.heartbeat)
+        notice.install(spec.config.preemption.signals, spec.config.preemption.grace)  # the driver's, as the bounds
         # The store shares the control plane's address and secret (docs/architecture.md, "Processes").
         store = RemoteStore(address, secret, worker_id, timedelta(seconds=spec.config.timeouts.collective))
-        collective = _train(spec, payload, worker_id, device, inbox, channel, store, position)
+        collective = _train(spec, payload, worker_id, device, inbox, channel, store, position, notice)
+        return 0
+    except WorkerLeft as exc:  # told to leave: it left after a step, as its generation voted
+        sys.stderr.write(f"fabric_model worker: exiting (0): {exc} after unit {position[0].next_unit}\n")
         return 0
     except BaseException as exc:  # report everything, KeyboardInterrupt included, then exit
         _report_failure(channel, exc, position[0].next_unit if position else -1)
@@ -197,11 +210,14 @@ def main(argv: list[str]) -> int:
     if LAUNCHED.get():
         die_with_parent()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver owns Ctrl-C and stops us
+    # A preemption signal from the start: one before the job arrives ends the process at once.
+    notice = LeaveNotice()
+    notice.install(PREEMPT_SIGNALS.get(), PREEMPT_GRACE.get())
     logging.basicConfig(level=logging.INFO, format="[worker] %(asctime)s %(levelname)s %(name)s: %(message)s")
     # Collectives go out on the interface that routes to the driver (docs/architecture.md, "Processes").
     interface = select_interfaces(args.address[0])
     log.info("driver %s:%d, collectives on interface %s", *args.address, GLOO_SOCKET_IFNAME.get() or interface)
-    code = run(args.address, args.secret, args.worker_id, args.device)
+    code = run(args.address, args.secret, args.worker_id, args.device, notice)
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: prefetch threads and the inbox thread need no join.

@@ -154,9 +154,12 @@ torch.save(model.state_dict(), out)
 
 
 def run_script(script: Path, run_dir: Path, out: Path, marker: str = "-", resume: bool = False) -> subprocess.Popen:
+    """The script in a session of its own: its process group is the job's processes only."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     argv = [sys.executable, str(script), str(run_dir), str(out), marker, "1" if resume else "0"]
-    return subprocess.Popen(argv, env=env, cwd=script.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        argv, env=env, cwd=script.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
 
 
 def finished(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
@@ -169,13 +172,24 @@ def finished(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
     return proc.returncode, err.decode(errors="replace")
 
 
-def test_a_driver_told_to_go_saves_stops_everything_and_resumes_to_the_same_weights(tmp_path):
-    script = tmp_path / "train.py"
+@pytest.fixture(scope="module")
+def script_and_weights(tmp_path_factory):
+    """The driver's script, and the weights of its undisturbed run."""
+    folder = tmp_path_factory.mktemp("script")
+    script = folder / "train.py"
     script.write_text(SCRIPT)
-    # The undisturbed run, for the weights to reach.
-    code, err = finished(run_script(script, tmp_path / "whole", tmp_path / "whole.pt"), scaled(120))
+    code, err = finished(run_script(script, folder / "whole", folder / "whole.pt"), scaled(120))
     assert code == 0, err[-3000:]
+    return script, torch.load(folder / "whole.pt")
 
+
+@pytest.mark.parametrize("to", ["the driver", "every process of the job"])
+def test_a_driver_told_to_go_saves_stops_everything_and_resumes_to_the_same_weights(script_and_weights, tmp_path, to):
+    """SIGTERM to the script's process (Kubernetes signals a container's first process), or to
+    every process of the job (Slurm signals them all, workers and the warm process included):
+    either way exit 143 with every committed step saved, and a resume ends bitwise as the
+    undisturbed run (deterministic=True)."""
+    script, whole = script_and_weights
     run_dir, marker = tmp_path / "run", tmp_path / "marker"
     proc = run_script(script, run_dir, tmp_path / "resumed.pt", str(marker))
     deadline = time.monotonic() + scaled(120)
@@ -184,28 +198,33 @@ def test_a_driver_told_to_go_saves_stops_everything_and_resumes_to_the_same_weig
     assert marker.exists(), proc.communicate()[1].decode()[-3000:]
     workers = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
     signalled = time.monotonic()
-    proc.send_signal(signal.SIGTERM)  # the script's process catches it: train() set its disposition
+    # Each process signalled has set its disposition: train() in the script, the warm process
+    # (ignores it), the workers (their notice).
+    if to == "the driver":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(proc.pid, signal.SIGTERM)
     code, err = finished(proc, scaled(30))
     took = time.monotonic() - signalled
 
     assert code == 143, err[-3000:]
     assert took < 20 + 5, took  # within the grace (FABRIC_MODEL_PREEMPT_GRACE, 20 s), with slack for exiting
-    assert "SIGTERM: preempted at epoch 2, step" in err, err[-2000:]
-    assert "resume=True" in err and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("SIGTERM: preempted at epoch 2, step ") and last.endswith(", resume=True)"), err[-2000:]
+    assert "Traceback" not in err and "warning" not in err
     assert not (run_dir / "join.json").exists()  # the secret is gone
     assert not [pid for pid in workers if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
     # The checkpoint holds every step committed before the signal, and none after it.
     (unit, path), *_ = reversed(list_checkpoints(run_dir / "checkpoints"))
     assert load_checkpoint(path)["unit"] == unit
-    steps = {(r["epoch"], r["step"]) for r in records(run_dir, "train")}
-    units_done = {r["epoch"] * 11 + r["step"] for r in records(run_dir, "train")}  # 10 steps + no validation slot
-    assert len(steps) >= 13 and unit == max(units_done) + 1, (unit, sorted(units_done))
+    units_done = {r["epoch"] * 11 + r["step"] for r in records(run_dir, "train")}  # 10 steps + a validation slot
+    assert len(units_done) >= 13 and unit == max(units_done) + 1, (unit, sorted(units_done))
     end = json.loads((run_dir / "run.json").read_text())["end"]
     assert end["state"] == "preempted" and end["checkpoint"] == path.name
 
     code, err = finished(run_script(script, run_dir, tmp_path / "resumed.pt", resume=True), scaled(120))
     assert code == 0, err[-3000:]
-    whole, resumed = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "resumed.pt")
+    resumed = torch.load(tmp_path / "resumed.pt")
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)  # bitwise: deterministic=True
 
 

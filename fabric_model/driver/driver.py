@@ -298,8 +298,7 @@ class Driver:
                 log.warning("no member sent its state within the grace; keeping the newest state held")
                 self._final = self._held_state()
             elif self._final is None and (self._halt.overdue(now) or self._halt.asked in self._launcher.exited()):
-                log.warning("worker %d sent no state; asking the next member", self._halt.asked)
-                self._ask_for_state()
+                self._ask_next(self._halt.asked)
             self.checkpoints.poll()
             return
         self.membership.placement(self._launcher.pending(), now)
@@ -394,8 +393,17 @@ class Driver:
         elif isinstance(message, (p.WorkerFailed, p.ConnectionLost)) or (
             isinstance(message, p.LeftGeneration) and message.leaving
         ):
-            log.warning("worker %d could not send its state; asking the next member", worker_id)
-            self._ask_for_state()
+            self._ask_next(worker_id)
+
+    def _ask_next(self, worker_id: int) -> None:
+        """The member asked sent no state (it ended, or took too long): ask the next. Expected when
+        preempted (a member told to go too may have left), so said in driver.log only then."""
+        assert self._halt is not None
+        if self._halt.preempted:
+            log.info("worker %d sent no state (it may have left on a notice of its own); asking the next", worker_id)
+        else:
+            log.warning("worker %d sent no state; asking the next member", worker_id)
+        self._ask_for_state()
 
     def _saved_state(self, divergence: Divergence) -> FinalState:
         """No member sent its state: the newest checkpoint or snapshot the driver holds."""
@@ -415,13 +423,12 @@ class Driver:
         """A preemption signal: stop training as a halt does, asking the members for their state
         with what the grace leaves (a third of it each, the rest for writing and stopping)."""
         members = [m for m in self.membership.members if self.membership.state(m) is not WorkerState.GONE]
-        log.warning(
+        log.info(
             "%s: stopping training and saving the newest state (FABRIC_MODEL_PREEMPT_GRACE %.0f s)",
             watch.signal_name,
             watch.grace,
         )
         watch.acted = True
-        self.hooks.note(f"{watch.signal_name}: stopping; saving the newest state")
         patience = max(0.5, (watch.deadline - watch.reserve - time.monotonic()) / 3)
         self._halt = Halt(None, members, patience, preempted=watch.signal_name)
         if members and self.membership.generation >= 0:
@@ -460,9 +467,8 @@ class Driver:
         written = self.checkpoints.newest_on_disk(unit)
         path = written[1] if written is not None and written[0] == unit else None
         seconds = time.monotonic() - watch.received
-        log.warning(
-            "%s: saved %s in %.2f s", watch.signal_name, path.name if path else "nothing (no step done)", seconds
-        )
+        saved = f"{path.name} ({path.stat().st_size} bytes)" if path is not None else "nothing (no step was done)"
+        log.info("%s: saved %s in %.2f s", watch.signal_name, saved, seconds)
         raise Preempted(watch.signal_name, path, unit, self._position(unit, screen=True), seconds)
 
     def _check_finished_replicas(self, final: FinalState) -> FinalState:

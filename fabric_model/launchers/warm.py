@@ -41,6 +41,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from ..setup.settings import PREEMPT_SIGNALS
 from ..worker.native import die_with_parent
 
 #: What every worker imports before its first step; ``torch`` jobs add their adapter.
@@ -180,6 +181,11 @@ def serve(framework: str, before_ready: Callable[[int], None] = lambda out: None
     gets the events' descriptor first."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the caller decides
+    # So may a preemption signal (Slurm signals every process of a job): dying of it here would
+    # kill every worker (they die with this process) before the driver saves their state; each
+    # worker installs its own notice (docs/architecture.md, "Preemption").
+    for name in PREEMPT_SIGNALS.get():
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
     out = os.dup(1)  # events only; whatever an import prints goes to the log, not into the protocol
     os.dup2(2, 1)
     for name in PRELOAD + PRELOAD_BY_FRAMEWORK.get(framework, ()):

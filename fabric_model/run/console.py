@@ -30,6 +30,10 @@ SAID_BY_THE_DISPLAY = (
     "generation %d: %d worker(s) %s on %s, resuming at unit %d (%s)",
     "checkpoint %s after epoch %d (%.3f s)",  # the epoch's line gets a mark
     "training stopped by a callback after epoch %d",  # a note of the display's
+    # A preemption: the display's last line says where it stopped and how to resume.
+    "%s: stopping training and saving the newest state (FABRIC_MODEL_PREEMPT_GRACE %.0f s)",
+    "%s: saved %s in %.2f s",
+    "worker %d sent no state (it may have left on a notice of its own); asking the next",
 )
 
 

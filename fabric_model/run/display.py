@@ -111,15 +111,15 @@ def _interactive() -> bool:
 
 def preempted(run: RunDirectory, exc: Exception) -> None:
     """After a preemption signal (the state is saved, every worker stopped): one line that says
-    where it stopped and how to come back, then exit status 143 in a script; in an interactive
-    session the :class:`~fabric_model.driver.preemption.Preempted` error is raised again."""
+    where it stopped and how to come back (the checkpoint and its timing are in driver.log), then
+    exit status 143 in a script; in an interactive session the
+    :class:`~fabric_model.driver.preemption.Preempted` error is raised again."""
     from ..driver.preemption import Preempted
 
     assert isinstance(exc, Preempted)
-    saved = f"{exc.checkpoint.name} saved in {exc.seconds:.1f} s" if exc.checkpoint is not None else "no step done yet"
     sys.stderr.write(
-        f"\n{exc.signal_name}: preempted {exc.position} ({saved}); every worker was stopped.\n"
-        f'Resume with train(..., run_dir={str(run.path)!r}, resume=True) (or resume="auto").\n'
+        f"\n{exc.signal_name}: preempted {exc.position}; "
+        f"resume with train(..., run_dir={str(_shown(run.path))!r}, resume=True)\n"
     )
     sys.stderr.flush()
     if not _interactive():

@@ -81,7 +81,8 @@ class TrainingLoop:
             self.train_set = EpochShuffledBatches(self.train_set, plan.seed)
         self.context = context
         self.notice = notice or LeaveNotice()
-        self.leavers = 0  # members that voted to leave after the last step (this one among them, if told to)
+        self.leavers = 0  # members that voted to leave after the last step
+        self.voted_leave = False  # this worker among them (a notice that came after its vote waits a step)
         self.recovery_timeout = config.timeouts.recovery
         self.schedule = Schedule(plan, config.epochs, config.validation_freq, self.test_set is not None)
         self.next_unit = 0
@@ -106,7 +107,7 @@ class TrainingLoop:
                 self._run_generation()
                 if self.next_unit >= self.schedule.total_units:
                     break
-                if self.notice.requested:
+                if self.voted_leave:
                     self._leave()  # does not return
                 failed, reason = False, "switch"
             except CollectiveError as exc:
@@ -306,7 +307,7 @@ class TrainingLoop:
             seed = micro_batch_seed(plan.seed, epoch, step, j)
             adapter.train_micro_batch(batch, len(indices), step_samples, seed, last=position == len(mine) - 1)
         # The switch vote rides in the same allreduce, so every member reads the same sum.
-        leaving = self.notice.requested
+        leaving = self.voted_leave = self.notice.requested
         if leaving or self.inbox.pending_generation > collective.generation:
             adapter.vote_switch(leaving)
         adapter.all_reduce(collective)

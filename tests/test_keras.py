@@ -23,7 +23,7 @@ import tensorflow as tf  # noqa: E402
 from fabric_model import FabricModel  # noqa: E402
 from fabric_model.frameworks.keras.adapter import collate_numpy  # noqa: E402
 from fabric_model.step.plan import Plan, epoch_permutation  # noqa: E402
-from fabric_model.testing import FaultInjector, HoldForJoin, Kill, WorkerStarter  # noqa: E402
+from fabric_model.testing import FaultInjector, HoldForJoin, Kill, Preempt, WorkerStarter  # noqa: E402
 
 from .helpers import (  # noqa: E402
     IndexRecordingDataset,
@@ -172,6 +172,20 @@ def test_kill_and_join_keep_the_result_for_a_keras_model(run_dir, tmp_path, monk
     sizes = [g["workers"] for g in records(run_dir, "generation")]
     assert sizes[0] == 3 and 2 in sizes and sizes.count(3) >= 2, sizes
     assert any(g["source_rank"] >= 0 for g in records(run_dir, "generation"))  # the newcomer pulled state
+
+
+def test_a_keras_worker_told_to_go_leaves_after_its_step(run_dir, tmp_path, monkeypatch, undisturbed):
+    """A preemption signal (docs/architecture.md, "Preemption") in a Keras worker: it leaves after
+    its step, the others go on with nothing redone, and the result does not change."""
+    monkeypatch.setenv("EDT_REPLACE_WORKERS", "0")
+    model, result = keras_train(run_dir, tmp_path, [Preempt(2, 4)])
+    assert max_rel_diff(floats(model), undisturbed) < 1e-5
+    steps = [(r["epoch"], r["step"]) for r in records(run_dir, "train")]
+    assert sorted(steps) == [
+        (e, s) for e in range(EPOCHS) for s in range(Plan(len(DATA), BATCH, 3, SEED).steps_per_epoch)
+    ]
+    generations = records(run_dir, "generation")
+    assert [g["workers"] for g in generations] == [3, 2] and generations[1]["reason"] == "worker 2 leaves (SIGTERM)"
 
 
 @keras.saving.register_keras_serializable(package="fabric_tests")

@@ -7,6 +7,7 @@ FabricModel(model, datasets_function, loss_function, optimizer).train(epochs, ba
 from .api import FabricModel, TrainResult
 from .callbacks import Callback, EarlyStopping
 from .context import WorkerContext, worker_context
+from .driver.preemption import Preempted
 from .driver.replicas import ReplicaDivergenceError
 from .errors import JobError, WorkerError
 from .frameworks.keras.quiet import quiet_tensorflow
@@ -20,6 +21,7 @@ __all__ = [
     "BestCheckpoints",
     "TrainResult",
     "JobError",
+    "Preempted",
     "ReplicaDivergenceError",
     "WorkerError",
     "WorkerContext",

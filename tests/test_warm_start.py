@@ -208,7 +208,7 @@ def test_a_caller_without_thread_pools_is_forked_into_the_warm_process_and_train
         assert worker["parent"] == job["warm"][0]["pid"]
         # Nothing of what the script set up before FabricModel(...) reaches a worker.
         assert worker["package_level"] == logging.INFO and worker["root_handlers"] == ["StreamHandler"]
-        assert worker["sigterm_default"] and worker["grad"] and not worker["caller_file_open"]
+        assert worker["sigterm"] == "LeaveNotice" and worker["grad"] and not worker["caller_file_open"]
         assert worker["threads"] == threads_per_worker(2)
         assert worker["omp"] == os.environ.get("OMP_NUM_THREADS", str(threads_per_worker(2)))
     assert "inspected worker" in "".join(p.read_text() for p in (run / "logs").glob("worker-*.log"))

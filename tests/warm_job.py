@@ -49,7 +49,8 @@ class Inspect:
             "threads": torch.get_num_threads(),
             "package_level": logging.getLogger("fabric_model").getEffectiveLevel(),
             "root_handlers": [type(h).__name__ for h in logging.getLogger().handlers],
-            "sigterm_default": signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,
+            # Not the caller's handler: the worker's own preemption notice (worker/notice.py).
+            "sigterm": type(getattr(signal.getsignal(signal.SIGTERM), "__self__", None)).__name__,
             "grad": torch.is_grad_enabled(),
             "caller_file_open": self.caller_file in fds,
         }

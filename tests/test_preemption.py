@@ -110,8 +110,9 @@ def test_a_step_longer_than_the_grace_leaves_as_a_lost_worker_does(undisturbed, 
     model, result = train(run_dir, tmp_path, faults, inner=SleepAfter(1, 3, 4.0))
 
     assert_every_step_once(run_dir, result, model, undisturbed)
-    reasons = [g["reason"] for g in records(run_dir, "generation")]
-    assert reasons[1].startswith("worker 1 lost"), reasons  # its process ended, its connection with it
+    start, after = records(run_dir, "generation")
+    # A crash's generation change: the first to tell may be its end or a peer's failed allreduce.
+    assert 1 in start["members"] and 1 not in after["members"] and "leaves" not in after["reason"], after
     said = (run_dir / "logs" / "worker-1.log").read_text()
     assert "exiting (138): SIGUSR1: the step did not end within 1 s (FABRIC_MODEL_PREEMPT_GRACE)" in said
 

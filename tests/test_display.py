@@ -249,3 +249,17 @@ def test_a_resumed_run_s_csv_has_each_epoch_once(tmp_path):
     with open(tmp_path / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [(r["epoch"], float(r["loss"]), float(r["val_loss"])) for r in rows] == [("1", 1.0, 1.0), ("2", 0.5, 0.5)]
+
+
+def test_a_script_that_imported_ipython_is_not_an_interactive_session(monkeypatch):
+    """``import keras`` imports IPython: Ctrl-C and preemption must still end such a script with
+    an exit status (130, 143) and no traceback; only a shell of IPython's is interactive."""
+    from fabric_model.run import display
+
+    ipython = types.ModuleType("IPython")
+    ipython.get_ipython = lambda: None  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "IPython", ipython)
+    monkeypatch.delattr(sys, "ps1", raising=False)
+    assert not display._interactive()
+    ipython.get_ipython = lambda: object()  # type: ignore[attr-defined]
+    assert display._interactive()

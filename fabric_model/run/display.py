@@ -106,7 +106,12 @@ def _stop_bars(hooks: Hooks) -> None:
 
 
 def _interactive() -> bool:
-    return hasattr(sys, "ps1") or bool(sys.flags.interactive) or "IPython" in sys.modules
+    """A REPL, ``python -i`` or an IPython/Jupyter shell; not a script that merely imported
+    IPython (``import keras`` does), which must still exit with a status and no traceback."""
+    if hasattr(sys, "ps1") or sys.flags.interactive:
+        return True
+    get_ipython = getattr(sys.modules.get("IPython"), "get_ipython", None)
+    return get_ipython is not None and get_ipython() is not None
 
 
 def preempted(run: RunDirectory, exc: Exception) -> None:

@@ -174,6 +174,7 @@ def test_kill_and_join_keep_the_result_for_a_keras_model(run_dir, tmp_path, monk
     assert any(g["source_rank"] >= 0 for g in records(run_dir, "generation"))  # the newcomer pulled state
 
 
+@pytest.mark.processes
 def test_a_keras_worker_told_to_go_leaves_after_its_step(run_dir, tmp_path, monkeypatch, undisturbed):
     """A preemption signal (docs/architecture.md, "Preemption") in a Keras worker: it leaves after
     its step, the others go on with nothing redone, and the result does not change."""

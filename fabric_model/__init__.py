@@ -13,12 +13,15 @@ from .errors import JobError, WorkerError
 from .frameworks.keras.quiet import quiet_tensorflow
 from .state.best import BestCheckpoints
 from .step.plan import epoch_permutation, micro_batch_seed
+from .streams.sharded import ShardedDataset, ShardReadError
 
 __all__ = [
     "FabricModel",
     "Callback",
     "EarlyStopping",
     "BestCheckpoints",
+    "ShardedDataset",
+    "ShardReadError",
     "TrainResult",
     "JobError",
     "Preempted",

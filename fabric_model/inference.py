@@ -11,6 +11,7 @@ from typing import Any
 
 from .setup import checks as v
 from .step.data import is_batch_level
+from .streams.datasets import in_order
 
 
 class InferenceMixin:
@@ -44,9 +45,11 @@ class InferenceMixin:
                 raise ValueError(
                     f"Expected `dataset` for {method}(): datasets_function returned no test dataset. Received: None"
                 )
+        dataset = in_order(dataset)  # a sharded one: its samples in the shards' order (docs/data.md)
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             raise TypeError(
-                f"Expected `dataset` to be a map-style dataset (__len__ and __getitem__). Received: {type(dataset)!r}"
+                "Expected `dataset` to be a map-style dataset (__len__ and __getitem__) or a sharded one "
+                f"(fabric_model.ShardedDataset, a Hugging Face IterableDataset). Received: {type(dataset)!r}"
             )
         return self._trained_adapter, dataset
 

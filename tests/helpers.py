@@ -5,6 +5,10 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -180,3 +184,34 @@ def interruptible() -> None:
 
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+_KILLED_JOB = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {repo!r})
+    from {module} import train
+
+    class KillJob:
+        def log_train_metrics(self, metrics, iteration, epoch, workers):
+            if iteration == {kill_at}:  # the driver; its workers die with it
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    train({arguments}, driver_logger=KillJob())
+""")
+
+
+def run_killed_job(directory: Path, module: str, arguments: str, kill_at: int, timeout: float = 240) -> None:
+    """Run ``train(<arguments>)`` of test module ``module`` as a script whose driver SIGKILLs itself
+    after iteration ``kill_at``, as a whole job dies (its workers die with it); wait for it."""
+    script = Path(directory) / "job.py"
+    repo = str(Path(__file__).resolve().parents[1])
+    script.write_text(_KILLED_JOB.format(repo=repo, module=module, arguments=arguments, kill_at=kill_at))
+    proc = subprocess.Popen([sys.executable, str(script)], start_new_session=True)
+    try:
+        assert proc.wait(timeout=timeout) == -signal.SIGKILL
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)

@@ -4,11 +4,6 @@ optimizer state and BatchNorm buffers for any worker count, a kill and a join, a
 from __future__ import annotations
 
 import copy
-import os
-import signal
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -22,7 +17,7 @@ from fabric_model.setup.run_setup import make_deterministic
 from fabric_model.step.exact_sum import HEADROOM_BITS, ExactSum
 from fabric_model.testing import FaultInjector, Hang, HoldForJoin, Kill
 
-from .helpers import make_data, records
+from .helpers import make_data, records, run_killed_job
 
 SEED, EPOCHS, BATCH, GLOBAL = 5, 10, 8, 24  # 3 micro-batches a step (the ordered sum), 3 steps an epoch, 30 steps
 DATA = make_data(72)
@@ -244,34 +239,10 @@ def test_bitwise_equal_after_a_kill_a_replacement_and_a_freeze(reference, run_di
     assert any("heartbeat" in g["reason"] for g in generations), generations  # the freeze was seen
 
 
-SCRIPT = textwrap.dedent("""
-    import os, signal, sys
-    sys.path.insert(0, {repo!r})
-    from tests.test_deterministic import train
-
-    class KillJob:
-        def log_train_metrics(self, metrics, iteration, epoch, workers):
-            if iteration == {kill_at}:  # the driver; its workers die with it
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    train({run_dir!r}, 2, driver_logger=KillJob())
-""")
-
-
 @pytest.mark.processes
 def test_bitwise_equal_after_a_whole_job_kill_and_resume(reference, tmp_path):
     run_dir = tmp_path / "run"
-    script = tmp_path / "job.py"
-    script.write_text(SCRIPT.format(repo=str(REPO), run_dir=str(run_dir), kill_at=22))
-    proc = subprocess.Popen([sys.executable, str(script)], start_new_session=True)
-    try:
-        assert proc.wait(timeout=240) == -signal.SIGKILL
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=10)
+    run_killed_job(tmp_path, "tests.test_deterministic", f"{str(run_dir)!r}, 2", kill_at=22)
     model, opt = train(run_dir, 3, resume=True)
     resumed = records(run_dir, "resume")[-1]
     killed_at = 22 // 3 * 4 + 22 % 3  # the unit of iteration 22: 3 steps and a validation slot an epoch

@@ -77,6 +77,7 @@ class DriverSetup:
         max_workers: the most workers at once, hand-started ones included (engines_number);
             None: one per local slot.
         keep_best: which older checkpoints to keep by a monitored metric (a ``BestCheckpoints`` in ``user_callback``).
+        data: what ``run.json`` records of sharded data (streams/datasets.CallerData.record), or None.
     """
 
     payload: bytes
@@ -92,6 +93,7 @@ class DriverSetup:
     bind_address: str = DEFAULT_BIND_ADDRESS
     max_workers: int | None = None
     keep_best: BestCheckpoints | None = None
+    data: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass

@@ -16,10 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from ..run.hooks import HOOKS
 from ..step.data import is_map_dataset
+from ..streams.sharded import as_sharded, unsharded_hint
 from . import compat
 
 if TYPE_CHECKING:
     from ..api import FabricModel
+    from ..streams.datasets import CallerData
     from .run_setup import LoopOptions
 
 log = logging.getLogger("fabric_model")
@@ -177,7 +179,8 @@ def check_user_callbacks(callbacks: Any) -> list[Any]:
 
 
 def check_datasets(datasets_function: Any) -> tuple[Any, Any]:
-    """Call ``datasets_function`` once and check it returns a (train, test) pair of map-style datasets."""
+    """Call ``datasets_function`` once and check it returns a (train, test) pair of map-style or
+    sharded datasets (a ``ShardedDataset``, a Hugging Face ``datasets.IterableDataset``)."""
     check_callable(
         "datasets_function",
         datasets_function,
@@ -193,18 +196,32 @@ def check_datasets(datasets_function: Any) -> tuple[Any, Any]:
     for role, ds in (("train", train), ("test", test)):
         if ds is None and role == "test":
             continue
+        if as_sharded(ds) is not None:
+            continue
         if not is_map_dataset(ds):
+            hint = unsharded_hint(ds) or (
+                "HINT: return a list, a torch Dataset, or fabric_model.ShardedDataset(shards, read_shard)."
+            )
             raise TypeError(
                 f"Expected the {role} dataset returned by `datasets_function` to be map-style "
-                f"(with __len__ and __getitem__){' or None' if role == 'test' else ''}. "
-                f"Received: {type(ds).__name__}. HINT: an iterable-only dataset cannot be divided into "
-                "exactly-once micro-batches; wrap its samples in a list or a torch Dataset."
+                f"(with __len__ and __getitem__) or sharded (fabric_model.ShardedDataset, a Hugging Face "
+                f"datasets.IterableDataset){' or None' if role == 'test' else ''}. "
+                f"Received: {type(ds).__name__}. {hint}"
             )
-    if len(train) == 0:
+    if as_sharded(train) is None and len(train) == 0:
         raise ValueError(
             "Expected the train dataset returned by `datasets_function` to hold samples. Received: an empty dataset"
         )
     return train, test
+
+
+def check_sharded(data: CallerData) -> None:
+    """A sharded training set must hold samples, and yields samples, not batches."""
+    if data.train_count is not None and sum(data.train_count.lengths) == 0:
+        raise ValueError(
+            "Expected the sharded train dataset returned by `datasets_function` to hold samples. Received: "
+            f"{len(data.train_count.lengths)} shards with none ({len(data.train_count.skipped)} skipped as unreadable)."
+        )
 
 
 def check_effective_batch(effective_batch_size: int | None, batch_size: int) -> None:

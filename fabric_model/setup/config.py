@@ -168,3 +168,5 @@ class TrainConfig:
     #: end only): docs/architecture.md, "Replica checks". Read once in the caller, so all compare alike.
     replica_check_steps: int = 0
     preemption: Preemption = Preemption()
+    #: A sharded test set's shard lengths, as the caller counted them (streams/datasets.py); empty otherwise.
+    test_shard_lengths: tuple[int, ...] = ()

@@ -17,6 +17,7 @@ from ..state import checkpoint
 from ..state.best import best_of, check_monitors
 from ..step.loop_state import LoopState
 from ..step.plan import Plan
+from ..streams import datasets as streams
 from . import checks as v
 from . import run_setup
 from .devices import place_workers
@@ -66,6 +67,9 @@ def prepare(
 
         check_onnx_available(framework, fm.model)  # a missing package fails now, not after training
     train_set, test_set = v.check_datasets(fm.datasets_function)
+    data = streams.in_caller(train_set, test_set)  # a sharded dataset's shards counted (streams/)
+    train_set, test_set = data.train, data.test
+    v.check_sharded(data)
     items_per_micro_batch, sizing = size_run(train_set, batch_size, sizes.engines_number, sizes.effective_batch_size)
     engines, (sizing, gpus) = sizing.max_workers, place_workers(sizing, ray_cluster)  # engines: all slots
     resumed = None
@@ -74,6 +78,14 @@ def prepare(
         resumed, seed = checkpoint.find_resume_point(run_dir, seed)
     seed = framework.draw_seed() if seed is None else seed
     plan = Plan(len(train_set), items_per_micro_batch, sizing.micro_batches, seed)
+    if data.train_source is not None and data.train_count is not None:
+        source = data.train_source
+        plan = dataclasses.replace(
+            plan,
+            shard_lengths=data.train_count.lengths,
+            shuffle_shards=source.shuffle,
+            shuffle_window=source.shuffle_window,
+        )
     if resumed is not None:
         checkpoint.check_resumable(
             resumed,
@@ -88,7 +100,10 @@ def prepare(
     adapter, payload = ship(fm, train_set, test_set is not None, exact)
     setup = DriverSetup(
         payload=payload,
-        config=train_config(epochs, batch_size, sizing, loop, gpus),
+        config=dataclasses.replace(
+            train_config(epochs, batch_size, sizing, loop, gpus),
+            test_shard_lengths=data.test_count.lengths if data.test_count is not None else (),
+        ),
         plan=plan,
         has_test=test_set is not None,
         stat_names=adapter.stat_names,
@@ -99,6 +114,7 @@ def prepare(
         keep_best=best_of(fm.user_callbacks),
         resume=resumed,
         max_workers=engines,
+        data=data.record(),
     )
     return setup, adapter, train_set, choice
 

@@ -132,7 +132,10 @@ def open_run(run_dir: str | os.PathLike[str] | None, setup: DriverSetup) -> RunD
     """The run directory, created, with ``run.json`` recording the call that started (or resumed) it."""
     run = RunDirectory.resolve(run_dir).create()
     config, plan = dataclasses.asdict(setup.config), dataclasses.asdict(setup.plan)
-    run.write_run_record({"framework": setup.framework, "config": config, "plan": plan, "started": time.time()})
+    record = {"framework": setup.framework, "config": config, "plan": plan, "started": time.time()}
+    if setup.data is not None:
+        record["data"] = setup.data  # a sharded dataset's shards, samples, counting time and skipped shards
+    run.write_run_record(record)
     return run
 
 

@@ -351,6 +351,15 @@ def check_resumable(
             f"effective_batch_size={effective_batch_size}). "
             f"HINT: pass effective_batch_size={want}; any engines_number then runs the same steps."
         )
+    if plan.shard_lengths != info.plan.shard_lengths:
+        changed = [i for i, (a, b) in enumerate(zip(plan.shard_lengths, info.plan.shard_lengths)) if a != b]
+        raise ValueError(
+            f"Expected the sharded training dataset to hold the {len(info.plan.shard_lengths)} shards of {where}, "
+            f"with the same samples each. Received: {len(plan.shard_lengths)} shards"
+            + (f"; shards {changed[:5]} differ in length" if changed else "")
+            + ". HINT: each epoch's order is drawn from the shards' lengths; pass resume=False to train afresh "
+            "on different data."
+        )
     if plan != info.plan:
         raise ValueError(f"Expected the plan of {where}: {info.plan}. Received: {plan}.")
     if epochs < info.epoch + 1:

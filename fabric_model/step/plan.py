@@ -12,6 +12,8 @@ import math
 
 import numpy as np
 
+from . import stream_order as streams
+
 
 def epoch_permutation(seed: int, epoch: int, num_samples: int) -> np.ndarray:
     """The order in which epoch ``epoch`` visits the ``num_samples`` training samples."""
@@ -44,12 +46,29 @@ class Plan:
         batch_size: samples per micro-batch (the last micro-batch of an epoch may be short).
         micro_batches: micro-batches per full step.
         seed: the run's seed.
+        shard_lengths: for a sharded dataset (streams/), each shard's samples: micro-batch ``j``
+            of every step then reads stream ``j`` (step/stream_order.py); empty for map-style data.
+        shuffle_shards: a sharded dataset's shards are read in an order drawn per epoch.
+        shuffle_window: a sharded dataset's streams are read in windows of this many samples,
+            each taken in a drawn order (1: in the shards' own order).
     """
 
     num_samples: int
     batch_size: int
     micro_batches: int
     seed: int
+    shard_lengths: tuple[int, ...] = ()
+    shuffle_shards: bool = True
+    shuffle_window: int = 1
+
+    def __post_init__(self) -> None:
+        # run.json holds the lengths as a JSON list: the plan read back must equal the one written.
+        object.__setattr__(self, "shard_lengths", tuple(int(n) for n in self.shard_lengths))
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the training data is read as streams of shards (step/stream_order.py)."""
+        return bool(self.shard_lengths)
 
     @property
     def global_batch(self) -> int:
@@ -57,20 +76,34 @@ class Plan:
 
     @property
     def steps_per_epoch(self) -> int:
+        if self.sharded:
+            return streams.steps_per_epoch(self.num_samples, self.micro_batches, self.batch_size)
         return math.ceil(self.num_samples / self.global_batch)
 
     def step_samples(self, epoch: int, step: int) -> int:
         """How many samples step ``step`` holds (the last step of an epoch may be short)."""
+        if self.sharded:
+            return sum(streams.micro_batch_sizes(self.num_samples, self.micro_batches, self.batch_size, step))
         start = step * self.global_batch
         return max(0, min(self.global_batch, self.num_samples - start))
 
     def num_micro_batches(self, epoch: int, step: int) -> int:
+        if self.sharded:  # the streams not yet dry: they come first
+            sizes = streams.micro_batch_sizes(self.num_samples, self.micro_batches, self.batch_size, step)
+            return sum(1 for n in sizes if n > 0)
         return math.ceil(self.step_samples(epoch, step) / self.batch_size)
 
     def micro_batch_indices(
         self, epoch: int, step: int, micro_batch: int, permutation: np.ndarray | None = None
     ) -> np.ndarray:
-        """Dataset indices of micro-batch ``micro_batch`` of ``step`` in ``epoch``."""
+        """Dataset indices of micro-batch ``micro_batch`` of ``step`` in ``epoch``; for a sharded
+        dataset, positions in the epoch's sequence of samples (step/stream_order.py)."""
+        if self.sharded:
+            bounds = streams.segment_bounds(self.num_samples, self.micro_batches)
+            segment = (int(bounds[micro_batch]), int(bounds[micro_batch + 1]))
+            first = step * self.batch_size
+            count = max(0, min(self.batch_size, segment[1] - segment[0] - first))
+            return streams.stream_positions(self.seed, epoch, micro_batch, segment, first, count, self.shuffle_window)
         perm = permutation if permutation is not None else epoch_permutation(self.seed, epoch, self.num_samples)
         start = step * self.global_batch + micro_batch * self.batch_size
         end = min(start + self.batch_size, (step + 1) * self.global_batch, self.num_samples)
@@ -81,6 +114,15 @@ def eval_batches(num_samples: int, batch_size: int, rank: int, world_size: int) 
     """The test-set batches (in order, unshuffled) that worker ``rank`` evaluates."""
     starts = range(rank * batch_size, num_samples, world_size * batch_size)
     return [np.arange(s, min(s + batch_size, num_samples)) for s in starts]
+
+
+def eval_segment_batches(num_samples: int, batch_size: int, rank: int, world_size: int) -> list[np.ndarray]:
+    """A sharded test set's batches for worker ``rank``: its own contiguous stretch of the
+    sequence, so each worker reads its shards front to back (streams/reader.py) instead of
+    every worker reading every shard to take every ``world_size``-th batch."""
+    bounds = streams.segment_bounds(num_samples, world_size)
+    lo, hi = int(bounds[rank]), int(bounds[rank + 1])
+    return [np.arange(s, min(s + batch_size, hi)) for s in range(lo, hi, batch_size)]
 
 
 @dataclasses.dataclass(frozen=True)

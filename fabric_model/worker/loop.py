@@ -41,7 +41,16 @@ from ..step.data import (
 from ..step.digest import check_due, state_fingerprint
 from ..step.loop_state import LoopState
 from ..step.metrics import stat_means, validation_means
-from ..step.plan import Plan, Schedule, assigned_micro_batches, epoch_permutation, eval_batches, micro_batch_seed
+from ..step.plan import (
+    Plan,
+    Schedule,
+    assigned_micro_batches,
+    epoch_permutation,
+    eval_batches,
+    eval_segment_batches,
+    micro_batch_seed,
+)
+from ..streams.reader import StreamedDataset
 from ..transport import protocol as p
 from ..transport.collective import Collective, CollectiveError
 from ..transport.control import Channel
@@ -75,9 +84,10 @@ class TrainingLoop:
         self.adapter = job.adapter
         self.channel, self.inbox, self.collective = channel, inbox, collective
         self.train_set, self.test_set = datasets
-        # Items are addressed as epoch * len + item, so each epoch draws its own sample order.
-        self._epoch_items = own_shuffle(self.train_set)
-        if self._epoch_items:
+        # Items are addressed as epoch * len + item, so each epoch draws its own sample order
+        # (a sharded dataset's too: its epochs read the shards in different orders).
+        self._epoch_items = own_shuffle(self.train_set) or isinstance(self.train_set, StreamedDataset)
+        if own_shuffle(self.train_set):
             self.train_set = EpochShuffledBatches(self.train_set, plan.seed)
         self.context = context
         self.notice = notice or LeaveNotice()
@@ -265,6 +275,9 @@ class TrainingLoop:
         reader = None if batch_level else self.adapter.reader(dataset)
         cores = threads_per_worker(self.config.sizing.max_workers)
         threads = loader_threads(self.config.num_dataloader_threads, reads_at_once(dataset, reader), cores)
+        if isinstance(dataset, StreamedDataset):
+            # A stream is read front to back: one thread reads ahead, in the plan's order.
+            threads = min(threads, 1) if self.config.num_dataloader_threads is not None else 1
         return PrefetchLoader(dataset, collate, threads, reader)
 
     def _check_abort(self) -> None:
@@ -286,7 +299,7 @@ class TrainingLoop:
             epoch, step = self.schedule.locate(unit)
             if step is None:
                 continue
-            if epoch != perm_epoch:
+            if epoch != perm_epoch and not self.plan.sharded:  # a sharded plan draws its own order
                 perm, perm_epoch = epoch_permutation(self.plan.seed, epoch, self.plan.num_samples), epoch
             for j in assigned_micro_batches(self.plan.num_micro_batches(epoch, step), rank, world):
                 indices = self.plan.micro_batch_indices(epoch, step, j, perm)
@@ -337,7 +350,8 @@ class TrainingLoop:
         try:
             # A batch-level dataset's items are batches already: one item per evaluation batch.
             chunk = 1 if is_batch_level(self.test_set) else self.config.batch_size
-            chunks = eval_batches(len(self.test_set), chunk, collective.rank, collective.world_size)
+            batches_of = eval_segment_batches if isinstance(self.test_set, StreamedDataset) else eval_batches
+            chunks = batches_of(len(self.test_set), chunk, collective.rank, collective.world_size)
             batches = loader.iterate((i, idx) for i, idx in enumerate(chunks))
             sums = adapter.evaluate_batches(self._abortable(batches))
         finally:

@@ -36,6 +36,7 @@ from ..setup.settings import (
     START_TIMEOUT,
 )
 from ..step.digest import state_digest
+from ..streams.datasets import in_worker
 from ..transport import control
 from ..transport import protocol as p
 from ..transport.collective import Collective, CollectiveError
@@ -112,7 +113,7 @@ def _train(
     job, context, device = _set_up(spec, payload, worker_id, device, inbox)
     config, plan = spec.config, spec.plan
     timeouts: Timeouts = config.timeouts
-    datasets = job.get_datasets()
+    datasets = in_worker(*job.get_datasets(), plan, config.test_shard_lengths)  # sharded ones as streams
     job.adapter.train_set = datasets[0]
     params = {
         "optimizer": job.adapter.optimizer,

@@ -1,0 +1,3 @@
+"""Sharded datasets read as streams, exactly once per epoch whatever the workers.
+
+docs/architecture.md, "Sharded data"."""

@@ -78,6 +78,7 @@ class DriverSetup:
             None: one per local slot.
         keep_best: which older checkpoints to keep by a monitored metric (a ``BestCheckpoints`` in ``user_callback``).
         data: what ``run.json`` records of sharded data (streams/datasets.CallerData.record), or None.
+        threads_fixed: every worker takes ``threads``, hand-started ones too (``deterministic=True``).
     """
 
     payload: bytes
@@ -94,6 +95,7 @@ class DriverSetup:
     max_workers: int | None = None
     keep_best: BestCheckpoints | None = None
     data: dict[str, Any] | None = None
+    threads_fixed: bool = False
 
 
 @dataclasses.dataclass
@@ -331,7 +333,7 @@ class Driver:
         slot = self.membership.slot_of(worker_id)
         device = self.setup.devices[slot] if slot is not None else None
         setup = self.setup
-        spec = p.JobSpec(setup.payload, setup.config, setup.plan, device, setup.threads)
+        spec = p.JobSpec(setup.payload, setup.config, setup.plan, device, setup.threads, setup.threads_fixed)
         self._server.send(worker_id, spec)
 
     def _on_step(self, worker_id: int, message: p.StepDone) -> None:

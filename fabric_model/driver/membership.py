@@ -338,7 +338,10 @@ class Membership:
                 commands += self._start_deadline()
             elif not placed and not self._in(WorkerState.READY) and now - self._started > self.limits.start:
                 self._started = now  # say it once per start bound: nothing failed, the cluster is full
-                log.warning("no worker has a place to run yet: waiting for the cluster to make room")
+                if self.limits.local_slots == 0:  # FABRIC_MODEL_LOCAL_WORKERS=0
+                    log.warning("no worker has joined yet: waiting for workers started by hand (join.json)")
+                else:
+                    log.warning("no worker has a place to run yet: waiting for the cluster to make room")
         return commands
 
     # -- internals --------------------------------------------------------------------------

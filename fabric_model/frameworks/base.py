@@ -47,6 +47,12 @@ class FrameworkAdapter(abc.ABC):
     def setup(self, device: str, num_threads: int) -> None:
         """Place the model on ``device`` and allocate the step buffer."""
 
+    def resize_threads(self, num_threads: int) -> None:
+        """Use ``num_threads`` intra-op threads from now on where the framework can (torch can;
+        TensorFlow fixes them at its start): a hand-started worker's share of its host changes
+        as the job's workers there come and go (worker/host_share.py)."""
+        return None  # the default: a framework that cannot keeps the threads it started with
+
     @abc.abstractmethod
     def collate(self, samples: Sequence[Any]) -> Any:
         """Turn a list of dataset samples into one batch (the user's ``fn_batch_collate`` if given)."""

@@ -136,19 +136,19 @@ def startup_lines(setup: DriverSetup, run: RunDirectory, tensorboard: bool) -> N
     said by the checkpoint book as it opens the checkpoint). Paths under the working directory
     are given relative to it: the lines fit a narrow terminal."""
     kinds = Counter(str(d) for d in setup.devices)
-    devices = ", ".join(kinds) if len(kinds) > 1 or len(setup.devices) == 1 else next(iter(kinds))
+    devices = ", ".join(kinds) if len(kinds) > 1 or len(setup.devices) == 1 else next(iter(kinds), "")
     plan, config, workers = setup.plan, setup.config, len(setup.devices)
     log.info("run directory: %s", _shown(run.path))
     most = max(workers, setup.max_workers or 0)
-    log.info(
-        "starting %s on %s%s: %s of %s, global batch %d",
-        screen.count(workers, "worker"),
-        devices,
-        f" (up to {most})" if most > workers else "",
-        screen.count(config.epochs, "epoch"),
-        screen.count(plan.steps_per_epoch, "step"),
-        samples_per_step(setup),
+    shape = (
+        f"{screen.count(config.epochs, 'epoch')} of {screen.count(plan.steps_per_epoch, 'step')}, "
+        f"global batch {samples_per_step(setup)}"
     )
+    if workers == 0:  # FABRIC_MODEL_LOCAL_WORKERS=0: every worker joins from elsewhere
+        log.info("waiting for up to %s started by hand (join.json): %s", screen.count(most, "worker"), shape)
+    else:
+        up_to = f" (up to {most})" if most > workers else ""
+        log.info("starting %s on %s%s: %s", screen.count(workers, "worker"), devices, up_to, shape)
     if tensorboard:
         # The runs' folder when it is under the working directory: this run and the earlier ones.
         shown = _shown(run.path.parent)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 
 from . import settings
+from .cores import usable_cores
 
 
 def keep_freed_memory_setting() -> bool:
@@ -136,17 +136,9 @@ def size_engines(batch_size: int, engines_number: int | None, effective_batch_si
     return EngineSizing(engines, engines, batch_size * engines)
 
 
-def _usable_cores() -> int:
-    """Cores this process may run on (taskset, cgroup cpusets), not all the host has."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def threads_per_worker(workers_on_host: int, cpu_count: int | None = None) -> int:
     """A fair share of this host's cores for each CPU worker's intra-op threads (at least 1)."""
-    cores = cpu_count if cpu_count is not None else _usable_cores()
+    cores = cpu_count if cpu_count is not None else usable_cores()
     return max(1, cores // max(1, workers_on_host))
 
 

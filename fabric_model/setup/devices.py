@@ -21,8 +21,9 @@ import subprocess
 import sys
 from typing import Any
 
-from .config import EngineSizing, _usable_cores
-from .settings import CPU_WORKERS, CUDA_VISIBLE, WORKERS_PER_GPU, Setting
+from .config import EngineSizing
+from .cores import usable_cores
+from .settings import CPU_WORKERS, CUDA_VISIBLE, LOCAL_WORKERS, WORKERS_PER_GPU, Setting
 
 log = logging.getLogger("fabric_model")
 
@@ -145,6 +146,21 @@ def _cap_by_devices(sizing: EngineSizing, gpus: int) -> EngineSizing:
     """``engines_number`` as a cap on the devices; says in one line how many workers start, and why."""
     cpu_workers = cpu_workers_from_environment()  # read once, here, in the caller
     per_gpu = workers_per_gpu()
-    cap = cap_workers(sizing.max_workers, gpus=gpus, cores=_usable_cores(), cpu_workers=cpu_workers, per_gpu=per_gpu)
+    cap = cap_workers(sizing.max_workers, gpus=gpus, cores=usable_cores(), cpu_workers=cpu_workers, per_gpu=per_gpu)
+    local = LOCAL_WORKERS.get()
+    if local is not None and local < cap.workers:
+        cap = local_cap(cap, local, sizing.max_workers)
     report(cap)
     return dataclasses.replace(sizing, max_workers=cap.workers)
+
+
+def local_cap(cap: WorkerCap, local: int, requested: int) -> WorkerCap:
+    """``FABRIC_MODEL_LOCAL_WORKERS``: fewer workers on the driver's host, or none; the rest of
+    ``engines_number`` join from other hosts (``fabric-model worker``), and are waited for."""
+    rest = requested - local
+    line = (
+        f"fabric_model: starting {local} worker(s) on this host ({LOCAL_WORKERS.name}={local}); "
+        f"{rest} more of engines_number={requested} may join from other hosts "
+        "(fabric-model worker --join RUN_DIR/join.json)."
+    )
+    return WorkerCap(local, cap.device, True, line)

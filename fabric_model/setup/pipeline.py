@@ -115,6 +115,7 @@ def prepare(
         resume=resumed,
         max_workers=engines,
         data=data.record(),
+        threads_fixed=loop.deterministic,
     )
     return setup, adapter, train_set, choice
 

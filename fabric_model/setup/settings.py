@@ -252,6 +252,17 @@ CPU_WORKERS: Setting[int | None] = declare(
         shown_default="one per usable core",
     )
 )
+LOCAL_WORKERS: Setting[int | None] = declare(
+    Setting(
+        "FABRIC_MODEL_LOCAL_WORKERS",
+        None,
+        _whole,
+        "an integer >= 0",
+        "The most workers the driver starts on its own host (0: none, every worker is started by hand "
+        "or elsewhere); `engines_number` still counts them all.",
+        shown_default="as many as its devices allow",
+    )
+)
 WORKERS_PER_GPU: Setting[int] = declare(
     Setting(
         "FABRIC_MODEL_WORKERS_PER_GPU",

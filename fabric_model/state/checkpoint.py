@@ -228,11 +228,12 @@ def remove_temp_files(directory: Path, only_dead_writers: bool = False) -> None:
         return
     for path in directory.iterdir():
         match = _TEMP.match(path.name)
-        if match and not (only_dead_writers and _alive(int(match.group(1)))):
+        if match and not (only_dead_writers and pid_alive(int(match.group(1)))):
             path.unlink(missing_ok=True)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a writer of a temp file, a worker's registration)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

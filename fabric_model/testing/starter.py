@@ -21,10 +21,15 @@ from ..setup.settings import SECRET
 
 class WorkerStarter:
     """A driver logger that starts one extra worker by hand when ``iteration`` reaches each of
-    ``at_iterations``, with the command line a user would run on another host."""
+    ``at_iterations`` (and ``at_start`` of them as training begins, before any step: a driver with
+    ``FABRIC_MODEL_LOCAL_WORKERS=0`` waits for them), with the command line a user would run on
+    another host."""
 
-    def __init__(self, run_dir: str | os.PathLike[str], at_iterations: Sequence[int], inner: Any = None) -> None:
+    def __init__(
+        self, run_dir: str | os.PathLike[str], at_iterations: Sequence[int], inner: Any = None, at_start: int = 0
+    ) -> None:
         self.run_dir = Path(run_dir)
+        self.at_start = at_start
         self.at_iterations = sorted(at_iterations)
         self.inner = inner
         self.processes: list[subprocess.Popen[bytes]] = []
@@ -34,6 +39,8 @@ class WorkerStarter:
         return Hooks.for_driver(self.inner)  # the user's logger, of either signature
 
     def on_train_begin(self) -> None:
+        for _ in range(self.at_start):
+            self.start()
         self._inner.on_train_begin()
 
     def on_train_end(self) -> None:

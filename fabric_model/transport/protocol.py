@@ -170,6 +170,9 @@ class JobSpec:
     plan: Any  # fabric_model.step.plan.Plan
     device: str | None
     threads: int
+    #: The threads are the run's, not the host's: ``deterministic=True`` (a GEMM's rounding
+    #: depends on them) or a Ray actor's CPUs. A hand-started worker otherwise sizes its own.
+    threads_fixed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

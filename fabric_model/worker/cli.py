@@ -24,6 +24,7 @@ class WorkerArgs:
     secret: bytes
     worker_id: int | None
     device: str | None
+    threads: int | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -39,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--worker-id", type=int, default=None, help="default: the driver assigns one")
     parser.add_argument("--device", default=None, help="cpu, cuda:0, ... (default: what the driver assigns)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="intra-op threads (default: this host's usable cores shared among the job's workers on it)",
+    )
     return parser
 
 
@@ -72,7 +79,9 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Worker
         secret = bytes.fromhex(str(secret_hex).strip())
     except ValueError:
         parser.error("the job's secret is not hexadecimal (it is join.json's 'secret', or its value alone)")
-    return WorkerArgs((host, int(port)), secret, args.worker_id, args.device)
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"expected --threads to be a positive int. Received: {args.threads}")
+    return WorkerArgs((host, int(port)), secret, args.worker_id, args.device, args.threads)
 
 
 def _read_secret_file(option: str, path: str, parser: argparse.ArgumentParser) -> dict[str, str]:

@@ -15,6 +15,7 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..transport import protocol as p
@@ -35,8 +36,22 @@ class TrainingHalted(Exception):
     generation: replicas diverged (docs/architecture.md, "Replica checks")."""
 
 
+#: Run before the process ends from the inbox's thread (``os._exit`` runs no ``finally`` or ``atexit``).
+_AT_EXIT: list[Callable[[], None]] = []
+
+
+def at_exit(fn: Callable[[], None]) -> None:
+    """Call ``fn`` when the inbox ends the process (a Stop, a lost driver)."""
+    _AT_EXIT.append(fn)
+
+
 def _exit(code: int, reason: str) -> None:
     """End the process now, saying why on its console (a hand-started worker's user reads it)."""
+    for fn in _AT_EXIT:
+        try:
+            fn()
+        except Exception:  # the process ends anyway: a clean-up that fails must not stop it
+            pass
     if reason:
         sys.stderr.write(f"fabric_model worker: exiting ({code}): {reason}\n")
     sys.stdout.flush()

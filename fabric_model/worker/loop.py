@@ -78,6 +78,8 @@ class TrainingLoop:
         datasets: tuple[Any, Any],
         context: WorkerContext,
         notice: LeaveNotice | None = None,
+        threads: int | None = None,
+        own_threads: Callable[[], int] | None = None,
     ) -> None:
         self.job, self.config, self.plan = job, config, plan
         self.check_steps = config.replica_check_steps  # replicas compare fingerprints every this many steps
@@ -90,6 +92,11 @@ class TrainingLoop:
         if own_shuffle(self.train_set):
             self.train_set = EpochShuffledBatches(self.train_set, plan.seed)
         self.context = context
+        # This worker's core budget (its intra-op threads): the data loader's threads are a share of it.
+        self.cores = threads if threads is not None else threads_per_worker(config.sizing.max_workers)
+        # A hand-started worker's share of its host, asked again at each generation: every member
+        # of one has registered on its host by then (worker/host_share.py).
+        self.own_threads = own_threads
         self.notice = notice or LeaveNotice()
         self.leavers = 0  # members that voted to leave after the last step
         self.voted_leave = False  # this worker among them (a notice that came after its vote waits a step)
@@ -166,6 +173,9 @@ class TrainingLoop:
         formed = time.monotonic()
         self.context.generation = generation.generation
         self.context.rank, self.context.world_size = generation.rank, generation.world_size
+        if self.own_threads is not None:
+            self.cores = self.own_threads()
+            self.adapter.resize_threads(self.cores)
         source = generation.source_rank
         restore = generation.checkpoint.restore
         if generation.state is not None:  # a resumed run, or no holder of the state left: all load it
@@ -273,8 +283,7 @@ class TrainingLoop:
         batch_level = is_batch_level(dataset) or isinstance(dataset, EpochShuffledBatches)
         collate: Callable[[Any], Any] = first_of if batch_level else self.adapter.collate
         reader = None if batch_level else self.adapter.reader(dataset)
-        cores = threads_per_worker(self.config.sizing.max_workers)
-        threads = loader_threads(self.config.num_dataloader_threads, reads_at_once(dataset, reader), cores)
+        threads = loader_threads(self.config.num_dataloader_threads, reads_at_once(dataset, reader), self.cores)
         if isinstance(dataset, StreamedDataset):
             # A stream is read front to back: one thread reads ahead, in the plan's order.
             threads = min(threads, 1) if self.config.num_dataloader_threads is not None else 1

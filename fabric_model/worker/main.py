@@ -17,6 +17,7 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing import AuthenticationError
 
@@ -45,7 +46,8 @@ from ..transport.network import select_interfaces
 from ..transport.store.client import RemoteStore
 from . import cli
 from .allocator import keep_freed_memory, release_free_memory
-from .inbox import Heartbeat, Inbox, TrainingHalted
+from .host_share import HostShare
+from .inbox import Heartbeat, Inbox, TrainingHalted, at_exit
 from .loop import TrainingLoop, WorkerLeft
 from .native import die_with_parent
 from .notice import LeaveNotice
@@ -80,10 +82,10 @@ def _join(loop: TrainingLoop, inbox: Inbox, channel: Channel, timeouts: Timeouts
 
 
 def _set_up(
-    spec: p.JobSpec, payload: list[bytes], worker_id: int, device: str | None, inbox: Inbox
+    spec: p.JobSpec, payload: list[bytes], worker_id: int, device: str | None, inbox: Inbox, threads: int
 ) -> tuple[Job, WorkerContext, str]:
     """Unpickle the job (taking it out of ``payload``, so its bytes are freed), install the
-    worker context, place the model."""
+    worker context, place the model on ``device`` with ``threads`` intra-op threads."""
     if spec.config.keep_freed_memory:  # before the job allocates (docs/architecture.md, "Worker memory")
         keep_freed_memory()
     with quiet_tensorflow():  # a Keras job loads TensorFlow here: its start-up notices stay out of the log
@@ -93,7 +95,7 @@ def _set_up(
         context = WorkerContext(worker_id)
         context.pending_join = lambda: inbox.pending_generation > context.generation
         _install(context)
-        job.adapter.setup(device, spec.threads)
+        job.adapter.setup(device, threads)
     return job, context, device
 
 
@@ -107,10 +109,15 @@ def _train(
     store: RemoteStore,
     position: list[TrainingLoop],
     notice: LeaveNotice,
+    own_threads: Callable[[], int] | None = None,
 ) -> Collective | None:
     """Set up, join, train to the schedule's end, report and hand over the final state on request.
-    ``position`` gets the loop, whose ``next_unit`` a failure reports."""
-    job, context, device = _set_up(spec, payload, worker_id, device, inbox)
+    ``position`` gets the loop, whose ``next_unit`` a failure reports. ``own_threads``: a
+    hand-started worker's own thread count (its host's share), unless the run fixes them."""
+    threads = spec.threads if own_threads is None or spec.threads_fixed else own_threads()
+    source = "the run's" if own_threads is None or spec.threads_fixed else "this host's share"
+    log.info("%d intra-op threads (%s)", threads, source)
+    job, context, device = _set_up(spec, payload, worker_id, device, inbox, threads)
     config, plan = spec.config, spec.plan
     timeouts: Timeouts = config.timeouts
     datasets = in_worker(*job.get_datasets(), plan, config.test_shard_lengths)  # sharded ones as streams
@@ -127,7 +134,8 @@ def _train(
     collective = job.hooks.wrap_collective(
         Collective(store, config.backend, timedelta(seconds=timeouts.collective), device, inbox.aborted)
     )
-    loop = TrainingLoop(job, config, plan, channel, inbox, collective, datasets, context, notice)
+    resize = None if own_threads is None or spec.threads_fixed else own_threads
+    loop = TrainingLoop(job, config, plan, channel, inbox, collective, datasets, context, notice, threads, resize)
     position.append(loop)
     if not _join(loop, inbox, channel, timeouts):
         return collective
@@ -163,7 +171,14 @@ def _report_failure(channel: Channel, exc: BaseException, unit: int) -> None:
         pass
 
 
-def run(address: tuple[str, int], secret: bytes, worker_id: int | None, device: str | None, notice: LeaveNotice) -> int:
+def run(
+    address: tuple[str, int],
+    secret: bytes,
+    worker_id: int | None,
+    device: str | None,
+    notice: LeaveNotice,
+    own_threads: Callable[[], int] | None = None,
+) -> int:
     """The whole life of a worker; returns the process exit code."""
     try:
         channel = control.connect(address, secret)
@@ -189,7 +204,7 @@ def run(address: tuple[str, int], secret: bytes, worker_id: int | None, device: 
         notice.install(spec.config.preemption.signals, spec.config.preemption.grace)  # the driver's, as the bounds
         # The store shares the control plane's address and secret (docs/architecture.md, "Processes").
         store = RemoteStore(address, secret, worker_id, timedelta(seconds=spec.config.timeouts.collective))
-        collective = _train(spec, payload, worker_id, device, inbox, channel, store, position, notice)
+        collective = _train(spec, payload, worker_id, device, inbox, channel, store, position, notice, own_threads)
         return 0
     except WorkerLeft as exc:  # told to leave: it left after a step, as its generation voted
         sys.stderr.write(f"fabric_model worker: exiting (0): {exc} after unit {position[0].next_unit}\n")
@@ -218,7 +233,19 @@ def main(argv: list[str]) -> int:
     # Collectives go out on the interface that routes to the driver (docs/architecture.md, "Processes").
     interface = select_interfaces(args.address[0])
     log.info("driver %s:%d, collectives on interface %s", *args.address, GLOO_SOCKET_IFNAME.get() or interface)
-    code = run(args.address, args.secret, args.worker_id, args.device, notice)
+    # Started by hand: sized from this host, not the driver's (worker/host_share.py).
+    share = None if LAUNCHED.get() or args.threads is not None else HostShare(f"{args.address[0]}-{args.address[1]}")
+    if share is not None:
+        at_exit(share.close)  # the inbox ends the process with os._exit at the job's Stop
+    own_threads: Callable[[], int] | None = share.threads if share is not None else None
+    if args.threads is not None:
+        chosen = args.threads
+        own_threads = lambda: chosen  # noqa: E731
+    try:
+        code = run(args.address, args.secret, args.worker_id, args.device, notice, own_threads)
+    finally:
+        if share is not None:
+            share.close()
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: prefetch threads and the inbox thread need no join.

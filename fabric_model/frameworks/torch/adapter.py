@@ -90,6 +90,10 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
             self._name_stats()
 
     # -- set-up ---------------------------------------------------------------------------
+    def resize_threads(self, num_threads: int) -> None:
+        if self._on_cpu and torch.get_num_threads() != num_threads:
+            torch.set_num_threads(num_threads)
+
     def setup(self, device: str, num_threads: int) -> None:
         self.device = torch.device(device)
         self._on_cpu = self.device.type == "cpu"

@@ -89,11 +89,10 @@ def read_parquet(path: str, start: int = 0):
     import pyarrow.parquet as pq
 
     table = pq.read_table(path).slice(start)
-    # One copy of the shard's features: arrow's buffers are read-only, and torch wants writable arrays.
-    x = table.column("x").combine_chunks().flatten().to_numpy().reshape(-1, FEATURES).copy()
-    y = table.column("y").to_numpy()
-    for i in range(len(y)):
-        yield torch.from_numpy(x[i]), int(y[i])
+    # One copy of the shard's features (arrow's buffers are read-only; torch wants writable
+    # arrays), cut into rows in one call.
+    x = torch.from_numpy(table.column("x").combine_chunks().flatten().to_numpy().reshape(-1, FEATURES).copy())
+    yield from zip(x.unbind(0), table.column("y").to_pylist())
 
 
 def read_jsonl(path: str, start: int = 0):

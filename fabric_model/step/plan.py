@@ -99,8 +99,7 @@ class Plan:
         """Dataset indices of micro-batch ``micro_batch`` of ``step`` in ``epoch``; for a sharded
         dataset, positions in the epoch's sequence of samples (step/stream_order.py)."""
         if self.sharded:
-            bounds = streams.segment_bounds(self.num_samples, self.micro_batches)
-            segment = (int(bounds[micro_batch]), int(bounds[micro_batch + 1]))
+            segment = streams.segment(self.num_samples, self.micro_batches, micro_batch)
             first = step * self.batch_size
             count = max(0, min(self.batch_size, segment[1] - segment[0] - first))
             return streams.stream_positions(self.seed, epoch, micro_batch, segment, first, count, self.shuffle_window)

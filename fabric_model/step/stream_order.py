@@ -19,6 +19,7 @@ checkpoint or a worker taking a stream over recovers it from the unit alone.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -26,6 +27,13 @@ import numpy as np
 # Distinct draws from the run's seed: the shard order and the windows' orders never reuse the
 # map-style permutation's stream ([seed, epoch]).
 _SHARDS, _WINDOW = 2, 3
+
+
+def segment(total: int, streams: int, j: int) -> tuple[int, int]:
+    """Segment ``j``'s ``[start, end)`` in the epoch's sequence (as :func:`segment_bounds`)."""
+    q, r = divmod(total, streams)
+    start = j * q + min(j, r)
+    return start, start + q + (j < r)
 
 
 def segment_bounds(total: int, streams: int) -> np.ndarray:
@@ -43,9 +51,13 @@ def shard_order(seed: int, epoch: int, num_shards: int, shuffle: bool) -> np.nda
     return np.random.default_rng([seed, epoch, _SHARDS]).permutation(num_shards)
 
 
+@functools.lru_cache(maxsize=64)
 def window_order(seed: int, epoch: int, stream: int, window: int, size: int) -> np.ndarray:
-    """The order in which a window of ``size`` samples of stream ``stream`` is taken."""
-    return np.random.default_rng([seed, epoch, _WINDOW, stream, window]).permutation(size)
+    """The order in which a window of ``size`` samples of stream ``stream`` is taken (drawn once
+    per window: each of its micro-batches asks)."""
+    drawn = np.random.default_rng([seed, epoch, _WINDOW, stream, window]).permutation(size)
+    drawn.flags.writeable = False  # shared by every caller
+    return drawn
 
 
 def epoch_layout(seed: int, epoch: int, lengths: tuple[int, ...], shuffle: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -75,16 +87,20 @@ def stream_positions(
     if window <= 1 or count == 0:
         return np.arange(start + first, start + first + count, dtype=np.int64)
     length = end - start
-    taken = np.arange(first, first + count, dtype=np.int64)
     out = np.empty(count, dtype=np.int64)
-    for w in np.unique(taken // window):
-        lo = int(w) * window
-        size = min(window, length - lo)
-        mask = taken // window == w
-        out[mask] = start + lo + window_order(seed, epoch, stream, int(w), size)[taken[mask] - lo]
+    done = 0
+    while done < count:  # window by window (a micro-batch spans at most two when count <= window)
+        at = first + done
+        w, into = divmod(at, window)
+        lo = w * window
+        n = min(count - done, window - into)
+        drawn = window_order(seed, epoch, stream, w, min(window, length - lo))
+        out[done : done + n] = start + lo + drawn[into : into + n]
+        done += n
     return out
 
 
+@functools.lru_cache(maxsize=16)
 def steps_per_epoch(total: int, streams: int, batch_size: int) -> int:
     """Steps until the longest stream runs dry (at least one: an empty epoch still has a step)."""
     longest = -(-total // streams)
@@ -94,6 +110,5 @@ def steps_per_epoch(total: int, streams: int, batch_size: int) -> int:
 def micro_batch_sizes(total: int, streams: int, batch_size: int, step: int) -> Sequence[int]:
     """Samples of each stream at ``step``: ``batch_size`` until a stream runs dry, then its rest,
     then none; never growing with the stream index, so the non-empty ones come first."""
-    bounds = segment_bounds(total, streams)
-    rest = np.diff(bounds) - step * batch_size
-    return [int(x) for x in np.clip(rest, 0, batch_size)]
+    q, r = divmod(total, streams)
+    return [max(0, min(batch_size, q + (j < r) - step * batch_size)) for j in range(streams)]

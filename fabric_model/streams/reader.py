@@ -13,6 +13,8 @@ windows a stream is taking samples from are held in memory (at most two per stre
 
 from __future__ import annotations
 
+import itertools
+import operator
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -24,6 +26,13 @@ from ..step import stream_order as order
 from .sharded import ShardedDataset, ShardReadError
 
 _END = object()
+
+
+def _take(samples: list[Any], offsets: np.ndarray) -> list[Any]:
+    """``[samples[i] for i in offsets]``, in one C call."""
+    if len(offsets) == 1:
+        return [samples[int(offsets[0])]]
+    return list(operator.itemgetter(*offsets.tolist())(samples))
 
 
 class Cursor:
@@ -50,12 +59,13 @@ class Cursor:
                 self._open_at(epoch, starts, shard_ids, self.position)
                 continue
             assert self.samples is not None
-            sample = next(self.samples, _END)
-            if sample is _END:
+            n = min(count - len(out), self.left)
+            got = list(itertools.islice(self.samples, n))  # in C: no Python step per sample
+            if len(got) < n:
                 self._short(shard_ids)
-            out.append(sample)
-            self.left -= 1
-            self.position += 1
+            out += got
+            self.left -= n
+            self.position += n
         return out
 
     def _beyond_shard(self, starts: np.ndarray, position: int) -> bool:
@@ -76,9 +86,8 @@ class Cursor:
 
     def _drop(self, n: int) -> None:
         assert self.samples is not None
-        for _ in range(n):
-            if next(self.samples, _END) is _END:
-                raise ShardReadError(self._count_message(self.k, fewer=True))
+        if sum(1 for _ in itertools.islice(self.samples, n)) < n:
+            raise ShardReadError(self._count_message(self.k, fewer=True))
         self.position += n
         self.left -= n
         self.skipped += n
@@ -162,8 +171,20 @@ class StreamedDataset:
             if self.window <= 1:
                 lo = int(positions.min())
                 got = self._read(epoch, stream, lo, int(positions.max()) + 1 - lo)
-                return [got[int(p) - lo] for p in positions]
-            return [self._windowed(epoch, stream, int(p)) for p in positions]
+                return _take(got, positions - lo)
+            # A micro-batch takes from at most two windows: each window's samples in one take.
+            start = int(self.segments[stream])
+            windows = (positions - start) // self.window
+            if windows[0] == windows[-1] and (windows == windows[0]).all():  # the common case: one window
+                w = int(windows[0])
+                return _take(self._window(epoch, stream, w), positions - start - w * self.window)
+            out: list[Any] = [None] * len(positions)
+            for w in np.unique(windows):
+                mask = windows == w
+                taken = _take(self._window(epoch, stream, int(w)), positions[mask] - start - w * self.window)
+                for i, sample in zip(np.flatnonzero(mask).tolist(), taken):
+                    out[i] = sample
+            return out
 
     def _read(self, epoch: int, stream: int, first: int, count: int) -> list[Any]:
         layout = self._layouts.get(epoch)
@@ -177,19 +198,19 @@ class StreamedDataset:
             cursor = self._cursors[stream] = Cursor(self.dataset, self.lengths)
         return cursor.read(epoch, starts, shard_ids, first, count)
 
-    def _windowed(self, epoch: int, stream: int, position: int) -> Any:
-        start, end = int(self.segments[stream]), int(self.segments[stream + 1])
-        w = (position - start) // self.window
+    def _window(self, epoch: int, stream: int, w: int) -> list[Any]:
+        """Window ``w`` of ``stream``'s segment, in the sequence's order (held: two per stream)."""
         key = (epoch, stream, w)
         samples = self._windows.get(key)
         if samples is None:
+            start, end = int(self.segments[stream]), int(self.segments[stream + 1])
             lo = start + w * self.window
             samples = self._windows[key] = self._read(epoch, stream, lo, min(self.window, end - lo))
             # Keep the two newest windows of each stream: a micro-batch spans at most two.
             mine = [k for k in self._windows if k[1] == stream]
             for old in mine[:-2]:
                 del self._windows[old]
-        return samples[position - start - w * self.window]
+        return samples
 
     @property
     def skipped(self) -> int:

@@ -56,6 +56,7 @@ def test_an_idle_socket_does_not_delay_registration(server):
         time.sleep(0.1)
         channel, seconds = _register(server)
         assert seconds < 1.0
+        assert server.peer(7) == "127.0.0.1" and server.peer(8) is None  # where its connection came from
         channel.close()
     finally:
         idle.close()

@@ -102,6 +102,7 @@ class Harness:
         self.server.events = queue.Queue()
         self.server.send.return_value = True
         self.server.connection.return_value = "open"
+        self.server.peer.return_value = "127.0.0.1"  # local workers: named by their hostname
         self.store = mock.create_autospec(StoreService, instance=True)
         self.launcher = mock.create_autospec(Launcher, instance=True)
         self.launcher.exited.return_value = {}
@@ -178,6 +179,15 @@ def test_each_worker_gets_the_job_and_the_generation_forms_once_all_are_ready(ha
     ]
     (record,) = [r for r in read_records(harness.run_dir.metrics) if r["type"] == "generation"]
     assert (record["members"], record["resume_unit"]) == ([0, 1], 0)
+
+
+def test_generation_records_name_a_remote_worker_s_host_by_its_address(harness: Harness):
+    """Hosts of one name (containers, network namespaces) are told apart by the address a worker's
+    connection came from; a worker on the driver's host (loopback) keeps its hostname."""
+    harness.server.peer.side_effect = lambda worker: {0: "127.0.0.1", 1: "10.0.0.7"}[worker]
+    harness.start()
+    (record,) = [r for r in read_records(harness.run_dir.metrics) if r["type"] == "generation"]
+    assert record["hosts"] == ["here", "10.0.0.7"]
 
 
 def test_step_reports_commit_through_the_ledger_and_membership_sees_it(harness: Harness):

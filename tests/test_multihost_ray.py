@@ -15,6 +15,7 @@ import ipaddress
 import json
 import os
 import re
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -88,11 +89,17 @@ def network():
 
 def ray_env(net: netns.Network) -> dict[str, str]:
     """The environment of every Ray process (and of the driver): the package importable on each
-    host, as if installed there; no secret (actors get it as a task argument); a home of their
-    own, so no Ray setting of this machine's user (``~/.ray/auth_token``) reaches the cluster."""
+    host, as if installed there; no secret of ours (actors get it as a task argument); Ray's
+    token authentication on, as docs/clusters.md says to run it: ``RAY_AUTH_MODE=token`` and
+    the cluster's token in a file every host reads (``RAY_AUTH_TOKEN_PATH``), made for this
+    cluster; a home of their own, so no Ray setting of this machine's user reaches it."""
     home = net.scratch / "home"
     home.mkdir(exist_ok=True)
-    return {**worker_env(), **RAY_ENV, "HOME": str(home)}
+    token = net.scratch / "ray-token"
+    if not token.exists():
+        token.write_text(secrets.token_hex(32))
+        token.chmod(0o600)
+    return {**worker_env(), **RAY_ENV, "HOME": str(home), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
 
 
 def start_ray_node(net: netns.Network, host: netns.Host, head: netns.Host) -> subprocess.Popen:
@@ -188,6 +195,13 @@ def test_a_ray_job_across_hosts_survives_a_node_crash_a_new_node_and_a_healed_pa
     join = run_dir / "join.json"
     info = json.loads(wait("join.json", lambda: join.exists() and join.read_text(), timeout=90))
     assert info["driver"].rsplit(":", 1)[0] == a.address  # the node IP Ray reports for A
+    # Ray's token authentication is on: a client with another token is refused.
+    probe = f"import ray; ray.init(address='{a.address}:{GCS_PORT}')"
+    client = d.popen(
+        [PY, "-c", probe], dict(env, RAY_AUTH_TOKEN="0" * 64), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    said = client.communicate(timeout=scaled(120.0))[0].decode(errors="replace")
+    assert client.returncode != 0 and "InvalidAuthToken" in said, said[-2000:]
     # Our one port is on A's address. (Ray's own gRPC server in the driver process listens on
     # every interface of A's namespace: lo and A's address only.)
     port = info["driver"].rsplit(":", 1)[1]

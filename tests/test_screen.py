@@ -267,6 +267,9 @@ def test_a_pipe_gets_lines_within_80_columns_and_no_redraws(tmp_path):
     lines = out.stderr.splitlines()
     assert all(len(line) <= 80 for line in lines), [line for line in lines if len(line) > 80]
     assert [line.split(":")[0] for line in lines if re.match(r"epoch \d/2:", line)] == ["epoch 1/2", "epoch 2/2"]
+    # The run ends saying what the driver checked and where the model is.
+    assert re.fullmatch(r"\[fabric-model\] done: 12 steps, every sample once an epoch, 2 replicas agree", lines[-2])
+    assert re.fullmatch(r"\[fabric-model\] model: run/model/model\.pt \(sha256 [0-9a-f]{12}\)", lines[-1]), lines[-3:]
 
 
 @pytest.mark.processes

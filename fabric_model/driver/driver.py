@@ -329,7 +329,7 @@ class Driver:
 
     # -- handlers ---------------------------------------------------------------------------
     def _on_hello(self, worker_id: int, message: p.Hello) -> None:
-        self._hosts[worker_id] = self._launcher.host(worker_id) or message.host
+        self._hosts[worker_id] = self._launcher.host(worker_id) or where(self._server.peer(worker_id), message.host)
         slot = self.membership.slot_of(worker_id)
         device = self.setup.devices[slot] if slot is not None else None
         setup = self.setup
@@ -552,6 +552,7 @@ class Driver:
         self.states.committed(unit)  # drops held states no longer needed
 
     def _record_generation(self, formed: Formed) -> None:
+        # Hosts by address, so workers on hosts of one name (containers, namespaces) are told apart.
         hosts = [self._hosts.get(w, "?") for w in formed.members]
         self.metrics.generation(
             generation=formed.generation,
@@ -579,3 +580,11 @@ class Driver:
 
     def _log_tails(self, worker_ids: list[int]) -> str:
         return "\n".join(f"--- worker {w} ---\n{self._launcher.log_tail(w)}" for w in worker_ids)
+
+
+def where(address: str | None, hostname: str) -> str:
+    """How generation lines name a worker's host: the address its connection came from, or its
+    own hostname when it connected over loopback (a worker on the driver's host)."""
+    if address is None or address.startswith("127.") or address == "::1":
+        return hostname
+    return address

@@ -182,8 +182,27 @@ def run_job(
         if final.divergence is not None:
             fm.run_dir = run.path  # download() zips the model written
             raise diverged(final, path)
+        from ..run import console
+
+        detach = console.attach(display[0], run.logs / "driver.log")  # the display's, for its last line
+        try:
+            for line in run_summary(driver.progress.iteration, driver.replica_digests, path):
+                log.info("%s", line)
+        finally:
+            detach()
         history = History(driver.train_history, driver.test_history)
         return TrainResult(run.path, history, driver.test_history, setup.plan.seed, driver.replica_digests, onnx_diff)
+
+
+def run_summary(steps: int, digests: dict[int, str], model: Path) -> list[str]:
+    """The lines a finished run ends with: what the driver checked, and where the model is. Every
+    committed step's micro-batches were computed exactly once (the ledger refuses one that was
+    not), and the finished replicas' digests agree (a difference fails the run before this)."""
+    from ..run.display import _shown
+
+    agree = f", {len(digests)} replicas agree" if len(digests) > 1 else ""
+    digest = f" (sha256 {next(iter(digests.values()))[:12]})" if digests else ""
+    return [f"done: {steps} steps, every sample once an epoch{agree}", f"model: {_shown(model)}{digest}"]
 
 
 def diverged(final: Any, path: Path) -> Exception:

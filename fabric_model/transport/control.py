@@ -172,6 +172,7 @@ class ControlServer:
         # and those whose connection ended (its ConnectionLost follows all they sent).
         self._reading: set[int] = set()
         self._ended: set[int] = set()
+        self._peers: dict[int, str] = {}  # worker id -> the address its connection came from
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._accept_loop, name="fabric-accept", daemon=True)
@@ -186,17 +187,19 @@ class ControlServer:
         while not self._closed.is_set():
             try:
                 conn = self._listener.accept()
+                peer = self._listener.last_accepted  # this thread alone accepts: it is this connection's
             except OSError:
                 if self._closed.is_set():
                     return  # listener closed
                 log.warning("control plane: accepting a connection failed", exc_info=True)
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="fabric-conn", daemon=True).start()
+            host = peer[0] if isinstance(peer, tuple) and peer else None
+            threading.Thread(target=self._serve, args=(conn, host), name="fabric-conn", daemon=True).start()
 
-    def _serve(self, conn: Connection) -> None:
+    def _serve(self, conn: Connection, host: str | None = None) -> None:
         """One connection's life, on its own thread: the handshake, then its messages."""
         if self._authenticate(conn):
-            self._read_loop(Channel(conn))
+            self._read_loop(Channel(conn), host)
 
     def _authenticate(self, conn: Connection) -> bool:
         """The HMAC challenge both ways, within ``HANDSHAKE_TIMEOUT`` seconds; nothing is
@@ -215,7 +218,7 @@ class ControlServer:
         finally:
             timer.cancel()
 
-    def _read_loop(self, channel: Channel) -> None:
+    def _read_loop(self, channel: Channel, host: str | None = None) -> None:
         worker_id = -1
         try:
             hello = channel.recv(timeout=60.0)
@@ -234,6 +237,8 @@ class ControlServer:
             with self._lock:
                 self.channels[worker_id] = channel
                 self._reading.add(worker_id)
+                if host is not None:
+                    self._peers[worker_id] = host
             self.events.put((worker_id, hello))
             while True:
                 message = channel.recv()
@@ -248,6 +253,11 @@ class ControlServer:
                 self._reading.discard(worker_id)
                 if worker_id >= 0:
                     self._ended.add(worker_id)
+
+    def peer(self, worker_id: int) -> str | None:
+        """The address ``worker_id``'s control connection came from (None before its Hello)."""
+        with self._lock:
+            return self._peers.get(worker_id)
 
     def connection(self, worker_id: int) -> Literal["none", "open", "ended"]:
         """``worker_id``'s connection: never made, ``open`` (being read: a message it sent may

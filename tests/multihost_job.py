@@ -38,7 +38,9 @@ class Pace:
     """A worker logger that sleeps ``seconds`` after each step while ``flag`` exists (longer on a
     busy machine, where the test's steps between faults take longer: tests/load.py)."""
 
-    def __init__(self, flag: str, seconds: float = 0.25) -> None:
+    def __init__(self, flag: str, seconds: float | None = None) -> None:
+        # MH_PACE: the seconds a step sleeps, for a run by hand with more to do between steps.
+        seconds = float(os.environ.get("MH_PACE", "0.25")) if seconds is None else seconds
         self.flag, self.seconds = flag, scaled(seconds)
 
     def on_train_begin(self) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 from ..setup.settings import RAY_ACTOR_OPTIONS, RAY_IGNORE_GITIGNORE
 from .base import Launcher
+from .ray_console import RayConsole
 
 #: Never uploaded with the script's folder: version control, caches, earlier runs.
 EXCLUDES = [".git", "**/__pycache__", "fabric_runs", ".tox", ".venv", "venv"]
@@ -94,6 +95,7 @@ class RayCluster:
         default: dict[str, Any] = {"num_gpus": 1} if has_gpus else {"num_cpus": 1}
         user_env = options.pop("runtime_env", None)
         self.actor_options: dict[str, Any] = {**default, **options, "runtime_env": _upload(runtime_env(user_env))}
+        self._console: RayConsole | None = None
 
     @property
     def gpus_per_worker(self) -> int:
@@ -115,6 +117,9 @@ class RayCluster:
         from .ray import RayLauncher
 
         def make(address: tuple[str, int], secret: bytes) -> Launcher:
+            # Ray's raylet reports (a node lost) go to logs/ray.log until the connection closes.
+            self._console = RayConsole(log_path(0).parent / "ray.log")
+            self._console.install()
             return RayLauncher(address, secret, log_path, self.actor_options, self.threads)
 
         return make
@@ -123,3 +128,5 @@ class RayCluster:
         """Disconnect, stopping the local cluster if this job started it."""
         if self.started and self._ray.is_initialized():
             self._ray.shutdown()
+        if self._console is not None:
+            self._console.close()

@@ -42,6 +42,7 @@ def assert_same_training(work: Path, reference: dict) -> None:
 
 
 @pytest.mark.multihost
+@pytest.mark.processes
 @pytest.mark.timeout(400)
 def test_workers_started_by_hand_survive_a_crash_a_partition_and_rejoin(tmp_path, undisturbed):  # noqa: F811
     netns.skip_unless_available()
@@ -55,6 +56,7 @@ def test_workers_started_by_hand_survive_a_crash_a_partition_and_rejoin(tmp_path
 
 
 @pytest.mark.multihost
+@pytest.mark.processes
 @pytest.mark.timeout(600)
 def test_a_ray_cluster_with_token_authentication_survives_a_crash_a_new_node_and_a_partition(tmp_path, undisturbed):  # noqa: F811
     netns.skip_unless_available()

@@ -10,6 +10,7 @@ runs and put back after; where a Ray version lacks it, nothing is replaced and R
 
 from __future__ import annotations
 
+import importlib
 import logging
 import re
 import threading
@@ -42,7 +43,7 @@ class RayConsole:
         """Replace Ray's printing (``module``: Ray's ``_private.worker``, a test's stand-in)."""
         if module is None:
             try:
-                import ray._private.worker as module
+                module = importlib.import_module("ray._private.worker")
             except ImportError:
                 return
         original = getattr(module, "print_to_stdstream", None)

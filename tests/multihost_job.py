@@ -5,6 +5,10 @@ engines with one local worker (``FABRIC_MODEL_CPU_WORKERS=1`` in its environment
 started by hand fill the other slots. Steps are paced while ``PACE_FLAG`` exists, so the
 test's faults land mid-run however slow the host is; the final state goes to ``OUT``.
 
+``python -m tests.multihost_job RUN_DIR - PACE_FLAG OUT resume`` is the same job as a Slurm task
+runs it (examples/clusters/slurm.sh): ``train(..., resume="auto")``, on the address of
+``$FABRIC_MODEL_BIND_ADDRESS``, so a requeued job goes on from its checkpoint.
+
 ``python -m tests.multihost_job RUN_DIR - PACE_FLAG OUT ray`` trains on 2 engines with
 ``cluster="ray"`` on the cluster of ``RAY_ADDRESS`` (tests/test_multihost_ray.py): it waits
 for two nodes with CPUs first, and the driver listens on the node IP Ray reports.
@@ -64,6 +68,7 @@ def train(
     driver_logger=None,
     engines: int = ENGINES,
     cluster: str | None = None,
+    resume: bool | str = False,
 ):
     model, opt = fresh_model_and_optimizer()
     result = FabricModel(
@@ -82,6 +87,7 @@ def train(
         run_dir=run_dir,
         bind_address=bind_address,
         cluster=cluster,
+        resume=resume,
     )
     return model, result
 
@@ -109,6 +115,8 @@ if __name__ == "__main__":
             import ray
 
             ray.shutdown()
+    elif sys.argv[5:] == ["resume"]:
+        model, result = train(run_dir, None, flag, resume="auto")
     else:
         model, result = train(run_dir, bind, flag)
     torch.save({"state": model.state_dict(), "digests": result.replica_digests}, out)

@@ -164,7 +164,8 @@ def test_engines_number_is_capped_by_the_cores(run_dir, monkeypatch, capfd):
     assert 1 <= len(result.replica_digests) <= min(16, cores) and len(set(result.replica_digests.values())) == 1
     err = capfd.readouterr().err
     if cores < 16:
-        assert f"starting {min(16, cores)} worker(s) on CPU" in err and "engines_number=16" in err
+        workers = f"{cores} workers" if cores > 1 else "1 worker"
+        assert f"[fabric-model] starting {workers} on CPU" in err and "engines_number=16" in err
 
 
 @pytest.mark.processes

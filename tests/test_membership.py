@@ -192,6 +192,37 @@ def test_a_lost_local_worker_is_replaced_at_once_then_after_a_backoff():
     assert [c for c in m.tick(13.01) if isinstance(c, Start)] == [Start(1, 3)]
 
 
+def test_a_replacement_that_ends_before_it_joins_is_said_on_screen(caplog):
+    """A member's loss is said by the display's generation line; a starting worker's changes no
+    generation, so its own warning reaches the screen (run/console.py)."""
+    from fabric_model.run.console import SAID_BY_THE_DISPLAY
+
+    m = started(2)
+    m.lost(1, "process exited with code 1", 10.0)
+    assert [c for c in m.tick(10.0) if isinstance(c, Start)] == [Start(1, 2)]
+    m.lost(2, "process exited with code 9", 10.5)  # the replacement dies starting
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert [r.getMessage() for r in warnings] == [
+        "worker 1 lost: process exited with code 1",
+        "worker 2 left before joining: process exited with code 9",
+    ]
+    assert [r.msg in SAID_BY_THE_DISPLAY for r in warnings] == [True, False]
+
+
+def test_a_driver_without_local_workers_trains_from_the_first_joiner_on(caplog):
+    """``FABRIC_MODEL_LOCAL_WORKERS=0``: nothing starts; a warning each start bound while no
+    worker has joined; the first to join forms the first generation, the next joins it."""
+    limits = Limits(3, total_units=100, heartbeat=HEARTBEAT, recovery=RECOVERY, start=START, local_slots=0)
+    m = Membership(limits, FakeCheckpoints(), log_tail=lambda ids: "")
+    assert m.start(0.0) == []
+    m.tick(START + 1.0)
+    assert "no worker has joined yet: waiting for workers started by hand (join.json)" in caplog.text
+    m.seen(7, START + 2.0)
+    assert formed(m.ready(7, 1, START + 2.0)).members == (7,)
+    m.seen(8, START + 3.0)
+    assert sent(m.ready(8, 1, START + 3.0), p.JoinPending) == {7: p.JoinPending(1)}  # joins the running job
+
+
 def test_a_frozen_member_is_removed_after_the_heartbeat_bound():
     m = started(2)
     m.seen(0, 9.0)  # worker 0 keeps talking, worker 1 went silent at t=0

@@ -84,6 +84,10 @@ def test_a_ray_job_trains_to_the_reference_weights(two_nodes, undisturbed, run_d
     imported = [p.read_text() for p in tmp_path.glob("module-*")]
     assert len(imported) == 2
     assert all(Path(f).name == "ray_job.py" and Path(__file__).parent not in Path(f).parents for f in imported)
+    # The start-up line says what was asked of Ray, not local processes on this host.
+    log = (run_dir / "logs" / "driver.log").read_text()
+    assert f"asking Ray for 2 workers of 1 CPU each: 2 epochs of {PLAN.steps_per_epoch} steps" in log
+    assert "on cpu" not in log
     # Their output reached the run directory through the actors.
     for worker in (0, 1):
         assert "[worker]" in (run_dir / "logs" / f"worker-{worker}.log").read_text()
@@ -199,6 +203,19 @@ def test_the_uploaded_folder_is_the_scripts_never_a_command_folder(monkeypatch, 
     script.parent.mkdir()
     main.__file__ = str(script)
     assert script_folder() == script.parent.resolve()
+
+
+def test_the_start_up_line_names_what_each_actor_asks_of_ray():
+    from fabric_model.launchers.ray_cluster import RayCluster
+
+    cluster = object.__new__(RayCluster)  # its options only: no connection
+    for options, said in [
+        ({"num_cpus": 1}, "1 CPU"),
+        ({"num_gpus": 1, "num_cpus": 8, "resources": {"a100": 1}}, "1 GPU, 8 CPUs, 1 a100"),
+        ({"num_gpus": 0.5}, "0.5 GPUs"),
+    ]:
+        cluster.actor_options = options
+        assert cluster.actor_shape == said
 
 
 @pytest.mark.processes

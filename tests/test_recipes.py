@@ -52,6 +52,10 @@ def test_workers_started_by_hand_survive_a_crash_a_partition_and_rejoin(tmp_path
     assert reasons[1] == "worker 3 joins" and "lost" in reasons[2] and "EDT_HEARTBEAT_TIME_OUT" in reasons[4], reasons
     assert any("gen 5: 2 on 10.233.0.1, 10.233.0.2" in line for line in lines)  # hosts by address
     assert "exiting (4): removed from the job" in (tmp_path / "work" / "b.log").read_text()  # fenced at the heal
+    console = (tmp_path / "work" / "driver.out").read_text()  # what the user watched: our lines, hosts by address
+    assert "now 2 workers (worker 3 on 10.233.0.2 joins)" in console
+    assert "now 1 worker (worker 3 on 10.233.0.2 lost: connection lost)" in console
+    assert all(line.startswith(("[fabric-model] ", "epoch ", "now ", "1 worker ")) for line in console.splitlines())
     assert_same_training(tmp_path / "work", undisturbed)
 
 
@@ -68,10 +72,38 @@ def test_a_ray_cluster_with_token_authentication_survives_a_crash_a_new_node_and
     reasons = [line.strip() for line in lines if line.startswith("           ")]
     assert "lost" in reasons[1] and "joins" in reasons[2] and "EDT_HEARTBEAT_TIME_OUT" in reasons[3], reasons
     assert any("gen 2: 2 on 10.234.0.3, 10.234.0.4" in line for line in lines)  # hosts by address: C, D that joined
+    console = (tmp_path / "work" / "driver.out").read_text()  # our lines only, Ray's reports in logs/ray.log
+    assert re.search(r"^now 2 workers \(worker \d+ on 10\.234\.0\.4 joins\)$", console, re.M), console
+    assert all(line.startswith(("[fabric-model] ", "epoch ", "now ", "2 workers ")) for line in console.splitlines())
     assert_same_training(tmp_path / "work", undisturbed)
     assert not list(Path("/tmp").glob("fmray.*")) or all(
         p.stat().st_mtime < started for p in Path("/tmp").glob("fmray.*")
     )
+
+
+@pytest.mark.multihost
+@pytest.mark.processes
+@pytest.mark.timeout(400)
+def test_a_slurm_job_ended_by_its_time_limit_goes_on_from_its_checkpoint_on_other_hosts(tmp_path, undisturbed):  # noqa: F811
+    """Slurm's time limit signals every process of the allocation: the driver saves, stops the
+    workers and exits 143 within KillWait, the workers started by hand exit 0 told why; the
+    requeued job, on 2 other hosts, goes on from the checkpoint to the undisturbed weights."""
+    netns.skip_unless_available()
+    work = tmp_path / "work"
+    lines = run_recipe("slurm.sh", work, f"fms{os.getpid() % 10000}", "10.235.0", 300.0)
+    assert re.fullmatch(r"allocation: every process ended [\d.]+ s after SIGTERM", lines[0]), lines  # no SIGKILL
+    assert lines[1] == "allocation 1: tasks exited 143 0 0 (A's driver: 143 is SIGTERM)", lines
+    assert re.fullmatch(r"SIGTERM: preempted at epoch \d, step \d+/10; resume with train\(.*resume=True\)", lines[2])
+    assert lines[3] == "allocation 2: tasks exited 0 0", lines
+    for task in (1, 2):
+        assert "exiting (0): the job ended (preempted)" in (work / f"task-1-{task}.log").read_text()
+    assert 'resume="auto": the run in' in (work / "task-2-0.log").read_text()
+    reasons = [line.strip() for line in lines if line.startswith("           ")]
+    assert reasons[2].startswith("start, resumed from ckpt-unit-"), reasons
+    assert any("gen 1: 2 on 10.235.0.4, 10.235.0.5" in line for line in lines)  # the requeued allocation: D, E
+    assert "now 2 workers (worker 3 on 10.235.0.5 joins)" in (work / "task-2-0.log").read_text()
+    assert re.fullmatch(r"\[fabric-model\] done: 80 steps, every sample once an epoch, 2 replicas agree", lines[-2])
+    assert_same_training(work, undisturbed)
 
 
 def test_a_raylets_report_goes_to_the_run_directory_and_one_line_to_the_console(tmp_path, caplog):
@@ -96,7 +128,8 @@ def test_a_raylets_report_goes_to_the_run_directory_and_one_line_to_the_console(
     assert printed == [{"lines": ["hello"], "pid": 123, "is_err": False}]
     assert (tmp_path / "ray.log").read_text() == report + "\n" + dead + "\n"
     assert [r.getMessage() for r in caplog.records] == [
-        "Ray: a node's raylet ended; Ray's report in logs/ray.log",
-        "Ray marked node 10.234.0.3 dead; Ray's report in logs/ray.log",
+        "Ray: a raylet ended (logs/ray.log)",
+        "Ray: node 10.234.0.3 marked dead (logs/ray.log)",
     ]
+    assert all(len("[fabric-model] warning: " + r.getMessage()) <= 80 for r in caplog.records)  # 80 columns
     assert ray_worker.print_to_stdstream is original

@@ -116,7 +116,7 @@ def test_engines_number_is_a_cap_on_the_devices():
 
     cap = cap_workers(16, gpus=0, cores=2, cpu_workers=None)  # a script's default of 16 on a 2-core host
     assert (cap.workers, cap.device, cap.capped) == (2, "cpu", True)
-    assert "2 worker(s) on CPU" in cap.line and "FABRIC_MODEL_CPU_WORKERS" in cap.line
+    assert "starting 2 workers on CPU" in cap.line and "FABRIC_MODEL_CPU_WORKERS" in cap.line
     assert _cap(16, gpus=4, cores=2, cpu_workers=None) == (4, "gpu", True)
     assert _cap(2, gpus=8, cores=2, cpu_workers=None) == (2, "gpu", False)
     assert _cap(3, gpus=0, cores=2, cpu_workers=3) == (3, "cpu", False)  # asked for explicitly

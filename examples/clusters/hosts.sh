@@ -35,7 +35,7 @@ wait_for() {  # wait_for WHAT SECONDS COMMAND...: poll until COMMAND succeeds, e
   until "$@"; do
     if ((SECONDS >= end)); then
       echo "recipe: no $what after $limit s" >&2
-      tail -20 "$work/driver.out" >&2
+      tail -20 "${driver_log:-$work/driver.out}" >&2   # the driver's output
       exit 1
     fi
     sleep 0.3

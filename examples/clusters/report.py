@@ -39,12 +39,16 @@ def main(run_dir: str) -> None:
         after = min((t for t in steps if t > r["time"]), default=None)
         paused = ""
         if before and after is not None:
-            recent = sorted(b - a for a, b in zip(before[-5:], before[-4:]))  # the last steps' gaps
+            last = before[-5:]
+            recent = sorted(b - a for a, b in zip(last, last[1:]))  # the gaps between the last steps
             usual = f" (a step: {recent[len(recent) // 2]:.2f} s)" if recent else ""
             paused = f", paused {after - before[-1]:.2f} s{usual}"
         hosts = ", ".join(r.get("hosts", []))
         print(f"+{r['time'] - start:5.2f} s gen {r['generation']}: {r['workers']} on {hosts}{paused}")
-        print(f"           {r['reason'][:68]}")
+        reason = r["reason"]
+        if r.get("restored") == "checkpoint":  # a resumed run's first generation
+            reason += f", resumed from {r['checkpoint']}"
+        print(f"           {reason[:68]}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import collections
 import dataclasses
 import logging
 import queue
+import re
 import secrets
 import time
 from collections.abc import Callable
@@ -79,6 +80,7 @@ class DriverSetup:
         keep_best: which older checkpoints to keep by a monitored metric (a ``BestCheckpoints`` in ``user_callback``).
         data: what ``run.json`` records of sharded data (streams/datasets.CallerData.record), or None.
         threads_fixed: every worker takes ``threads``, hand-started ones too (``deterministic=True``).
+        ray_actor: what each worker's Ray actor asks for ("1 CPU"); empty where workers are local processes.
     """
 
     payload: bytes
@@ -96,6 +98,7 @@ class DriverSetup:
     keep_best: BestCheckpoints | None = None
     data: dict[str, Any] | None = None
     threads_fixed: bool = False
+    ray_actor: str = ""
 
 
 @dataclasses.dataclass
@@ -244,6 +247,9 @@ class Driver:
             self._launcher.wait_all(timeouts.stop)
             if final.divergence is None:  # else train() hands the state back, then raises
                 self.hooks.on_train_end()
+        except BaseException as exc:
+            self._tell_hand_started(exc)
+            raise
         finally:
             self.checkpoints.close(stop)  # a failed job's last write may serve its resume
             self._launcher.stop_all(stop)
@@ -253,6 +259,16 @@ class Driver:
             watch.__exit__()  # a signal caught but not acted on (training had ended) is raised again
         assert self._final is not None
         return self._final
+
+    def _tell_hand_started(self, exc: BaseException) -> None:
+        """Workers started by hand learn how the job ended, rather than find the connection
+        closed (exit 3, "lost the connection"): a Slurm allocation's tasks end with code 0."""
+        how = "preempted" if isinstance(exc, Preempted) else "failed"
+        if isinstance(exc, KeyboardInterrupt):
+            how = "interrupted"
+        for worker_id in self.membership.alive():
+            if self.membership.workers[worker_id].slot is None:
+                self._server.send(worker_id, p.Stop(ended=how))
 
     def _local_launcher(self, address: tuple[str, int], secret: bytes) -> Launcher:
         return LocalLauncher(address, secret, self.run_dir.worker_log, self.setup.threads)
@@ -566,6 +582,9 @@ class Driver:
             hosts=hosts,
         )
         record = {"generation": formed.generation, "members": list(formed.members), "reason": formed.reason}
+        named = re.match(r"worker (\d+)\b", formed.reason)
+        if named and len(set(self._hosts.values())) > 1:  # a run on several hosts: the screen says which
+            record["host"] = self._hosts.get(int(named.group(1)), "?")
         self.hooks.on_generation({**record, "resume_unit": formed.resume_unit, "iteration": self.progress.iteration})
         log.log(
             logging.INFO if formed.reason == "start" else logging.WARNING,

@@ -302,7 +302,10 @@ class Membership:
                     f"{reason}). The last one's output:\n" + self._log_tail([worker_id])
                 )
         record.state = WorkerState.GONE
-        log.warning("worker %d lost: %s", worker_id, reason)
+        if was_member:  # the display's line for the generation change says it on screen
+            log.warning("worker %d lost: %s", worker_id, reason)
+        else:  # no generation changes for it (a replacement that died starting): said on screen as is
+            log.warning("worker %d left before joining: %s", worker_id, reason)
         commands: list[Command] = [Kill(worker_id, f"removed from the job: {reason}")]
         if self.finishing and worker_id == self.final_from:
             commands += self._request_final()

@@ -108,6 +108,19 @@ class RayCluster:
         return max(1, int(float(self.actor_options.get("num_cpus") or 1)))
 
     @property
+    def actor_shape(self) -> str:
+        """What each worker's actor asks Ray for, as the start-up line says it: "1 CPU", "1 GPU, 8 CPUs"."""
+        options = self.actor_options
+
+        def amount(value: Any, name: str) -> str:
+            return f"{float(value):g} {name}{'' if float(value) == 1 else 's'}"
+
+        kinds = (("num_gpus", "GPU"), ("num_cpus", "CPU"))
+        parts = [amount(options[key], name) for key, name in kinds if options.get(key)]
+        parts += [f"{float(v):g} {k}" for k, v in (options.get("resources") or {}).items()]
+        return ", ".join(parts) or "nothing"
+
+    @property
     def host(self) -> str:
         """The address the driver listens on: this node's IP as Ray sees it (loopback offline)."""
         return str(self._ray.util.get_node_ip_address())

@@ -24,9 +24,9 @@ def said(report: str) -> str:
     """A raylet report in a few words: the node Ray marked dead, or a raylet that ended."""
     address = re.search(r"address: ([0-9A-Fa-f.:]+)", report)
     if "marked dead" in report:
-        return f"Ray marked node {address.group(1) if address else '?'} dead"
+        return f"Ray: node {address.group(1) if address else '?'} marked dead"
     if "Raylet is terminated" in report:
-        return "Ray: a node's raylet ended"
+        return "Ray: a raylet ended"
     return "Ray: " + report.split(". ")[0].strip()[:50]
 
 
@@ -57,7 +57,8 @@ class RayConsole:
         lines = [str(line) for line in data.get("lines", [])]
         with self._lock, open(self.path, "a", encoding="utf-8") as out:
             out.write("".join(line if line.endswith("\n") else line + "\n" for line in lines))
-        log.warning("%s; Ray's report in logs/%s", said(lines[0] if lines else ""), self.path.name)
+        # Short: a warning is cut to the terminal's width (80 columns leave 56 after our prefix).
+        log.warning("%s (logs/%s)", said(lines[0] if lines else ""), self.path.name)
         return None
 
     def close(self) -> None:

@@ -144,7 +144,9 @@ def startup_lines(setup: DriverSetup, run: RunDirectory, tensorboard: bool) -> N
         f"{screen.count(config.epochs, 'epoch')} of {screen.count(plan.steps_per_epoch, 'step')}, "
         f"global batch {samples_per_step(setup)}"
     )
-    if workers == 0:  # FABRIC_MODEL_LOCAL_WORKERS=0: every worker joins from elsewhere
+    if setup.ray_actor:  # actors, placed where Ray has room (or pending until it has)
+        log.info("asking Ray for %s of %s each: %s", screen.count(most, "worker"), setup.ray_actor, shape)
+    elif workers == 0:  # FABRIC_MODEL_LOCAL_WORKERS=0: every worker joins from elsewhere
         log.info("waiting for up to %s started by hand (join.json): %s", screen.count(most, "worker"), shape)
     else:
         up_to = f" (up to {most})" if most > workers else ""

@@ -13,6 +13,7 @@ the rest of what happens is in ``logs/driver.log`` (docs/training.md, "The scree
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -263,7 +264,10 @@ class ProgressBar:
             self.write(f"{screen.count(self.workers, 'worker')} training (started in {took:.1f} s)")
         else:
             self._flush(final=True)  # the epochs before the change stay above its line
-            self.write(f"now {screen.count(self.workers, 'worker')} ({short_reason(record['reason'])})")
+            reason = short_reason(record["reason"])
+            if record.get("host"):  # on several hosts: which one ("worker 3 on 10.0.0.7 joins")
+                reason = re.sub(r"^worker (\d+)", lambda m: f"{m.group(0)} on {record['host']}", reason, count=1)
+            self.write(f"now {screen.count(self.workers, 'worker')} ({reason})")
 
     def note(self, line: str) -> None:
         """A line of its own under the epoch lines (what happened after training, say)."""

@@ -122,7 +122,8 @@ def cap_workers(requested: int, *, gpus: int, cores: int, cpu_workers: int | Non
         why += f" (set {CPU_WORKERS.name}=N for more CPU workers)"
     elif capped and device == "gpu":
         why += f" (set {WORKERS_PER_GPU.name}=N to share each GPU among N workers)"
-    return WorkerCap(workers, device, capped, f"fabric_model: starting {workers} worker(s) on {device.upper()}: {why}.")
+    said = f"{workers} worker{'s' if workers != 1 else ''} on {device.upper()}"
+    return WorkerCap(workers, device, capped, f"[fabric-model] starting {said}: {why}.")
 
 
 def report(cap: WorkerCap) -> None:
@@ -159,7 +160,8 @@ def local_cap(cap: WorkerCap, local: int, requested: int) -> WorkerCap:
     ``engines_number`` join from other hosts (``fabric-model worker``), and are waited for."""
     rest = requested - local
     line = (
-        f"fabric_model: starting {local} worker(s) on this host ({LOCAL_WORKERS.name}={local}); "
+        f"[fabric-model] starting {local} worker{'s' if local != 1 else ''} on this host "
+        f"({LOCAL_WORKERS.name}={local}); "
         f"{rest} more of engines_number={requested} may join from other hosts "
         "(fabric-model worker --join RUN_DIR/join.json)."
     )

@@ -116,6 +116,7 @@ def prepare(
         max_workers=engines,
         data=data.record(),
         threads_fixed=loop.deterministic,
+        ray_actor=ray_cluster.actor_shape if ray_cluster is not None else "",
     )
     return setup, adapter, train_set, choice
 

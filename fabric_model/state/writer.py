@@ -91,7 +91,10 @@ class CheckpointBook:
         self.metrics.resume(
             checkpoint=resumed.path.name, resume_unit=resumed.unit, epoch=resumed.epoch, iteration=iteration
         )
-        log.info("resuming from %s at unit %d (epoch %d done)", resumed.path.name, resumed.unit, resumed.epoch + 1)
+        # Named as the preemption line names it: the last step done, counted from 1.
+        per_epoch, done = resumed.plan.steps_per_epoch, resumed.steps_done
+        where = f"after epoch {(done - 1) // per_epoch + 1}, step {(done - 1) % per_epoch + 1}/{per_epoch}"
+        log.info("resuming from %s: %s", resumed.path.name, where if done else "no step was done")
 
     def newest_on_disk(self, limit: int) -> tuple[int, Path] | None:
         """This run's newest recorded checkpoint at or below unit ``limit`` that is still on disk."""

@@ -227,9 +227,12 @@ class SendFinalState:
 @dataclasses.dataclass(frozen=True)
 class Stop:
     """Exit now. A ``reason`` means the driver turned this worker away (a join refused, or a
-    worker removed from the job and fenced out): it prints it and exits non-zero."""
+    worker removed from the job and fenced out): it prints it and exits non-zero. ``ended``
+    says how a job that did not finish ended (preempted, interrupted, failed), for the console
+    of a worker started by hand: it prints it and exits 0."""
 
     reason: str = ""
+    ended: str = ""
 
 
 # -- worker -> driver: the state, uploaded (docs/architecture.md, "Elasticity", "Run directory") --

@@ -75,7 +75,8 @@ class Inbox:
             while True:
                 message = self.channel.recv()
                 if isinstance(message, p.Stop):
-                    _exit(REFUSED_EXIT if message.reason else 0, message.reason)
+                    ended = f"the job ended ({message.ended}); nothing left to train for" if message.ended else ""
+                    _exit(REFUSED_EXIT if message.reason else 0, message.reason or ended)
                 elif isinstance(message, p.JoinPending):
                     self.pending_generation = max(self.pending_generation, message.generation)
                 elif isinstance(message, p.Abort):

@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import json
 import logging
+import re
 import sys
 
 import numpy as np
@@ -310,10 +311,11 @@ def test_fabric_model_warns_when_the_export_fails_and_keeps_the_trained_model(on
 
 
 @pytest.mark.processes
-def test_fabric_model_writes_a_checked_onnx_file_for_keras(keras_deps, run_dir):
+def test_fabric_model_writes_a_checked_onnx_file_for_keras(keras_deps, run_dir, caplog):
     from fabric_model import FabricModel
 
     keras = keras_deps
+    caplog.set_level(logging.INFO, logger="fabric_model")
     rng = np.random.default_rng(0)
     images = [(rng.normal(size=(8, 8, 1)).astype("float32"), i % 3) for i in range(48)]
     model = keras.Sequential(
@@ -331,5 +333,7 @@ def test_fabric_model_writes_a_checked_onnx_file_for_keras(keras_deps, run_dir):
     )
     path = run_dir / "model" / "model.onnx"
     assert batch_is_symbolic(path)
+    # The run's last line (on screen; here, with pytest's logging, a record) says it, and how close.
+    assert re.fullmatch(rf"onnx: {re.escape(str(path))} \(matches keras within [0-9.e-]+\)", caplog.messages[-1])
     batch = rng.normal(size=(5, 8, 8, 1)).astype("float32")
     assert onnx_max_diff(path, "keras", model, [batch]) < TOLERANCE

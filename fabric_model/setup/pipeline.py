@@ -187,7 +187,8 @@ def run_job(
 
         detach = console.attach(display[0], run.logs / "driver.log")  # the display's, for its last line
         try:
-            for line in run_summary(driver.progress.iteration, driver.replica_digests, path):
+            onnx = (fm.framework, onnx_diff) if onnx_diff is not None else None
+            for line in run_summary(driver.progress.iteration, driver.replica_digests, path, onnx):
                 log.info("%s", line)
         finally:
             detach()
@@ -195,15 +196,19 @@ def run_job(
         return TrainResult(run.path, history, driver.test_history, setup.plan.seed, driver.replica_digests, onnx_diff)
 
 
-def run_summary(steps: int, digests: dict[int, str], model: Path) -> list[str]:
+def run_summary(steps: int, digests: dict[int, str], model: Path, onnx: tuple[str, float] | None = None) -> list[str]:
     """The lines a finished run ends with: what the driver checked, and where the model is. Every
     committed step's micro-batches were computed exactly once (the ledger refuses one that was
-    not), and the finished replicas' digests agree (a difference fails the run before this)."""
+    not), and the finished replicas' digests agree (a difference fails the run before this).
+    ``onnx``: the framework and onnxruntime's largest difference from it, when the model was exported."""
     from ..run.display import _shown
 
     agree = f", {len(digests)} replicas agree" if len(digests) > 1 else ""
     digest = f" (sha256 {next(iter(digests.values()))[:12]})" if digests else ""
-    return [f"done: {steps} steps, every sample once an epoch{agree}", f"model: {_shown(model)}{digest}"]
+    lines = [f"done: {steps} steps, every sample once an epoch{agree}", f"model: {_shown(model)}{digest}"]
+    if onnx is not None:
+        lines.append(f"onnx: {_shown(model.parent / 'model.onnx')} (matches {onnx[0]} within {onnx[1]:.3g})")
+    return lines
 
 
 def diverged(final: Any, path: Path) -> Exception:
@@ -245,6 +250,6 @@ def finish(
     from ..frameworks.export import export_final_model
 
     onnx_diff = export_final_model(framework, fm.model, adapter, train_set, run)
-    if onnx_diff is not None:  # the progress display shows it (a user's logger may take note() too)
+    if onnx_diff is not None:  # for a user's logger; the screen says it in the run's last lines
         hooks.note(f"model/model.onnx written; onnxruntime vs {fm.framework}: max abs diff {onnx_diff:.3g}")
     return path, onnx_diff

@@ -14,7 +14,7 @@ from fabric_model import ShardedDataset, ShardReadError
 from fabric_model.setup.checks import check_datasets
 from fabric_model.step import stream_order as order
 from fabric_model.step.plan import Plan, eval_segment_batches
-from fabric_model.streams.datasets import in_caller
+from fabric_model.streams.datasets import in_caller, in_order
 from fabric_model.streams.lengths import count_shards
 from fabric_model.streams.reader import StreamedDataset
 from fabric_model.streams.sharded import as_sharded
@@ -101,6 +101,22 @@ def test_a_worker_reading_its_streams_in_order_reads_each_sample_once():
     for _, _, idx in micro_batches(plan, 0):
         data.__getitems__(idx)
     assert sorted(reads) == sorted(s for shard in shards_of(LENGTHS) for s in shard) and data.skipped == 0
+
+
+def test_evaluate_and_predict_count_a_dataset_once_and_train_counts_afresh():
+    opened: list[object] = []
+
+    def read(shard):
+        opened.append(shard)
+        return iter(shard)
+
+    dataset = ShardedDataset(shards_of(LENGTHS), read, shuffle=False)
+    first = in_order(dataset)
+    counted = len(opened)
+    assert counted == len(LENGTHS)  # every shard read once to count it
+    second = in_order(dataset)  # the next evaluate(): no shard read to count
+    assert len(opened) == counted and len(second) == len(first) == sum(LENGTHS)
+    assert count_shards(dataset).lengths == tuple(LENGTHS) and len(opened) == 2 * counted  # train(): afresh
 
 
 def test_a_read_shard_that_takes_start_begins_there_instead_of_skipping():

@@ -68,11 +68,11 @@ def in_order(dataset: Any, role: str = "evaluated") -> Any:
     source = as_sharded(dataset)
     if source is None:
         return dataset
-    return StreamedDataset(source, _counted(source, role).lengths, 0, shuffle=False)
+    return StreamedDataset(source, _counted(source, role, again=False).lengths, 0, shuffle=False)
 
 
-def _counted(source: ShardedDataset, role: str) -> ShardCount:
-    count = count_shards(source)
+def _counted(source: ShardedDataset, role: str, again: bool = True) -> ShardCount:
+    count = count_shards(source, again)
     for name, error in count.skipped:
         warnings.warn(f"The {role} dataset's {name} was skipped: {error}", stacklevel=4)
     if count.counted:

@@ -32,10 +32,13 @@ class ShardCount:
     counted: bool = False
 
 
-def count_shards(dataset: ShardedDataset) -> ShardCount:
-    """The dataset's lengths: the user's, or counted by reading every shard once."""
+def count_shards(dataset: ShardedDataset, again: bool = True) -> ShardCount:
+    """The dataset's lengths: the user's, or counted by reading every shard once (unless
+    ``again`` is False and this object was counted before: ``evaluate()`` called twice)."""
     if dataset.lengths is not None:
         return ShardCount(tuple(dataset.lengths))
+    if not again and isinstance(dataset.count, ShardCount):
+        return dataclasses.replace(dataset.count, seconds=0.0, counted=False)
     started = time.monotonic()
 
     def count(index: int) -> int | ShardReadError:
@@ -64,4 +67,5 @@ def count_shards(dataset: ShardedDataset) -> ShardCount:
             lengths.append(result)
     seconds = time.monotonic() - started
     log.info("counted %d samples in %d shards in %.2f s", sum(lengths), len(lengths), seconds)
-    return ShardCount(tuple(lengths), tuple(skipped), seconds, counted=True)
+    dataset.count = ShardCount(tuple(lengths), tuple(skipped), seconds, counted=True)
+    return dataset.count

@@ -31,7 +31,8 @@ class ShardedDataset:
             begin at sample ``k`` (a format that can seek skips there at once); otherwise the
             first ``k`` samples are read and dropped.
         lengths: each shard's number of samples, if known. Otherwise the caller counts them
-            once, before any worker starts, by reading every shard (``train()`` says how long it took).
+            once, before any worker starts, by reading every shard (``train()`` says how long it
+            took); ``evaluate()`` and ``predict()`` count a dataset once, then keep its count.
         shuffle: read each epoch's shards in an order drawn from ``(seed, epoch)``, and each
             stream in windows of ``shuffle_window`` samples taken in a drawn order. ``False``: the
             shards' own order, front to back.
@@ -86,6 +87,9 @@ class ShardedDataset:
         self.shuffle_window = shuffle_window if shuffle else 1
         self.skip_unreadable = bool(skip_unreadable)
         self._seeks = _takes_start(read_shard)
+        # The caller's count of the shards' lengths (streams/lengths.py), kept for this object's
+        # later evaluate() and predict() calls; train() counts afresh.
+        self.count: Any = None
 
     def __repr__(self) -> str:
         return f"ShardedDataset({len(self.shards)} shards, read_shard={getattr(self.read_shard, '__name__', '?')})"

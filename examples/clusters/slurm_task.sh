@@ -14,7 +14,8 @@ set -euo pipefail
 run_dir=$1
 shift
 if [ "${SLURM_PROCID:?run by srun}" = 0 ]; then
-  FABRIC_MODEL_BIND_ADDRESS=$(hostname -I | awk '{print $1}')   # this node's first address
+  # This node's first address, unless the job's environment names one (another network).
+  FABRIC_MODEL_BIND_ADDRESS=${FABRIC_MODEL_BIND_ADDRESS:-$(hostname -I | awk '{print $1}')}
   export FABRIC_MODEL_BIND_ADDRESS FABRIC_MODEL_LOCAL_WORKERS=1
   exec "$@"
 fi

@@ -171,6 +171,14 @@ def test_a_ray_job_across_hosts_survives_a_node_crash_a_new_node_and_a_healed_pa
         start_ray_node(network, host, a)
     env = dict(ray_env(network), RAY_ADDRESS=f"{a.address}:{GCS_PORT}", EDT_HEARTBEAT_TIME_OUT=str(HEARTBEAT))
     env["EDT_START_TIME_OUT"] = f"{scaled(120.0):.0f}"  # actors start slowly on a busy machine
+    # Before the job starts (a refused client can take many seconds, which the run's paced steps
+    # would not last): Ray's token authentication is on, and a client with another token is refused.
+    probe = f"import ray; ray.init(address='{a.address}:{GCS_PORT}')"
+    client = d.popen(
+        [PY, "-c", probe], dict(env, RAY_AUTH_TOKEN="0" * 64), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    said = client.communicate(timeout=scaled(120.0))[0].decode(errors="replace")
+    assert client.returncode != 0 and "InvalidAuthToken" in said, said[-2000:]
     with open(driver_log, "wb") as log:
         cmd = [PY, "-m", "tests.multihost_job", str(run_dir), "-", str(flag), str(out), "ray"]
         driver = a.popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -195,13 +203,6 @@ def test_a_ray_job_across_hosts_survives_a_node_crash_a_new_node_and_a_healed_pa
     join = run_dir / "join.json"
     info = json.loads(wait("join.json", lambda: join.exists() and join.read_text(), timeout=90))
     assert info["driver"].rsplit(":", 1)[0] == a.address  # the node IP Ray reports for A
-    # Ray's token authentication is on: a client with another token is refused.
-    probe = f"import ray; ray.init(address='{a.address}:{GCS_PORT}')"
-    client = d.popen(
-        [PY, "-c", probe], dict(env, RAY_AUTH_TOKEN="0" * 64), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    said = client.communicate(timeout=scaled(120.0))[0].decode(errors="replace")
-    assert client.returncode != 0 and "InvalidAuthToken" in said, said[-2000:]
     # Our one port is on A's address. (Ray's own gRPC server in the driver process listens on
     # every interface of A's namespace: lo and A's address only.)
     port = info["driver"].rsplit(":", 1)[1]

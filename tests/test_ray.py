@@ -218,6 +218,21 @@ def test_the_start_up_line_names_what_each_actor_asks_of_ray():
         assert cluster.actor_shape == said
 
 
+def test_rays_note_on_its_default_excludes_stays_off_the_console():
+    """Ray warns when the uploaded folder holds ``__pycache__`` (any script's folder does); our
+    excludes leave it out anyway, so the note is dropped and Ray's other warnings pass."""
+    import logging
+
+    from fabric_model.launchers.ray_cluster import quiet_default_excludes
+
+    def record(msg: str) -> logging.LogRecord:
+        return logging.LogRecord("ray._private.runtime_env.working_dir", logging.WARNING, "f", 1, msg, ("x",), None)
+
+    note = "Directory %r is now ignored by default when packaging the working directory. To disable this behavior"
+    assert not quiet_default_excludes(record(note))
+    assert quiet_default_excludes(record("File %r is very large"))
+
+
 @pytest.mark.processes
 def test_import_and_local_runs_never_import_ray():
     code = (

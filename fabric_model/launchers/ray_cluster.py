@@ -13,6 +13,7 @@ its ``runtime_env`` entries are merged over ours.
 
 from __future__ import annotations
 
+import logging
 import site
 import sys
 import sysconfig
@@ -72,10 +73,23 @@ def _upload(env: dict[str, Any]) -> dict[str, Any]:
     node: Any = ray._private.worker.global_worker.node
     scratch = node.get_runtime_env_dir_path()
     gitignore = not RAY_IGNORE_GITIGNORE.get()  # as Ray's own uploads read it
-    env = upload_py_modules_if_needed(env, include_gitignore=gitignore, scratch_dir=scratch)
-    env = upload_working_dir_if_needed(env, include_gitignore=gitignore, scratch_dir=scratch)
+    loggers = [logging.getLogger(f"ray._private.runtime_env.{name}") for name in ("py_modules", "working_dir")]
+    for logger in loggers:
+        logger.addFilter(quiet_default_excludes)
+    try:
+        env = upload_py_modules_if_needed(env, include_gitignore=gitignore, scratch_dir=scratch)
+        env = upload_working_dir_if_needed(env, include_gitignore=gitignore, scratch_dir=scratch)
+    finally:
+        for logger in loggers:
+            logger.removeFilter(quiet_default_excludes)
     env.pop("excludes", None)
     return env
+
+
+def quiet_default_excludes(record: logging.LogRecord) -> bool:
+    """Drops Ray's warning that a folder of its default excludes (``__pycache__``, ``.git``) is no
+    longer uploaded: ``EXCLUDES`` leaves them out anyway, and the user's console gets our lines only."""
+    return "is now ignored by default when packaging" not in str(record.msg)
 
 
 class RayCluster:

@@ -86,7 +86,8 @@ def test_a_ray_cluster_with_token_authentication_survives_a_crash_a_new_node_and
 @pytest.mark.timeout(400)
 def test_a_slurm_job_ended_by_its_time_limit_goes_on_from_its_checkpoint_on_other_hosts(tmp_path, undisturbed):  # noqa: F811
     """Slurm's time limit signals every process of the allocation: the driver saves, stops the
-    workers and exits 143 within KillWait, the workers started by hand exit 0 told why; the
+    workers and exits 143 within KillWait, the workers started by hand exit 0 told why (by the
+    driver, or their own SIGTERM when it came first: they leave after their step); the
     requeued job, on 2 other hosts, goes on from the checkpoint to the undisturbed weights."""
     netns.skip_unless_available()
     work = tmp_path / "work"
@@ -95,12 +96,14 @@ def test_a_slurm_job_ended_by_its_time_limit_goes_on_from_its_checkpoint_on_othe
     assert lines[1] == "allocation 1: tasks exited 143 0 0 (A's driver: 143 is SIGTERM)", lines
     assert re.fullmatch(r"SIGTERM: preempted at epoch \d, step \d+/10; resume with train\(.*resume=True\)", lines[2])
     assert lines[3] == "allocation 2: tasks exited 0 0", lines
-    for task in (1, 2):
-        assert "exiting (0): the job ended (preempted)" in (work / f"task-1-{task}.log").read_text()
+    for task in (1, 2):  # told by the driver, or (its SIGTERM first) left after its step: Slurm's order is none
+        said = (work / f"task-1-{task}.log").read_text()
+        assert re.search(r"exiting \(0\): (the job ended \(preempted\)|leaves \(SIGTERM\) after unit)", said), said
     assert 'resume="auto": the run in' in (work / "task-2-0.log").read_text()
     reasons = [line.strip() for line in lines if line.startswith("           ")]
     resumed = [i for i, r in enumerate(reasons) if r.startswith("start, resumed from ckpt-unit-")]
-    assert len(resumed) == 1 and "joins" in reasons[resumed[0] - 1], reasons  # B and C had joined, once or twice
+    assert len(resumed) == 1 and "joins" in reasons[1], reasons  # B and C had joined, once or twice
+    assert all("joins" in r or "leaves (SIGTERM)" in r for r in reasons[1 : resumed[0]]), reasons
     assert re.search(r"gen \d+: 2 on 10\.235\.0\.4, 10\.235\.0\.5", lines[-4]), lines  # the requeued allocation: D, E
     screen = (work / "task-2-0.log").read_text()
     joined = re.findall(r"now 2 workers \(worker \d+ on ([\d.]+) joins\)", screen)

@@ -271,6 +271,42 @@ def test_a_member_told_to_go_leaves_without_an_abort_and_the_others_go_on_from_t
     assert [c for c in m.tick(6.2) if isinstance(c, Start)] == [Start(1, 3)]
 
 
+def test_a_generation_names_every_worker_that_left_or_was_lost_not_the_peer_that_reported_first():
+    """A peer's report ("worker 0: allreduce failed") often begins a change before the driver
+    learns its cause; the next generation names the causes: each lost or leaving worker, and
+    the joiners it took in, as the screen shows them (docs/architecture.md, "Elasticity")."""
+    m = started(4)
+    for w in range(4):
+        m.seen(w, 5.0)
+    m.left(0, p.LeftGeneration(0, 12, failed=True, reason="allreduce failed"), 5.0)
+    m.lost(1, "process exited with code -9", 5.0)
+    m.lost(2, "process exited with code -9", 5.1)
+    m.seen(9, 5.1)
+    m.ready(9, 1, 5.1)  # started by hand, ready while the change is under way: taken in
+    m.left(3, p.LeftGeneration(0, 12, failed=True, reason="allreduce failed"), 5.2)
+    record = formed(m.tick(5.3))
+    assert record.members == (0, 3, 9) and record.subjects == (1, 2, 9)
+    assert record.reason == "workers 1, 2 lost: process exited with code -9; worker 9 joins"
+
+
+def test_workers_that_leave_together_are_named_together_and_a_joiner_without_room_is_not_named():
+    m = started(3, replace=False)
+    for w in range(3):
+        m.seen(w, 5.0)
+    m.left(1, p.LeftGeneration(0, 12, False, "leaves (SIGTERM)", leaving=True), 5.0)
+    m.left(0, p.LeftGeneration(0, 12, failed=False, reason="switch"), 5.0)
+    m.left(2, p.LeftGeneration(0, 12, False, "leaves (SIGTERM)", leaving=True), 5.0)
+    record = formed(m.tick(5.1))
+    assert (record.members, record.reason, record.subjects) == ((0,), "workers 1, 2 leave (SIGTERM)", (1, 2))
+    for w in (7, 8, 9):  # three hand-started workers ready at once: room for two
+        m.seen(w, 6.0)
+        m.ready(w, 1, 6.0)
+    m.seen(0, 6.0)
+    m.left(0, p.LeftGeneration(1, 20, failed=False, reason="switch"), 6.0)
+    record = formed(m.tick(6.1))
+    assert (record.members, record.reason, record.subjects) == ((0, 7, 8), "workers 7, 8 join", (7, 8))
+
+
 def test_a_join_beyond_engines_number_is_refused():
     m = started(2)
     m.seen(9, 3.0)

@@ -102,8 +102,8 @@ def test_a_slurm_job_ended_by_its_time_limit_goes_on_from_its_checkpoint_on_othe
     assert 'resume="auto": the run in' in (work / "task-2-0.log").read_text()
     reasons = [line.strip() for line in lines if line.startswith("           ")]
     resumed = [i for i, r in enumerate(reasons) if r.startswith("start, resumed from ckpt-unit-")]
-    assert len(resumed) == 1 and "joins" in reasons[1], reasons  # B and C had joined, once or twice
-    assert all("joins" in r or "leaves (SIGTERM)" in r for r in reasons[1 : resumed[0]]), reasons
+    assert len(resumed) == 1 and re.search(r"\bjoins?$", reasons[1]), reasons  # B and C had joined, together or not
+    assert all(re.search(r"\b(joins?|leaves? \(SIGTERM\))$", r) for r in reasons[1 : resumed[0]]), reasons
     assert re.search(r"gen \d+: 2 on 10\.235\.0\.4, 10\.235\.0\.5", lines[-4]), lines  # the requeued allocation: D, E
     screen = (work / "task-2-0.log").read_text()
     joined = re.findall(r"now 2 workers \(worker \d+ on ([\d.]+) joins\)", screen)

@@ -173,14 +173,18 @@ def test_a_change_of_workers_on_several_hosts_names_the_host(columns):
     stream = Terminal()
     bar = ProgressBar(3, 4, 8, stream=stream)
     bar.log_train_metrics(METRICS, 1, 0, 2)
-    bar.on_generation({"members": [0, 3], "reason": "worker 3 joins", "host": "10.0.0.7"})
-    bar.on_generation({"members": [0], "reason": "worker 3 lost: connection lost (EOFError())", "host": "10.0.0.7"})
+    bar.on_generation({"members": [0, 3], "reason": "worker 3 joins", "hosts": {3: "10.0.0.7"}})
+    lost = "worker 3 lost: connection lost (EOFError())"
+    bar.on_generation({"members": [0], "reason": lost, "hosts": {3: "10.0.0.7"}})
     bar.on_generation({"members": [0, 4], "reason": "worker 4 joins"})  # one host: no address
+    two = {5: "10.0.0.8", 6: "10.0.0.8", 7: "10.0.0.9"}  # one host's two workers leave, another's joins
+    bar.on_generation({"members": [0, 7], "reason": "workers 5, 6 leave (SIGTERM); worker 7 joins", "hosts": two})
     bar.close()
     text = stream.getvalue()
     assert "now 2 workers (worker 3 on 10.0.0.7 joins)" in text
     assert "now 1 worker (worker 3 on 10.0.0.7 lost: connection lost)" in text
     assert "now 2 workers (worker 4 joins)" in text
+    assert "now 2 workers (workers 5, 6 on 10.0.0.8 leave; worker 7 on 10.0.0.9 joins)" in text
 
 
 def test_library_lines_print_above_the_bar_cut_to_the_width(columns):

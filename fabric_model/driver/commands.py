@@ -65,6 +65,7 @@ class Formed:
     checkpoint: str | None
     restored: str | None = None  # "checkpoint" or "snapshot": what every member loaded
     rolled_back_from: int | None = None  # the committed unit given up (no holder of it was left)
+    subjects: tuple[int, ...] = ()  # the workers the reason names (joined, left, lost)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,6 @@ import collections
 import dataclasses
 import logging
 import queue
-import re
 import secrets
 import time
 from collections.abc import Callable
@@ -582,9 +581,8 @@ class Driver:
             hosts=hosts,
         )
         record = {"generation": formed.generation, "members": list(formed.members), "reason": formed.reason}
-        named = re.match(r"worker (\d+)\b", formed.reason)
-        if named and len(set(self._hosts.values())) > 1:  # a run on several hosts: the screen says which
-            record["host"] = self._hosts.get(int(named.group(1)), "?")
+        if formed.subjects and len(set(self._hosts.values())) > 1:  # a run on several hosts: the screen says which
+            record["hosts"] = {w: self._hosts.get(w, "?") for w in formed.subjects}
         self.hooks.on_generation({**record, "resume_unit": formed.resume_unit, "iteration": self.progress.iteration})
         log.log(
             logging.INFO if formed.reason == "start" else logging.WARNING,

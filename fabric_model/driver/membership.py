@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 from ..errors import JobError
 from ..transport import protocol as p
+from .change import JOINS, Change
 from .commands import (
     AbortGeneration,
     Checkpoints,
@@ -75,15 +76,6 @@ class WorkerRecord:
     placed: float | None = None  # when its process got a place to run; None while pending
 
 
-@dataclasses.dataclass
-class _Change:
-    """A generation ending: why, since when, and how far each member got."""
-
-    reason: str
-    started: float
-    reports: dict[int, int] = dataclasses.field(default_factory=dict)  # worker id -> next_unit
-
-
 class Membership:
     """The membership state machine of one job. Every public method is an event and returns
     the commands it causes; an unrecoverable state raises (``JobError`` or the user's error)."""
@@ -102,7 +94,7 @@ class Membership:
         self._committed = committed or CommittedUnit()  # the driver's ledger's, shared
         self.finishing = False
         self.final_from = -1
-        self._change: _Change | None = None
+        self._change: Change | None = None
         self._started = 0.0
         self._finish_started = 0.0
         self._aborted_generation = -1
@@ -162,7 +154,7 @@ class Membership:
         commands: list[Command] = []
         if record.state is WorkerState.MEMBER and worker_id in self.members:
             # Its pull failed: the members may be blocked waiting for it in this generation.
-            self._begin_change(f"worker {worker_id} failed to enter generation {self.generation}", now)
+            self._cause(worker_id, f"failed to enter generation {self.generation}", now)
             commands += self._abort_members()
         taken = [w for w in self._in(WorkerState.MEMBER, WorkerState.READY, WorkerState.DONE) if w != worker_id]
         if len(taken) >= self.limits.max_workers or self.finishing:
@@ -174,10 +166,12 @@ class Membership:
         record.state = WorkerState.READY
         if self.generation < 0:
             if not self._placed_starting():
-                commands += self._form_generation("start")
+                commands += self._form_generation(None)
         elif self._change is None:
-            self._begin_change(f"worker {worker_id} joins", now)
+            self._cause(worker_id, JOINS, now)
             commands += [Send(m, p.JoinPending(self.generation + 1)) for m in self.members]
+        else:  # a change under way takes it in, if there is room: its reason names it then
+            self._cause(worker_id, JOINS, now)
         return commands
 
     def placement(self, pending: frozenset[int] | set[int], now: float) -> None:
@@ -237,10 +231,7 @@ class Membership:
         if record.slot is not None and self.limits.replace_workers and not self.finishing:
             self._replacements.append((now + self._backoff(record.slot, True, crashed=False), record.slot))
         if message.generation == self.generation and worker_id in self.members and not self.finishing:
-            reason = f"worker {worker_id} {message.reason}"
-            if self._change is not None and self._change.reason.endswith(": switch"):
-                self._change.reason = reason  # a peer's report came first: the leave is the cause
-            self._begin_change(reason, now)
+            self._cause(worker_id, message.reason, now)
         return []
 
     def finished(self, worker_id: int, next_unit: int) -> None:
@@ -313,7 +304,7 @@ class Membership:
             delay = self._backoff(record.slot, record.placed is not None, crashed)
             self._replacements.append((now + delay, record.slot))
         if was_member and not self.finishing:
-            self._begin_change(f"worker {worker_id} lost: {reason}", now)
+            self._cause(worker_id, f"lost: {reason}", now)
             commands += self._abort_members()
         return commands
 
@@ -336,7 +327,7 @@ class Membership:
         if self.generation < 0:
             placed = [t for w in self._in(WorkerState.STARTING) if (t := self.workers[w].placed) is not None]
             if self._in(WorkerState.READY) and not placed:
-                commands += self._form_generation("start")  # the others failed or wait for room: go without them
+                commands += self._form_generation(None)  # the others failed or wait for room: go without them
             elif placed and now - min(placed) > self.limits.start:
                 commands += self._start_deadline()
             elif not placed and not self._in(WorkerState.READY) and now - self._started > self.limits.start:
@@ -373,12 +364,19 @@ class Membership:
                 f"no worker became ready within {self.limits.start:.0f} s (EDT_START_TIME_OUT). "
                 f"Their logs:\n" + self._log_tail(missing)
             )
-        return self._form_generation("start")
+        return self._form_generation(None)
 
     def _begin_change(self, reason: str, now: float) -> None:
         if self._change is None:
             log.info("generation %d ending: %s", self.generation, reason)
-            self._change = _Change(reason, now)
+            self._change = Change(reason, now)
+
+    def _cause(self, worker_id: int, what: str, now: float) -> None:
+        """Worker ``worker_id`` joined, left or was lost: the change's reason names it (a peer's
+        report, "worker 0: allreduce failed", may have begun the change before)."""
+        self._begin_change(f"worker {worker_id} {what}", now)
+        assert self._change is not None
+        self._change.cause(worker_id, what)
 
     def _abort_members(self) -> list[Command]:
         """Tell the members to give up this generation's collectives (once per generation)."""
@@ -405,9 +403,9 @@ class Membership:
             return [Settle(total, self.generation), *self._request_final()]
         if not reports:
             return self._without_holders(change, now)
-        return self._form_generation(change.reason, reports)
+        return self._form_generation(change, reports)
 
-    def _without_holders(self, change: _Change, now: float) -> list[Command]:
+    def _without_holders(self, change: Change, now: float) -> list[Command]:
         """No member holds the state: go on with whoever becomes ready, from the newest saved
         state at or below the committed unit (``_form_generation``), else from unit 0."""
         if not self._in(WorkerState.READY):
@@ -415,13 +413,14 @@ class Membership:
             if (not self._replacements and not self._in(WorkerState.STARTING)) or waited > self.limits.recovery:
                 hint = "; resume from the newest checkpoint with train(..., resume=True)"
                 raise self._last_user_error or JobError(
-                    f"no worker left and none became ready in {waited:.0f} s ({change.reason})"
+                    f"no worker left and none became ready in {waited:.0f} s ({change.reason(())})"
                     + (hint if self.checkpoints.has_any() else "")
                 )
             return []  # wait for a replacement (started or due) to become ready
-        return self._form_generation(change.reason, {})
+        return self._form_generation(change, {})
 
-    def _form_generation(self, reason: str, reports: dict[int, int] | None = None) -> list[Command]:
+    def _form_generation(self, change: Change | None, reports: dict[int, int] | None = None) -> list[Command]:
+        """The next generation, after ``change`` (None: the first)."""
         reports = reports or {}
         survivors = [m for m in self.members if m in reports]
         room = self.limits.max_workers - len(survivors)
@@ -442,11 +441,14 @@ class Membership:
         data = restore.data if restore is not None else None
         self.generation += 1
         self.members, self._change = members, None
+        reason, subjects = (change.reason(members), change.subjects(members)) if change else ("start", ())
         checkpoint = restore.name if restore is not None and restore.kind == "checkpoint" else None
         kind = restore.kind if restore is not None else None
         # Formed before the Sends: the driver's store admits the members before they are told.
         commands.append(
-            Formed(self.generation, tuple(members), reason, resume, source, checkpoint, kind, rolled_back_from)
+            Formed(
+                self.generation, tuple(members), reason, resume, source, checkpoint, kind, rolled_back_from, subjects
+            )
         )
         for rank, worker_id in enumerate(members):
             record = self.workers[worker_id]

@@ -13,7 +13,6 @@ the rest of what happens is in ``logs/driver.log`` (docs/training.md, "The scree
 from __future__ import annotations
 
 import dataclasses
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from typing import Any, TextIO
 
 from . import screen
 from .screen import Bar, Field
-from .status import short_reason
+from .status import name_hosts, short_reason
 
 #: Seconds between the plain progress lines written when the stream is not a terminal.
 PLAIN_INTERVAL = 10.0
@@ -265,8 +264,8 @@ class ProgressBar:
         else:
             self._flush(final=True)  # the epochs before the change stay above its line
             reason = short_reason(record["reason"])
-            if record.get("host"):  # on several hosts: which one ("worker 3 on 10.0.0.7 joins")
-                reason = re.sub(r"^worker (\d+)", lambda m: f"{m.group(0)} on {record['host']}", reason, count=1)
+            if record.get("hosts"):  # on several hosts: which ("worker 3 on 10.0.0.7 joins")
+                reason = name_hosts(reason, record["hosts"])
             self.write(f"now {screen.count(self.workers, 'worker')} ({reason})")
 
     def note(self, line: str) -> None:

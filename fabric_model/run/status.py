@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +48,26 @@ class RunSummary:
 
 def short_reason(reason: str, limit: int = 60) -> str:
     """A generation's reason for a screen or a table: who and what, without the error's internals
-    ("worker 2: allreduce failed: [.../gloo/.../pair.cc:537] Read error ..." -> "worker 2: allreduce failed")."""
-    parts = reason.split(": ")
-    text = ": ".join(parts[:2]).split(" (")[0].split(" [")[0].strip()
+    ("worker 2: allreduce failed: [.../gloo/.../pair.cc:537] Read error ..." -> "worker 2: allreduce failed"),
+    each of several causes so ("worker 2 lost: ...; worker 5 joins")."""
+    text = "; ".join(_short_cause(cause) for cause in reason.split("; "))
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _short_cause(cause: str) -> str:
+    parts = cause.split(": ")
+    return ": ".join(parts[:2]).split(" (")[0].split(" [")[0].strip()
+
+
+def name_hosts(reason: str, hosts: dict[int, str]) -> str:
+    """Each worker a reason names, with its host: "worker 3 joins" -> "worker 3 on 10.0.0.7 joins",
+    "workers 3, 4 leave" -> "workers 3, 4 on 10.0.0.2, 10.0.0.3 leave" (a host named once)."""
+
+    def on(named: re.Match[str]) -> str:
+        where = dict.fromkeys(hosts.get(int(i), "?") for i in named.group(1).split(", "))
+        return f"{named.group(0)} on {', '.join(where)}"
+
+    return re.sub(r"\bworkers? (\d+(?:, \d+)*)", on, reason)
 
 
 def generations(records: list[dict[str, Any]]) -> list[Generation]:

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import logging
 import re
+import subprocess
 import sys
 
 import numpy as np
@@ -16,6 +17,7 @@ import torch
 from fabric_model.frameworks.export import ExportError, export_onnx, onnx_max_diff
 
 from .helpers import need
+from .load import scaled
 
 TOLERANCE = 1e-4
 
@@ -196,6 +198,29 @@ def test_keras_cnn_agrees_at_other_batch_sizes(keras_deps, tmp_path):
     assert sorted(p.name for p in path.parent.iterdir()) == ["model.onnx"]
     for n in (1, 7):
         assert onnx_max_diff(path, "keras", model, [rng.normal(size=(n, 8, 8, 1)).astype("float32")]) < TOLERANCE
+
+
+EXPORT_IN_A_FRESH_PROCESS = """
+import sys, numpy as np
+from fabric_model import quiet_tensorflow
+with quiet_tensorflow():
+    import keras
+from fabric_model.frameworks.export import export_onnx
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+print(export_onnx("keras", model, np.ones((3, 4), "float32"), sys.argv[1]))
+"""
+
+
+@pytest.mark.processes
+def test_a_keras_export_prints_nothing_of_the_libraries_it_uses(keras_deps, tmp_path):
+    """The export runs in the user's process after training: Keras' numpy probe (a FutureWarning
+    on np.object, said once per process) and TensorFlow's notices stay off their screen."""
+    out = subprocess.run(
+        [sys.executable, "-c", EXPORT_IN_A_FRESH_PROCESS, str(tmp_path / "model.onnx")],
+        capture_output=True, text=True, timeout=scaled(120),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(out.stdout) < TOLERANCE and out.stderr == "", out.stderr
 
 
 def test_keras_subclassed_model_with_dict_input(keras_deps, tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -90,15 +91,19 @@ def export_keras(model: Any, sample: Any, path: str) -> None:
             raise _error(name, model, "the model fails on sample_input", exc) from exc
     signature = keras_signature(model, sample)
     try:
-        if flavor.has_onnx_exporter():
-            # Keras' own exporter traces call(training=False) over the signature and patches tf2onnx for
-            # numpy 2; it wants an explicit signature for models that were never called.
-            model.export(path, format="onnx", verbose=False, input_signature=signature)
-        else:
-            # tf2onnx.convert.from_keras fails on Keras 3 models (KeyError on 'keras_tensor_N'); a
-            # tf.function over the same signature converts (Keras 2 models too, which have no exporter).
-            function = tf.function(lambda *args: model(*args, training=False), input_signature=signature)
-            tf2onnx.from_function(function, input_signature=signature, output_path=path)
+        with warnings.catch_warnings():
+            # Keras' patch of tf2onnx for numpy 2 probes np.object, which numpy answers with a
+            # FutureWarning on the user's screen: the probe is Keras' business, not the user's.
+            warnings.filterwarnings("ignore", message=r"In the future `np\.object`", category=FutureWarning)
+            if flavor.has_onnx_exporter():
+                # Keras' own exporter traces call(training=False) over the signature and patches tf2onnx for
+                # numpy 2; it wants an explicit signature for models that were never called.
+                model.export(path, format="onnx", verbose=False, input_signature=signature)
+            else:
+                # tf2onnx.convert.from_keras fails on Keras 3 models (KeyError on 'keras_tensor_N'); a
+                # tf.function over the same signature converts (Keras 2 models too, which have no exporter).
+                function = tf.function(lambda *args: model(*args, training=False), input_signature=signature)
+                tf2onnx.from_function(function, input_signature=signature, output_path=path)
     except Exception as exc:
         raise _error(
             name,

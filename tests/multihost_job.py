@@ -9,6 +9,10 @@ test's faults land mid-run however slow the host is; the final state goes to ``O
 runs it (examples/clusters/slurm.sh): ``train(..., resume="auto")``, on the address of
 ``$FABRIC_MODEL_BIND_ADDRESS``, so a requeued job goes on from its checkpoint.
 
+``MH_HOLD=FILE`` in the driver's environment holds its local worker in its set-up (before it is
+ready to train) while ``FILE`` exists: a recipe uses it to have workers started by hand connect
+before the first generation forms, so that generation takes them in (``FM_RECIPE_JOIN=first``).
+
 ``python -m tests.multihost_job RUN_DIR - PACE_FLAG OUT ray`` trains on 2 engines with
 ``cluster="ray"`` on the cluster of ``RAY_ADDRESS`` (tests/test_multihost_ray.py): it waits
 for two nodes with CPUs first, and the driver listens on the node IP Ray reports.
@@ -23,7 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from fabric_model import FabricModel
+from fabric_model import FabricModel, worker_context
 from fabric_model.step.plan import Plan
 
 from .helpers import fresh_model_and_optimizer, make_data
@@ -35,6 +39,11 @@ PLAN = Plan(len(DATA), BATCH, GLOBAL // BATCH, SEED)
 
 
 def datasets():
+    hold = os.environ.get("MH_HOLD")
+    if hold and worker_context() is not None:  # a local worker of a driver told to hold them
+        deadline = time.monotonic() + scaled(120.0)
+        while os.path.exists(hold) and time.monotonic() < deadline:
+            time.sleep(0.05)
     return DATA, DATA[:24]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -102,19 +103,36 @@ def test_worker_error_prints_once_with_the_users_frame_first(run_dir, tmp_path):
 
 
 DRIVER_SCRIPT = textwrap.dedent("""
-    import sys, torch, torch.nn.functional as F
+    import json, sys, torch, torch.nn.functional as F
     sys.path.insert(0, {repo!r})
+    {prelude}
     from tests.helpers import fresh_model_and_optimizer, make_data
     from fabric_model import FabricModel
+    from fabric_model.launchers.fork_safety import fork_blockers
     data = make_data(4000)
+    with open({blockers!r}, "w") as f:  # what FabricModel(...) finds: fork, or start a fresh interpreter
+        json.dump(fork_blockers(), f)
     model, opt = fresh_model_and_optimizer()
     FabricModel(model, lambda: (data, None), F.cross_entropy, opt).train(1000, 4, 2, run_dir={run_dir!r})
 """)
 
+#: How the script begins: whether the job's warm process can be a fork of it depends on what ran
+#: before FabricModel(...) (docs/architecture.md, "Start-up"), and on a given CPU any torch
+#: operation may start OpenMP's threads. Both ways are run, each made certain.
+PRELUDES = {
+    # One intra-op thread: no torch operation starts OpenMP's pool, so the script can be forked.
+    "fork-safe": "torch.set_num_threads(1)",
+    # A parallel operation on two threads: OpenMP's pool runs, so the warm process starts fresh.
+    "openmp-started": "torch.set_num_threads(2); torch.ones(1 << 22).add_(1.0)",
+}
 
-def _start_driver(run_dir: Path) -> tuple[subprocess.Popen, list[psutil.Process]]:
+
+def _start_driver(run_dir: Path, prelude: str) -> tuple[subprocess.Popen, list[psutil.Process]]:
     """The driver script training, its warm process and workers: on any failure here, all ended and reaped."""
-    script = DRIVER_SCRIPT.format(repo=str(REPO), run_dir=str(run_dir))
+    blockers = run_dir.parent / "fork_blockers.json"
+    script = DRIVER_SCRIPT.format(
+        repo=str(REPO), run_dir=str(run_dir), prelude=PRELUDES[prelude], blockers=str(blockers)
+    )
     # SIGINT as a terminal leaves it (the test sends it), whatever this process inherited.
     proc = subprocess.Popen(
         [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=interruptible
@@ -126,10 +144,15 @@ def _start_driver(run_dir: Path) -> tuple[subprocess.Popen, list[psutil.Process]
             assert proc.poll() is None, proc.stdout.read().decode()
             time.sleep(0.1)
         assert metrics.exists(), "training did not start within 60 s"
-        # The warm process and the two workers it forked (docs/architecture.md, "Start-up"): here a
-        # fork of the script, which ran no torch operation before FabricModel(...).
+        # The warm process and the two workers it forked: a fork of the script where nothing
+        # stood in the way, else a fresh interpreter (docs/architecture.md, "Start-up").
+        why_not = json.loads(blockers.read_text())
+        assert bool(why_not) == (prelude == "openmp-started"), why_not
         (warm,) = psutil.Process(proc.pid).children()
-        assert warm.cmdline() == psutil.Process(proc.pid).cmdline()
+        if why_not:
+            assert warm.cmdline()[-2:] == ["fabric_model.launchers.warm", "torch"], warm.cmdline()
+        else:
+            assert warm.cmdline() == psutil.Process(proc.pid).cmdline()
         processes = [warm, *warm.children()]
         assert len(processes) == 3, [c.cmdline() for c in processes]
     except BaseException:
@@ -146,8 +169,9 @@ def _assert_gone(workers: list[psutil.Process], within: float) -> None:
     assert not alive, f"workers still running: {[p.pid for p in alive]}"
 
 
-def test_ctrl_c_stops_everything(run_dir):
-    proc, workers = _start_driver(run_dir)
+@pytest.mark.parametrize("prelude", PRELUDES)
+def test_ctrl_c_stops_everything(run_dir, prelude):
+    proc, workers = _start_driver(run_dir, prelude)
     proc.send_signal(signal.SIGINT)
     try:
         out, _ = proc.communicate(timeout=30)
@@ -160,8 +184,9 @@ def test_ctrl_c_stops_everything(run_dir):
     _assert_gone(workers, within=10)
 
 
-def test_killed_driver_takes_its_workers_along(run_dir):
-    proc, workers = _start_driver(run_dir)
+@pytest.mark.parametrize("prelude", PRELUDES)
+def test_killed_driver_takes_its_workers_along(run_dir, prelude):
+    proc, workers = _start_driver(run_dir, prelude)
     proc.kill()
     proc.communicate(timeout=10)  # reaped, its pipe read and closed
     _assert_gone(workers, within=10)

@@ -22,10 +22,16 @@ from .test_multihost import assert_exactly_once, undisturbed  # noqa: F401 (a fi
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_recipe(script: str, work: Path, tag: str, net: str, timeout: float) -> list[str]:
+#: Workers started by hand connect before the driver's first generation forms (it takes them in)
+#: or after (they join it): ``FM_RECIPE_JOIN`` forces one order, and each recipe must hold in both.
+JOIN_ORDERS = ("first", "after")
+
+
+def run_recipe(script: str, work: Path, tag: str, net: str, timeout: float, join: str = "") -> list[str]:
     """``bash examples/clusters/<script> WORK`` as the docs show it (its namespaces named by
-    ``tag``, on ``net``): the lines it printed, once it ended well and left no namespace."""
-    env = dict(os.environ, FM_RECIPE_TAG=tag, FM_RECIPE_NET=net)
+    ``tag``, on ``net``; the join order ``join`` forced when given): the lines it printed, once it
+    ended well and left no namespace."""
+    env = dict(os.environ, FM_RECIPE_TAG=tag, FM_RECIPE_NET=net, FM_RECIPE_JOIN=join)
     out = subprocess.run(
         ["bash", f"examples/clusters/{script}", str(work)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(timeout),
@@ -44,18 +50,28 @@ def assert_same_training(work: Path, reference: dict) -> None:
 @pytest.mark.multihost
 @pytest.mark.processes
 @pytest.mark.timeout(400)
-def test_workers_started_by_hand_survive_a_crash_a_partition_and_rejoin(tmp_path, undisturbed):  # noqa: F811
+@pytest.mark.parametrize("join", JOIN_ORDERS)
+def test_workers_started_by_hand_survive_a_crash_a_partition_and_rejoin(tmp_path, undisturbed, join):  # noqa: F811
     netns.skip_unless_available()
-    lines = run_recipe("hand_started.sh", tmp_path / "work", f"fmr{os.getpid() % 10000}", "10.233.0", 300.0)
+    lines = run_recipe("hand_started.sh", tmp_path / "work", f"fmr{os.getpid() % 10000}", "10.233.0", 300.0, join)
     assert re.fullmatch(r"\[fabric-model\] done: 80 steps, every sample once an epoch, 2 replicas agree", lines[-2])
     reasons = [line.strip() for line in lines if line.startswith("           ")]
-    assert reasons[1] == "worker 3 joins" and "lost" in reasons[2] and "EDT_HEARTBEAT_TIME_OUT" in reasons[4], reasons
-    assert any("gen 5: 2 on 10.233.0.1, 10.233.0.2" in line for line in lines)  # hosts by address
+    # B's first worker (3) was in the first generation, or joined A's: then a crash, a join, a partition, a join.
+    first = ["start"] if join == "first" else ["start", "worker 3 joins"]
+    assert reasons[: len(first)] == first, reasons
+    rest = reasons[len(first) :]
+    assert len(rest) == 4 and "worker 3 lost" in rest[0] and rest[1] == "worker 4 joins", reasons
+    assert "worker 4 lost" in rest[2] and "EDT_HEARTBEAT_TIME_OUT" in rest[2] and rest[3] == "worker 5 joins", reasons
+    generations = [line for line in lines if re.match(r"\+\s*[\d.]+ s gen \d+: ", line)]
+    assert "2 on 10.233.0.1, 10.233.0.2" in generations[0 if join == "first" else 1], generations  # hosts by address
+    assert "2 on 10.233.0.1, 10.233.0.2" in generations[-1], generations
     assert "exiting (4): removed from the job" in (tmp_path / "work" / "b.log").read_text()  # fenced at the heal
     console = (tmp_path / "work" / "driver.out").read_text()  # what the user watched: our lines, hosts by address
-    assert "now 2 workers (worker 3 on 10.233.0.2 joins)" in console
+    joined = re.findall(r"^now 2 workers \(worker (\d) on 10\.233\.0\.2 joins\)$", console, re.M)
+    assert joined == (["4", "5"] if join == "first" else ["3", "4", "5"]), console
     assert "now 1 worker (worker 3 on 10.233.0.2 lost: connection lost)" in console
-    assert all(line.startswith(("[fabric-model] ", "epoch ", "now ", "1 worker ")) for line in console.splitlines())
+    started = "2 workers training" if join == "first" else "1 worker training"
+    assert all(line.startswith(("[fabric-model] ", "epoch ", "now ", started)) for line in console.splitlines())
     assert_same_training(tmp_path / "work", undisturbed)
 
 
@@ -84,14 +100,16 @@ def test_a_ray_cluster_with_token_authentication_survives_a_crash_a_new_node_and
 @pytest.mark.multihost
 @pytest.mark.processes
 @pytest.mark.timeout(400)
-def test_a_slurm_job_ended_by_its_time_limit_goes_on_from_its_checkpoint_on_other_hosts(tmp_path, undisturbed):  # noqa: F811
+@pytest.mark.parametrize("join", JOIN_ORDERS)
+def test_a_slurm_job_ended_by_its_time_limit_goes_on_from_its_checkpoint_on_other_hosts(tmp_path, undisturbed, join):  # noqa: F811
     """Slurm's time limit signals every process of the allocation: the driver saves, stops the
     workers and exits 143 within KillWait, the workers started by hand exit 0 told why (by the
     driver, or their own SIGTERM when it came first: they leave after their step); the
-    requeued job, on 2 other hosts, goes on from the checkpoint to the undisturbed weights."""
+    requeued job, on 2 other hosts, goes on from the checkpoint to the undisturbed weights.
+    B's and C's workers are in the first generation, or join it, whichever srun's order gives."""
     netns.skip_unless_available()
     work = tmp_path / "work"
-    lines = run_recipe("slurm.sh", work, f"fms{os.getpid() % 10000}", "10.235.0", 300.0)
+    lines = run_recipe("slurm.sh", work, f"fms{os.getpid() % 10000}", "10.235.0", 300.0, join)
     assert re.fullmatch(r"allocation: every process ended [\d.]+ s after SIGTERM", lines[0]), lines  # no SIGKILL
     assert lines[1] == "allocation 1: tasks exited 143 0 0 (A's driver: 143 is SIGTERM)", lines
     assert re.fullmatch(r"SIGTERM: preempted at epoch \d, step \d+/10; resume with train\(.*resume=True\)", lines[2])
@@ -102,8 +120,15 @@ def test_a_slurm_job_ended_by_its_time_limit_goes_on_from_its_checkpoint_on_othe
     assert 'resume="auto": the run in' in (work / "task-2-0.log").read_text()
     reasons = [line.strip() for line in lines if line.startswith("           ")]
     resumed = [i for i, r in enumerate(reasons) if r.startswith("start, resumed from ckpt-unit-")]
-    assert len(resumed) == 1 and re.search(r"\bjoins?$", reasons[1]), reasons  # B and C had joined, together or not
-    assert all(re.search(r"\b(joins?|leaves? \(SIGTERM\))$", r) for r in reasons[1 : resumed[0]]), reasons
+    assert len(resumed) == 1 and reasons[0] == "start", reasons
+    before = reasons[1 : resumed[0]]  # joins (B and C together or one by one) and SIGTERM leaves only
+    assert all(re.search(r"\b(joins?|leaves? \(SIGTERM\))$", r) for r in before), reasons
+    assert any(re.search(r"\bjoins?$", r) for r in before) == (join == "after"), reasons
+    generations = [line for line in lines if re.match(r"\+\s*[\d.]+ s gen \d+: ", line)]
+    allocation_1 = generations[: resumed[0]]
+    hosts = [set(re.findall(r"10\.235\.0\.\d", g)) for g in allocation_1]
+    assert {"10.235.0.1", "10.235.0.2", "10.235.0.3"} in hosts, generations  # A, B and C trained together
+    assert hosts[0] == ({"10.235.0.1", "10.235.0.2", "10.235.0.3"} if join == "first" else {"10.235.0.1"}), hosts
     assert re.search(r"gen \d+: 2 on 10\.235\.0\.4, 10\.235\.0\.5", lines[-4]), lines  # the requeued allocation: D, E
     screen = (work / "task-2-0.log").read_text()
     joined = re.findall(r"now 2 workers \(worker \d+ on ([\d.]+) joins\)", screen)

@@ -237,7 +237,8 @@ def test_fork_blockers_name_what_makes_a_fork_unsafe():
         "import threading, torch\n"
         "from fabric_model.launchers.fork_safety import fork_blockers\n"
         "print(fork_blockers())\n"
-        "torch.nn.Linear(12, 32)(torch.randn(4096, 12)); import time; time.sleep(0.5)\n"
+        # A parallel operation on two threads starts OpenMP's pool on any CPU (a small matmul may not).
+        "torch.set_num_threads(2); torch.ones(1 << 22).add_(1.0); import time; time.sleep(0.5)\n"
         "print(fork_blockers())\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)

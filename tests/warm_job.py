@@ -65,7 +65,9 @@ def main(out: Path, run_dir: str, forward: bool) -> None:
     torch.manual_seed(0)
     model = MLP()
     if forward:
-        model(torch.randn(4096, 12))  # a parallel operation: OpenMP's threads start
+        model(torch.randn(4096, 12))
+        torch.set_num_threads(2)  # a parallel operation on two threads: OpenMP's pool starts on any CPU
+        torch.ones(1 << 22).add_(1.0)
     caller_file = out / "caller.log"
     logging.basicConfig(filename=caller_file, level=logging.INFO)
     logging.getLogger("fabric_model").setLevel(logging.ERROR)

@@ -162,6 +162,7 @@ class FabricModel(InferenceMixin):
         verbose: int = 1,
         tensorboard: bool = True,
         deterministic: bool = False,
+        profile: bool | int | tuple[int, int] | range | None = None,
     ) -> TrainResult:
         """Train for ``epoch_number`` epochs; the user's ``model`` then holds the trained weights.
 
@@ -203,6 +204,11 @@ class FabricModel(InferenceMixin):
             deterministic: bitwise-identical weights, optimizer state and buffers for any worker count,
                 faults and resumes (exact fixed-point step sums, one intra-op thread per CPU worker:
                 docs/deterministic.md, "How"). Default: equal to float32 rounding, faster.
+            profile: profile rank 0's steps with the torch profiler: True (steps 10-19), a number of
+                steps from step 10, a ``(first, stop)`` pair or a ``range`` of global steps. The
+                trace (Perfetto, Chrome, TensorBoard) and a summary of where a step's time went, your
+                code against fabric_model's, go to ``<run_dir>/profile/``; the summary is also shown at
+                the end (docs/training.md, "Profiling"). Default ``$FABRIC_MODEL_PROFILE``, else off.
         """
         from .run.display import check_verbose
         from .setup import pipeline
@@ -214,7 +220,7 @@ class FabricModel(InferenceMixin):
             host = chosen_bind_address(bind_address)  # checked before anything starts
             ray_cluster = open_cluster(check_cluster(cluster))  # a bad value fails here, before anything starts
             loop = LoopOptions(
-                num_dataloader_threads, validation_freq, checkpoint_freq, keep_checkpoints, deterministic
+                num_dataloader_threads, validation_freq, checkpoint_freq, keep_checkpoints, deterministic, profile
             )
             ignored = {"worker_memory": worker_memory, "driver_memory": driver_memory}
             sizes = pipeline.RunSizes(epoch_number, batch_size, engines_number, effective_batch_size)

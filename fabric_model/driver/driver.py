@@ -21,6 +21,7 @@ from typing import Any
 from ..errors import rebuild_exception
 from ..launchers.base import Launcher
 from ..launchers.local import LocalLauncher
+from ..profiling.received import ProfileInbox
 from ..run.hooks import Hooks
 from ..run.metrics_log import MetricsLog
 from ..run.rundir import RunDirectory
@@ -170,6 +171,8 @@ class Driver:
         # Replica checks (docs/architecture.md, "Replica checks"): once they differ, training halts.
         self.replicas = ReplicaChecks(lambda generation, unit: f"{self._position(unit)} (generation {generation})")
         self._halt: Halt | None = None
+        # Rank 0's profile, with train(profile=...) (docs/training.md, "Profiling").
+        self.profiles = ProfileInbox(run_dir.profile, _shown_path(run_dir.profile))
         self._held: RestorePoint | None = None  # the saved state a preempted run writes, when no member sent one
         if setup.resume is not None and history is not None:
             self.progress.start_at(setup.resume.unit, *history)
@@ -186,6 +189,7 @@ class Driver:
             p.Fingerprint: self._on_fingerprint,
             p.EvalDone: lambda w, m: self.progress.eval_done(m, len(self.membership.members)),
             p.StateChunk: self._on_state_chunk,
+            p.ProfilePart: self.profiles.part,
             p.LeftGeneration: lambda w, m: self._execute(self.membership.left(w, m, time.monotonic())),
             p.Finished: self._on_finished,
             p.FinalState: self._on_final,
@@ -605,3 +609,10 @@ def where(address: str | None, hostname: str) -> str:
     if address is None or address.startswith("127.") or address == "::1":
         return hostname
     return address
+
+
+def _shown_path(path: Any) -> str:
+    """``path`` as the screen names it (relative to the working directory where it lies inside)."""
+    from ..run.display import _shown
+
+    return str(_shown(path))

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ..profiling import phases as ph
 from ..step.data import Reader, is_batch_level
 from ..step.digest import state_fingerprint
 from ..step.layout import LEAVE_VOTE
@@ -42,6 +43,8 @@ class FrameworkAdapter(abc.ABC):
     optimizer: Any
     #: The worker's training dataset, handed to a custom step as ``train_loader``.
     train_set: Any = None
+    #: The loop's named ranges (profiling/phases.py): off until a worker's loop hands over its own.
+    phases: ph.Phases = ph.OFF
 
     @abc.abstractmethod
     def setup(self, device: str, num_threads: int) -> None:

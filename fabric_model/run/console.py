@@ -44,7 +44,9 @@ class ScreenHandler(logging.Handler):
         if record.msg in SAID_BY_THE_DISPLAY:
             return
         try:
-            text = record.getMessage().strip().splitlines()[0] if record.getMessage().strip() else ""
+            # The first line, its indentation kept (a table's rows: the profile's summary).
+            message = record.getMessage().lstrip("\n").rstrip()
+            text = message.splitlines()[0].rstrip() if message else ""
             prefix = "" if record.levelno <= logging.INFO else f"{record.levelname.lower()}: "
             # A warning's first line can hold an error's internals: cut to the terminal. Our
             # own information lines are short but may hold a path, which a cut would spoil.

@@ -10,6 +10,7 @@ Layout::
     <run_dir>/logs/joined-<n>.log    workers started by hand through ``fabric_model.testing``
     <run_dir>/checkpoints/           ``ckpt-unit-<unit>.pt`` (:mod:`fabric_model.state.checkpoint`)
     <run_dir>/model/                 the final model
+    <run_dir>/profile/               with ``train(profile=...)``: the profiler's trace and summary
     <run_dir>/ibm_runtime/           ``fabric-model run``'s own modules and values (fabric_model/ibm/runtime.py)
 
 A leaf module: it imports nothing of the package but the settings registry, and no torch.
@@ -96,6 +97,10 @@ class RunDirectory:
     @property
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
+
+    @property
+    def profile(self) -> Path:
+        return self.path / "profile"
 
     @property
     def model(self) -> Path:

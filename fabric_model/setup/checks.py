@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..profiling.window import profile_window
 from ..run.hooks import HOOKS
 from ..step.data import is_map_dataset
 from ..streams.sharded import as_sharded, unsharded_hint
@@ -72,6 +73,7 @@ ARGUMENT_CHECKS: dict[str, dict[str, str]] = {
         "verbose": "fabric_model.run.display:check_verbose",
         "tensorboard": f"{_SELF}:check_bool",
         "deterministic": f"{_SELF}:check_bool",
+        "profile": "fabric_model.profiling.window:profile_window",
     },
 }
 
@@ -301,6 +303,7 @@ def check_train_arguments(
     check_resume("resume", resume)
     check_positive_int("keep_checkpoints", loop.keep_checkpoints)
     check_bool("deterministic", loop.deterministic)
+    profile_window(loop.profile)  # a bad value fails here; the window is fitted to the run once it is sized
     check_effective_batch(effective_batch_size, batch_size)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise TypeError(f"Expected `seed` to be a non-negative int or None. Received: seed={seed!r}")

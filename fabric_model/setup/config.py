@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
+from ..profiling.window import ProfileWindow
 from . import settings
 from .cores import usable_cores
 
@@ -162,3 +163,5 @@ class TrainConfig:
     preemption: Preemption = Preemption()
     #: A sharded test set's shard lengths, as the caller counted them (streams/datasets.py); empty otherwise.
     test_shard_lengths: tuple[int, ...] = ()
+    #: The global steps rank 0 profiles (``train(profile=...)``: fabric_model/profiling/), None for none.
+    profile: ProfileWindow | None = None

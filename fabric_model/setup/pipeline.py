@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..profiling.window import fit_to_run, profile_window
 from ..run.hooks import Hooks
 from ..run.result import History, TrainResult
 from ..run.rundir import RunDirectory
@@ -23,6 +24,7 @@ from . import run_setup
 from .devices import place_workers
 from .job import Job
 from .run_setup import LoopOptions, serialize_job, size_run, slot_devices, train_config
+from .settings import PROFILE
 
 if TYPE_CHECKING:
     from ..api import FabricModel
@@ -97,12 +99,16 @@ def prepare(
             effective_batch_size=sizes.effective_batch_size,
         )
     exact = sizing.micro_batches if loop.deterministic else None  # the micro-batches per step
+    window = profile_window(loop.profile) if loop.profile is not None else PROFILE.get()
+    if window is not None:
+        window = fit_to_run(window, epochs * plan.steps_per_epoch)
     adapter, payload = ship(fm, train_set, test_set is not None, exact)
     setup = DriverSetup(
         payload=payload,
         config=dataclasses.replace(
             train_config(epochs, batch_size, sizing, loop, gpus),
             test_shard_lengths=data.test_count.lengths if data.test_count is not None else (),
+            profile=window,
         ),
         plan=plan,
         has_test=test_set is not None,
@@ -190,6 +196,9 @@ def run_job(
             onnx = (fm.framework, onnx_diff) if onnx_diff is not None else None
             for line in run_summary(driver.progress.iteration, driver.replica_digests, path, onnx):
                 log.info("%s", line)
+            for summary in driver.profiles.summaries:  # train(profile=...): where a step's time went
+                for line in summary:
+                    log.info("%s", line)
         finally:
             detach()
         history = History(driver.train_history, driver.test_history)

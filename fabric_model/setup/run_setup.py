@@ -46,6 +46,7 @@ class LoopOptions(NamedTuple):
     checkpoint_freq: Any
     keep_checkpoints: Any
     deterministic: Any = False
+    profile: Any = None
 
 
 def size_run(

@@ -34,6 +34,9 @@ import sys
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from ..profiling.window import ProfileWindow
+from ..profiling.window import parse_setting as parse_profile_setting
+
 T = TypeVar("T")
 
 #: Every internal setting's name starts with this; no public one starts with "_".
@@ -361,6 +364,16 @@ DIVERGENCE_CHECK_STEPS: Setting[int] = declare(
         "a whole number of steps, 0 or more",
         "Replicas compare per-tensor fingerprints of their state every N steps and after each epoch's last step; "
         "a difference ends training with rank 0's state written (`0`: only at the end of training).",
+    )
+)
+PROFILE: Setting[ProfileWindow | None] = declare(
+    Setting(
+        "FABRIC_MODEL_PROFILE",
+        None,
+        parse_profile_setting,
+        "1 (steps 10-19), 0, a number of steps N (from step 10), or FIRST:STOP (global steps)",
+        "Profile rank 0's steps when `train(profile=)` is not given: a torch profiler trace and a summary of "
+        "where a step's time went, in the run directory's `profile/` (docs/training.md, \"Profiling\").",
     )
 )
 BIND_ADDRESS: Setting[str | None] = declare(

@@ -12,7 +12,7 @@ A worker's life in messages::
           <------------------------- JobSpec
     Ready ------------------------->                 (set up: job, datasets, device)
           <------------------------- EnterGeneration (rank, world size, where to resume)
-    StepDone / EvalDone / Heartbeat / StateChunk ...
+    StepDone / EvalDone / Heartbeat / StateChunk / ProfilePart ...
     Fingerprint ------------------->                 (every N steps, in a generation of several)
           <------------------------- JoinPending     (vote to switch after a step)
           <------------------------- Abort           (a member was lost: give up collectives)
@@ -251,6 +251,19 @@ class StateChunk:
     last: bool
 
 
+# -- worker -> driver: a profile (docs/training.md, "Profiling") ------------------------------
+@dataclasses.dataclass(frozen=True)
+class ProfilePart:
+    """Part ``index`` of the profile the sender took as rank 0: its torch profiler's Chrome trace,
+    gzip-compressed and cut like a state upload; the last part carries ``figures``, what the
+    summary is made of (:func:`fabric_model.profiling.summary.render`)."""
+
+    index: int
+    data: bytes = dataclasses.field(repr=False)
+    last: bool
+    figures: dict[str, Any] | None = None
+
+
 # -- inside the driver ----------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class ConnectionLost:
@@ -270,5 +283,5 @@ class StoreOpen:
 
 WorkerMessage = (
     Hello | Ready | LeftGeneration | Heartbeat | StepDone | Fingerprint | EvalDone | Finished | FinalState
-) | (WorkerFailed | StateChunk)
+) | (WorkerFailed | StateChunk | ProfilePart)
 DriverMessage = Assigned | JobSpec | EnterGeneration | JoinPending | Abort | SendFinalState | Stop

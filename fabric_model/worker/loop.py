@@ -24,6 +24,9 @@ from typing import Any
 import numpy as np
 
 from ..context import WorkerContext
+from ..profiling import phases as ph
+from ..profiling.phases import Phases
+from ..profiling.session import StepProfiler
 from ..setup.config import TrainConfig, threads_per_worker
 from ..setup.job import Job
 from ..state.checkpoint import decode_state
@@ -112,6 +115,10 @@ class TrainingLoop:
         self._logs_test = self.hooks.defines("log_test_metrics")
         # Rank 0 uploads checkpoints and snapshots to the driver (state/uploader.py).
         self.uploads = StateUploader(channel, self.schedule, config)
+        # Named ranges of the step, free unless this worker profiles (train(profile=...): profiling/).
+        self.phases = self.adapter.phases = Phases()
+        device = str(getattr(collective, "device", "cpu"))
+        self.profiler = StepProfiler(config.profile, self.phases, channel, device, context.worker_id)
 
     # -- generations ----------------------------------------------------------------------
     def run_joined(self) -> None:
@@ -130,6 +137,7 @@ class TrainingLoop:
             except CollectiveError as exc:
                 self.adapter.abort_step()
                 failed, reason = True, str(exc).splitlines()[0][:300]
+            self.profiler.close(partial=True)  # a window this generation left open ends here
             self.collective.shutdown()
             self.channel.send(self.position(failed, reason))
             self._reenter()
@@ -217,17 +225,19 @@ class TrainingLoop:
         last_of_epoch = step == self.plan.steps_per_epoch - 1
         if collective.world_size < 2 or not check_due(self.context.global_step, last_of_epoch, self.check_steps):
             return
-        message = p.Fingerprint(
-            collective.generation, self.next_unit, collective.rank, collective.world_size, self.fingerprint()
-        )
-        self.channel.send(message)
+        with self.phases(ph.FINGERPRINT):
+            message = p.Fingerprint(
+                collective.generation, self.next_unit, collective.rank, collective.world_size, self.fingerprint()
+            )
+            self.channel.send(message)
 
     def _upload_if_due(self) -> None:
         """Rank 0 uploads the checkpoint or snapshot due before ``next_unit`` (all replicas are identical)."""
         kind = self.uploads.kind_due(self.next_unit, self.collective.rank)
         if kind is not None:
-            state = (self.adapter.model_state(), self.loop_state.pack(self.adapter.optimizer_state()))
-            self.uploads.upload(kind, self.next_unit, self.collective.generation, *state)
+            with self.phases(ph.CHECKPOINT if kind == "checkpoint" else ph.SNAPSHOT):
+                state = (self.adapter.model_state(), self.loop_state.pack(self.adapter.optimizer_state()))
+                self.uploads.upload(kind, self.next_unit, self.collective.generation, *state)
 
     # -- one generation -------------------------------------------------------------------
     def _run_generation(self) -> None:
@@ -235,22 +245,31 @@ class TrainingLoop:
         loader = self._loader_for(self.train_set)
         try:
             batches = loader.iterate(self._micro_batches(self.next_unit))
+            phases, profiler, per_epoch = self.phases, self.profiler, self.plan.steps_per_epoch
             while self.next_unit < self.schedule.total_units:
-                self._upload_if_due()
                 epoch, step = self.schedule.locate(self.next_unit)
+                if step is not None:  # a profile window opens at its first step (profiling/)
+                    profiler.step_begins(epoch * per_epoch + step, self.collective.rank, self.collective.world_size)
+                self._upload_if_due()
                 if step is None:
-                    val_stats = self._validate(epoch) if self.schedule.validation_due(epoch) else None
+                    with phases(ph.VALIDATION):
+                        val_stats = self._validate(epoch) if self.schedule.validation_due(epoch) else None
                     self.next_unit += 1
-                    if self._end_epoch(epoch, val_stats):
+                    with phases(ph.CALLBACKS):
+                        stopped = self._end_epoch(epoch, val_stats)
+                    if stopped:
                         return
                     continue
-                if step == 0:
-                    self.hooks.on_epoch_begin(epoch)
-                self.hooks.on_batch_begin(step)
+                with phases(ph.CALLBACKS):
+                    if step == 0:
+                        self.hooks.on_epoch_begin(epoch)
+                    self.hooks.on_batch_begin(step)
                 switch = self._step(epoch, step, batches)
                 self.next_unit += 1
-                self.hooks.on_batch_end(step)
+                with phases(ph.CALLBACKS):
+                    self.hooks.on_batch_end(step)
                 self._send_fingerprint(step)
+                profiler.step_ends(epoch * per_epoch + step)
                 if switch or self._stopping():
                     return
         finally:
@@ -316,31 +335,48 @@ class TrainingLoop:
 
     def _step(self, epoch: int, step: int, batches: Iterator[tuple[Hashable, np.ndarray, Any]]) -> bool:
         """One step; returns whether the members voted to switch generation after it."""
-        plan, adapter, collective = self.plan, self.adapter, self.collective
+        plan, adapter, collective, phases = self.plan, self.adapter, self.collective, self.phases
         self.context.epoch, self.context.step = epoch, step
         self.context.global_step = epoch * plan.steps_per_epoch + step
         step_samples = plan.step_samples(epoch, step)
         mine = assigned_micro_batches(plan.num_micro_batches(epoch, step), collective.rank, collective.world_size)
-        adapter.begin_step(collective)
-        for position, j in enumerate(mine):
-            self._check_abort()
-            key, indices, batch = next(batches)
-            assert key == (epoch, step, j), f"loader out of order: {key} != {(epoch, step, j)}"
-            seed = micro_batch_seed(plan.seed, epoch, step, j)
-            adapter.train_micro_batch(batch, len(indices), step_samples, seed, last=position == len(mine) - 1)
-        # The switch vote rides in the same allreduce, so every member reads the same sum.
-        leaving = self.voted_leave = self.notice.requested
-        if leaving or self.inbox.pending_generation > collective.generation:
-            adapter.vote_switch(leaving)
-        adapter.all_reduce(collective)
-        result = adapter.finish_step()
+        with phases(ph.STEP):
+            adapter.begin_step(collective)
+            for position, j in enumerate(mine):
+                self._check_abort()
+                with phases(ph.DATA):
+                    key, indices, batch = next(batches)
+                assert key == (epoch, step, j), f"loader out of order: {key} != {(epoch, step, j)}"
+                seed = micro_batch_seed(plan.seed, epoch, step, j)
+                adapter.train_micro_batch(batch, len(indices), step_samples, seed, last=position == len(mine) - 1)
+            # The switch vote rides in the same allreduce, so every member reads the same sum.
+            leaving = self.voted_leave = self.notice.requested
+            if leaving or self.inbox.pending_generation > collective.generation:
+                adapter.vote_switch(leaving)
+            with phases(ph.REDUCE):
+                adapter.all_reduce(collective)
+            result = adapter.finish_step()
+            return self._step_done(epoch, step, mine, result)
+
+    def _step_done(self, epoch: int, step: int, mine: Any, result: Any) -> bool:
+        """The step's stats into the loop's sums, its report, the loggers; returns the switch vote."""
+        adapter, collective = self.adapter, self.collective
         stats, switch, self.leavers = result.stats, result.switch, result.leaving
         self.loop_state.step_done(epoch, stats)
         self.iterations += 1
         report = p.StepDone(
             collective.generation, epoch, step, collective.rank, collective.world_size, tuple(mine), tuple(stats)
         )
-        if collective.world_size == 1:
+        with self.phases(ph.REPORT):
+            self._report(report)
+        if self._logs_train:
+            with self.phases(ph.CALLBACKS):
+                metrics = stat_means(adapter.stat_names, stats)
+                self.hooks.log_train_metrics(metrics, self.iterations, epoch, collective.world_size)
+        return switch
+
+    def _report(self, report: p.StepDone) -> None:
+        if self.collective.world_size == 1:
             # A lone worker's fast steps share frames (docs/architecture.md, "What a step costs
             # beyond the math"). Held reports go out before any state this worker uploads, so
             # the driver never holds a state past the steps it knows of: losing them at a
@@ -348,10 +384,6 @@ class TrainingLoop:
             self.channel.send_soon(report, within=REPORT_WITHIN)
         else:
             self.channel.send(report)
-        if self._logs_train:
-            metrics = stat_means(adapter.stat_names, stats)
-            self.hooks.log_train_metrics(metrics, self.iterations, epoch, collective.world_size)
-        return switch
 
     def _validate(self, epoch: int) -> list[float]:
         adapter, collective = self.adapter, self.collective

@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...profiling import phases as ph
 from ...step.layout import StepLayout, StepResult
 from ...step.tree import leaves
 from ..base import FrameworkAdapter
@@ -426,7 +427,8 @@ class KerasAdapter(FrameworkAdapter):
                 self._view = torch.zeros(self._layout.tail_only().size)  # stat sums, count, vote
                 return
             weight = None if num_samples == step_samples else tf.constant(num_samples / step_samples, tf.float32)
-            self._acc = self._tf_micro(x, y, weight, seed_t, self._acc)
+            with self.phases(ph.FORWARD):  # one TensorFlow function: forward, loss and backward
+                self._acc = self._tf_micro(x, y, weight, seed_t, self._acc)
         # A view of TensorFlow's buffer, not a copy: the allreduce writes into it in place.
         self._view = torch_view(self._acc)
 
@@ -445,13 +447,14 @@ class KerasAdapter(FrameworkAdapter):
         if self._solo is not None:
             import tensorflow as tf
 
-            with tf.device(self._tf_device):
+            with tf.device(self._tf_device), self.phases(ph.FORWARD):  # the whole step in one function
                 stats = self._tf_solo(*self._solo).numpy().tolist()
             vote = float(buffer[layout.vote])
             self._solo, self._view, self._in_step = None, None, False
             return layout.result(stats + [vote])
         used = tuple(bool(f > 0) for f in buffer[layout.flags].tolist())
-        self._tf_apply(self._acc, used)
+        with self.phases(ph.OPTIMIZER):
+            self._tf_apply(self._acc, used)
         tail = buffer[layout.tail].tolist()
         self._acc, self._view, self._in_step = None, None, False
         return layout.result(tail)

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
+from ...profiling import phases as ph
 from ...step.data import Reader
 from ...step.digest import state_fingerprint
 from ...step.layout import StepLayout, StepResult
@@ -288,46 +289,56 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
 
     def train_micro_batch(self, batch: Any, num_samples: int, step_samples: int, seed: int, last: bool = False) -> None:
         share = weight = num_samples / step_samples
-        inputs, target = self.call.split(to_device(batch, self.device))
-        # Forward-updated buffers (BatchNorm statistics) start every micro-batch from the
-        # step's values, so the result does not depend on how micro-batches are divided.
-        if not self._buffers_at_start:
-            self._restore_buffers(self._buf_start)
-        self._buffers_at_start = False
-        self._seed(seed)
+        phases = self.phases
+        with phases(ph.SEED):
+            inputs, target = self.call.split(to_device(batch, self.device))
+            # Forward-updated buffers (BatchNorm statistics) start every micro-batch from the
+            # step's values, so the result does not depend on how micro-batches are divided.
+            if not self._buffers_at_start:
+                self._restore_buffers(self._buf_start)
+            self._buffers_at_start = False
+            self._seed(seed)
         if self.step_fn is not None:
-            self._custom_micro_batch(inputs, target, share, num_samples)
+            with phases(ph.FORWARD):  # the user's step: forward and backward
+                self._custom_micro_batch(inputs, target, share, num_samples)
             return
-        if self.grad_step.mixed:
-            with self.grad_step.autocast(self.device):
+        with phases(ph.FORWARD):
+            if self.grad_step.mixed:
+                with self.grad_step.autocast(self.device):
+                    output, loss = self._forward(inputs, target)
+            else:  # no context to enter: a step's every extra call is paid cold (docs/architecture.md)
                 output, loss = self._forward(inputs, target)
-        else:  # no context to enter: a step's every extra call is paid cold (docs/architecture.md)
-            output, loss = self._forward(inputs, target)
         weight *= self.grad_step.scale  # float16's loss scale (1 otherwise), divided out after the reduction
         if not self._direct:
             self._ensure_grad_views()
         # On this worker's last micro-batch, buckets go out while backward still runs.
         self._overlap = last and self._collective is not None and self._collective.world_size > 1
         try:
-            (loss if weight == 1.0 else loss * weight).backward()  # x * 1.0 == x: one op less
+            with phases(ph.BACKWARD):
+                (loss if weight == 1.0 else loss * weight).backward()  # x * 1.0 == x: one op less
         finally:
             self._overlap = False
-        if not self._direct:  # a lone worker's finish_step reads the flags off .grad itself
-            self._got_grad.copy_(torch.tensor(self._got))
-        n = num_samples
-        # No torch.no_grad() here or in finish_step: every operand is detached or a buffer, so
-        # nothing is recorded, and entering the context costs ~20 us after a backward.
-        if self._direct and share == 1.0 and self.whole_step_buffers_in_place:
-            self._buffers_as_left = True
-        else:
-            self._add_buffer_deltas(share)  # unscaled: the loss scale is the gradients' only
-        output = detached(output)
+        with phases(ph.BUFFERS):
+            if not self._direct:  # a lone worker's finish_step reads the flags off .grad itself
+                self._got_grad.copy_(torch.tensor(self._got))
+            # No torch.no_grad() here or in finish_step: every operand is detached or a buffer, so
+            # nothing is recorded, and entering the context costs ~20 us after a backward.
+            if self._direct and share == 1.0 and self.whole_step_buffers_in_place:
+                self._buffers_as_left = True
+            else:
+                self._add_buffer_deltas(share)  # unscaled: the loss scale is the gradients' only
+        with phases(ph.STATS):
+            self._add_stats(loss, detached(output), target, num_samples)
+
+    def _add_stats(self, loss: torch.Tensor, output: Any, target: Any, n: int) -> None:
+        """The micro-batch's loss, metrics and sample count into the step's sums."""
         if self._py_sums is not None:
             self._add_stats_in_python(loss, output, target, n)
             return
         values = [loss.detach().float()]
         if self.metrics:
-            values += self._metric_values(output, target)
+            with self.phases(ph.METRICS):
+                values += self._metric_values(output, target)
         values.append(self._one)
         # Multiply, then add, as value by value before: the same two roundings per sum.
         self._stats_and_count += torch.stack(values) * n
@@ -353,8 +364,12 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         """
         assert self._py_sums is not None
         n32 = np.float32(n)
-        with contextlib.nullcontext() if isinstance(output, torch.Tensor) else torch.no_grad():
-            values = [loss.item(), *(float(metric(output, target)) for metric in self.metrics), 1.0]
+        values = [loss.item()]
+        if self.metrics:
+            grad = contextlib.nullcontext() if isinstance(output, torch.Tensor) else torch.no_grad()
+            with self.phases(ph.METRICS), grad:
+                values += [float(metric(output, target)) for metric in self.metrics]
+        values.append(1.0)
         self._py_sums = [s + np.float32(v) * n32 for s, v in zip(self._py_sums, values)]
 
     def _seed(self, seed: int) -> None:
@@ -449,6 +464,22 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
     def finish_step(self) -> StepResult:
         # Outside torch.no_grad(), as in a plain loop: the optimizer's step and clipping set
         # their own grad mode, and the buffers and gradients written here record nothing.
+        with self.phases(ph.BUFFERS):
+            unused = self._settle_buffers()
+        # float16's unscale and overflow check, then clipping, then the optimizer's step
+        with self.phases(ph.OPTIMIZER):
+            self.grad_step.apply(self.optimizer, self._params)
+        for i in unused:
+            self._params[i].grad = self._grad_views[i]
+        self._in_step = False
+        tail = self._tail.tolist()
+        if self._py_sums is not None:
+            tail[: len(self._py_sums)] = [float(s) for s in self._py_sums]
+        return self._layout.result(tail)
+
+    def _settle_buffers(self) -> list[int]:
+        """The buffers' step values in place; ``.grad`` None where no worker produced a gradient
+        (returns those parameters' indices: their views go back after the optimizer's step)."""
         if not self._direct:
             self._ensure_grad_views()
         if self._buffers_as_left:  # only a buffer the forward assigned anew goes back to its own tensor
@@ -471,15 +502,7 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
             unused = [i for i, got in enumerate(self._got_grad.tolist()) if got == 0.0]
         for i in unused:
             self._params[i].grad = None
-        # float16's unscale and overflow check, then clipping, then the optimizer's step
-        self.grad_step.apply(self.optimizer, self._params)
-        for i in unused:
-            self._params[i].grad = self._grad_views[i]
-        self._in_step = False
-        tail = self._tail.tolist()
-        if self._py_sums is not None:
-            tail[: len(self._py_sums)] = [float(s) for s in self._py_sums]
-        return self._layout.result(tail)
+        return unused
 
     # -- state ----------------------------------------------------------------------------
     def load_state(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:

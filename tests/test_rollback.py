@@ -8,12 +8,14 @@ import copy
 import types
 
 import pytest
+import torch
 import torch.nn.functional as F
 
 from fabric_model import FabricModel
 from fabric_model.setup.config import SnapshotCadence
+from fabric_model.state import wire
 from fabric_model.state.book import StateBook
-from fabric_model.state.checkpoint import checkpoint_name, decode_state, encode_state, state_record
+from fabric_model.state.checkpoint import checkpoint_name, decode_state, state_record
 from fabric_model.state.uploader import StateUploader
 from fabric_model.state.writer import CheckpointBook
 from fabric_model.step.plan import Plan, Schedule
@@ -115,8 +117,17 @@ def test_every_worker_killed_at_once_mid_epoch(
 
 # -- the fence and the driver's books, without processes -------------------------------------
 def _state_bytes(unit: int) -> bytes:
+    """A state record as rank 0 uploads it (state/wire.py)."""
     model, opt = fresh_model_and_optimizer()
-    return encode_state(state_record(SCHEDULE, unit, "torch", BATCH, model.state_dict(), opt.state_dict()))
+    return wire.encode(state_record(SCHEDULE, unit, "torch", BATCH, model.state_dict(), opt.state_dict()))
+
+
+def _same_record(a: dict, b: dict) -> bool:
+    return (
+        a.keys() == b.keys()
+        and all(torch.equal(a["model"][k], b["model"][k]) for k in b["model"])
+        and all(a[k] == b[k] for k in a if k not in ("model", "optimizer"))
+    )
 
 
 class _Metrics:
@@ -152,9 +163,10 @@ def test_only_rank_0_of_the_current_generation_may_upload_state(tmp_path):
     for chunk in _chunks(4, 10, "checkpoint", data):
         book.chunk(7, chunk, generation, members)
     checkpoints.close(10)
-    assert [s.unit for s in book.held] == [10] and book.held[0].data == data
+    uploaded = wire.assemble(data)
+    assert [s.unit for s in book.held] == [10] and _same_record(decode_state(book.held[0].data), uploaded)
     assert [q.name for q in tmp_path.iterdir()] == [checkpoint_name(10)]
-    assert (tmp_path / checkpoint_name(10)).read_bytes() == data
+    assert _same_record(decode_state((tmp_path / checkpoint_name(10)).read_bytes()), uploaded)
     assert metrics.checkpoints[0]["unit"] == 10 and metrics.checkpoints[0]["worker"] == 7
 
 

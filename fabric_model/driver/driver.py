@@ -29,6 +29,7 @@ from ..setup.config import TrainConfig
 from ..state.best import BestCheckpoints, epoch_logs
 from ..state.book import StateBook
 from ..state.checkpoint import CheckpointInfo, decode_state, encode_state, state_record
+from ..state.frozen import FrozenBase
 from ..state.writer import CheckpointBook
 from ..step.plan import Plan, Schedule
 from ..transport import protocol as p
@@ -81,6 +82,7 @@ class DriverSetup:
         data: what ``run.json`` records of sharded data (streams/datasets.CallerData.record), or None.
         threads_fixed: every worker takes ``threads``, hand-started ones too (``deterministic=True``).
         ray_actor: what each worker's Ray actor asks for ("1 CPU"); empty where workers are local processes.
+        frozen: the job's frozen parameters, which uploads leave out and the driver fills in.
     """
 
     payload: bytes
@@ -99,6 +101,7 @@ class DriverSetup:
     data: dict[str, Any] | None = None
     threads_fixed: bool = False
     ray_actor: str = ""
+    frozen: FrozenBase = dataclasses.field(default_factory=lambda: FrozenBase({}, []))
 
 
 @dataclasses.dataclass
@@ -157,7 +160,7 @@ class Driver:
             on_written=hooks.on_checkpoint,
         )
         # Checkpoints and snapshots that rank 0 uploads (docs/architecture.md, "Elasticity").
-        self.states = StateBook(self.checkpoints, self.progress.committed)
+        self.states = StateBook(self.checkpoints, self.progress.committed, setup.frozen)
         limits = Limits(
             max_workers=max(len(setup.devices), setup.max_workers or 0),
             total_units=self.schedule.total_units,
@@ -371,7 +374,8 @@ class Driver:
         self.progress.finished(worker_id, message)
 
     def _on_final(self, worker_id: int, message: p.FinalState) -> None:
-        self._final = FinalState(message.model_state, message.optimizer_state, worker_id, message.unit)
+        model_state = self.setup.frozen.complete(message.model_state, message.omitted)  # the job's frozen part
+        self._final = FinalState(model_state, message.optimizer_state, worker_id, message.unit)
 
     # -- replica checks (docs/architecture.md, "Replica checks") ---------------------------
     def _on_fingerprint(self, worker_id: int, message: p.Fingerprint) -> None:
@@ -410,8 +414,9 @@ class Driver:
         if isinstance(message, p.FinalState):
             rank = "rank 0, " if halt.divergence is not None and halt.divergence.reference == worker_id else ""
             source = f"training stopped; worker {worker_id}'s state ({rank}{self._position(message.unit)})"
+            model_state = self.setup.frozen.complete(message.model_state, message.omitted)  # the job's frozen part
             self._final = FinalState(
-                message.model_state, message.optimizer_state, worker_id, message.unit, halt.divergence, source
+                model_state, message.optimizer_state, worker_id, message.unit, halt.divergence, source
             )
         elif isinstance(message, (p.WorkerFailed, p.ConnectionLost)) or (
             isinstance(message, p.LeftGeneration) and message.leaving

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -108,6 +108,41 @@ class FrameworkAdapter(abc.ABC):
     @abc.abstractmethod
     def load_state(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
         """Take weights and optimizer state pulled from a peer."""
+
+    # -- the state that travels (docs/architecture.md, "State that does not change") ------------
+    def frozen_parameters(self) -> tuple[dict[str, Any], list[str]]:
+        """In the caller: the model's parameters that need no gradient, by state name (its own
+        tensors, not copies), and every state name in order. This default: none."""
+        return {}, []
+
+    def track_frozen(self, names: Collection[str]) -> None:
+        """After ``setup``: ``names`` (the job's frozen parameters, as the driver counted them) hold
+        the job's values, which the driver and every worker have; the state that travels may leave
+        them out while they provably still do. This default tracks none: every state is whole."""
+        return None
+
+    def state_to_send(self) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+        """``(model state, optimizer state, omitted)`` for an upload or a join: what a step can
+        change, as live objects (the receiver or the uploader copies them), and the names of the
+        frozen parameters left out (:meth:`track_frozen`). This default: copies of the whole state."""
+        return self.model_state(), self.optimizer_state(), []
+
+    def final_state(self) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+        """:meth:`state_to_send`'s state as CPU copies, for the driver at the end."""
+        return self.model_state(), self.optimizer_state(), []
+
+    def load_sent_state(
+        self,
+        model_state: dict[str, Any],
+        optimizer_state: dict[str, Any],
+        omitted: Collection[str] = (),
+        base: Collection[str] = (),
+    ) -> None:
+        """Load a state another process sent: ``omitted`` names were left out (this worker holds the
+        job's values for them), ``base`` names hold the job's values (the driver filled them in)."""
+        if omitted:
+            raise ValueError(f"a state without {sorted(omitted)[:3]}... reached an adapter that tracks no frozen state")
+        self.load_state(model_state, optimizer_state)
 
     @abc.abstractmethod
     def evaluate_batches(self, batches: Any) -> torch.Tensor:

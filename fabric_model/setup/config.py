@@ -165,3 +165,6 @@ class TrainConfig:
     test_shard_lengths: tuple[int, ...] = ()
     #: The global steps rank 0 profiles (``train(profile=...)``: fabric_model/profiling/), None for none.
     profile: ProfileWindow | None = None
+    #: The model's parameters that need no gradient and hold the job's values (the driver fills them
+    #: in): what travels leaves them out (docs/architecture.md, "State that does not change").
+    frozen: tuple[str, ...] = ()

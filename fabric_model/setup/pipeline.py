@@ -16,6 +16,7 @@ from ..run.result import History, TrainResult
 from ..run.rundir import RunDirectory
 from ..state import checkpoint
 from ..state.best import best_of, check_monitors
+from ..state.frozen import FrozenBase
 from ..step.loop_state import LoopState
 from ..step.plan import Plan
 from ..streams import datasets as streams
@@ -24,7 +25,7 @@ from . import run_setup
 from .devices import place_workers
 from .job import Job
 from .run_setup import LoopOptions, serialize_job, size_run, slot_devices, train_config
-from .settings import PROFILE
+from .settings import OMIT_FROZEN, PROFILE
 
 if TYPE_CHECKING:
     from ..api import FabricModel
@@ -103,12 +104,14 @@ def prepare(
     if window is not None:
         window = fit_to_run(window, epochs * plan.steps_per_epoch)
     adapter, payload = ship(fm, train_set, test_set is not None, exact)
+    frozen = frozen_base(adapter, resumed)
     setup = DriverSetup(
         payload=payload,
         config=dataclasses.replace(
             train_config(epochs, batch_size, sizing, loop, gpus),
             test_shard_lengths=data.test_count.lengths if data.test_count is not None else (),
             profile=window,
+            frozen=frozen.names,
         ),
         plan=plan,
         has_test=test_set is not None,
@@ -123,8 +126,18 @@ def prepare(
         data=data.record(),
         threads_fixed=loop.deterministic,
         ray_actor=ray_cluster.actor_shape if ray_cluster is not None else "",
+        frozen=frozen,
     )
     return setup, adapter, train_set, choice
+
+
+def frozen_base(adapter: FrameworkAdapter, resumed: checkpoint.CheckpointInfo | None) -> FrozenBase:
+    """The model's frozen parameters that travel with the job only (docs/architecture.md, "State
+    that does not change"): none with ``FABRIC_MODEL_OMIT_FROZEN=0``; on resume, those whose
+    values in the checkpoint are the job's."""
+    tensors, order = adapter.frozen_parameters() if OMIT_FROZEN.get() else ({}, [])
+    base = FrozenBase(tensors, order)
+    return base.without_changed(resumed.path) if resumed is not None and base else base
 
 
 def ship(fm: FabricModel, train_set: Any, has_test: bool, exact: int | None) -> tuple[FrameworkAdapter, bytes]:

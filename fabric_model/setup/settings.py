@@ -366,6 +366,16 @@ DIVERGENCE_CHECK_STEPS: Setting[int] = declare(
         "a difference ends training with rank 0's state written (`0`: only at the end of training).",
     )
 )
+OMIT_FROZEN: Setting[bool] = declare(
+    Setting(
+        "FABRIC_MODEL_OMIT_FROZEN",
+        True,
+        _flag,
+        _FLAG,
+        "`1`: parameters that need no gradient travel with the job only, while they keep its values; `0`: every "
+        'snapshot, checkpoint upload and join carries them (docs/training.md, "Frozen parameters").',
+    )
+)
 PROFILE: Setting[ProfileWindow | None] = declare(
     Setting(
         "FABRIC_MODEL_PROFILE",

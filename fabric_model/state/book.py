@@ -1,9 +1,12 @@
 """The states the driver holds for the run: checkpoints and snapshots that rank 0 uploads.
 
-Rank 0 of a generation uploads the state (a checkpoint's bytes, see
-:mod:`fabric_model.state.checkpoint`) in :class:`~fabric_model.transport.protocol.StateChunk` messages: a
-*checkpoint* when one is due (written to ``checkpoints/`` by :class:`CheckpointBook`), a
-*snapshot* every few steps or seconds (kept in memory only). When every worker holding the
+Rank 0 of a generation uploads the state (a checkpoint's record, see
+:mod:`fabric_model.state.checkpoint`, laid out by :mod:`fabric_model.state.wire`) in
+:class:`~fabric_model.transport.protocol.StateChunk` messages: a *checkpoint* when one is due
+(written to ``checkpoints/`` by :class:`CheckpointBook`), a *snapshot* every few steps or
+seconds (kept in memory only). The job's frozen parameters an upload leaves out are filled
+back in from the driver's own (:class:`~fabric_model.state.frozen.FrozenBase`), so every
+state held or written is complete. When every worker holding the
 committed state is lost, the next generation loads the newest of them at or below the
 committed unit, and the run rolls back to it (docs/architecture.md, "Elasticity").
 
@@ -18,11 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 from ..driver.commands import RestorePoint
 from ..driver.ledger import CommittedUnit
 from ..transport import protocol as p
-from .checkpoint import checkpoint_name
+from . import wire
+from .checkpoint import checkpoint_name, encode_state
+from .frozen import FrozenBase
 from .writer import CheckpointBook
 
 log = logging.getLogger(__name__)
@@ -39,6 +45,20 @@ class _Upload:
     parts: list[bytes]
 
 
+@dataclasses.dataclass
+class _Held:
+    """A state held in memory: its record, complete (encoded only if a generation loads it)."""
+
+    unit: int
+    kind: str
+    name: str
+    record: dict[str, Any]
+
+    @property
+    def data(self) -> bytes:
+        return encode_state(self.record)
+
+
 class StateBook:
     """Checkpoints on disk and snapshots in memory: what a generation restores when no member can
     hand the state over. It answers membership's ``Checkpoints`` questions.
@@ -47,9 +67,12 @@ class StateBook:
     not all committed yet (usually none): one copy of the state, two at most.
     """
 
-    def __init__(self, checkpoints: CheckpointBook, committed: CommittedUnit | None = None) -> None:
+    def __init__(
+        self, checkpoints: CheckpointBook, committed: CommittedUnit | None = None, frozen: FrozenBase | None = None
+    ) -> None:
         self.checkpoints = checkpoints
-        self.held: list[RestorePoint] = []  # by unit, oldest first
+        self.frozen = frozen if frozen is not None else FrozenBase({}, [])
+        self.held: list[_Held] = []  # by unit, oldest first
         self._committed = committed or CommittedUnit()  # the driver's ledger's, shared
         self._uploads: dict[int, _Upload] = {}  # sender -> its upload in progress (one at most)
         self.refused = 0  # chunks refused by the fence (for tests and logs)
@@ -92,15 +115,22 @@ class StateBook:
             )
 
     def _complete(self, worker_id: int, upload: _Upload) -> None:
-        data = b"".join(upload.parts)
+        data = bytearray().join(upload.parts)
+        upload.parts.clear()
         name = f"snapshot of unit {upload.unit}"
+        try:
+            record = self.frozen.fill(wire.assemble(data))
+        except Exception as exc:  # a malformed upload is refused, not fatal: the last good state stays
+            self.refused += 1
+            log.warning("refused the %s of unit %d from worker %d: %s", upload.kind, upload.unit, worker_id, exc)
+            return
         if upload.kind == "checkpoint":
             name = checkpoint_name(upload.unit)
-            self.checkpoints.store(worker_id, upload.generation, upload.unit, data)
-        self._hold(RestorePoint(upload.unit, upload.kind, name, data))
+            self.checkpoints.store(worker_id, upload.generation, upload.unit, record)
+        self._hold(_Held(upload.unit, upload.kind, name, record))
         log.debug("%s from worker %d: %d bytes", name, worker_id, len(data))
 
-    def _hold(self, state: RestorePoint) -> None:
+    def _hold(self, state: _Held) -> None:
         if self.held and state.unit <= self.held[-1].unit:
             return  # not newer than what is held (a checkpoint rank 0 re-sent after a rollback)
         self.held.append(state)
@@ -138,7 +168,9 @@ class StateBook:
         if on_disk is not None and (in_memory is None or on_disk[0] > in_memory.unit):
             unit, path = on_disk
             return RestorePoint(unit, "checkpoint", path.name, path.read_bytes())
-        return in_memory
+        if in_memory is None:
+            return None
+        return RestorePoint(in_memory.unit, in_memory.kind, in_memory.name, in_memory.data)
 
     def has_any(self) -> bool:
         return self.checkpoints.has_any()

@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-#: Marks where a tensor stood in the skeleton; the value is its index among the tensors.
-_TENSOR = "__fabric_tensor__"
+from .wire import fill, strip
 
 
 def broadcast_state(collective: Any, state: Any, source: int) -> Any:
@@ -25,36 +24,14 @@ def broadcast_state(collective: Any, state: Any, source: int) -> Any:
     tensors: list[torch.Tensor] = []
     header = None
     if collective.rank == source:
-        skeleton = _strip(state, tensors)
+        skeleton = strip(state, tensors)
         header = _encode({"skeleton": skeleton, "specs": [(str(t.dtype), tuple(t.shape)) for t in tensors]})
     decoded = torch.load(io.BytesIO(collective.broadcast_bytes(header, source)), weights_only=True)
     if collective.rank == source:
         _send(collective, tensors, source)
         return state
     specs = [(getattr(torch, name.removeprefix("torch.")), tuple(shape)) for name, shape in decoded["specs"]]
-    return _fill(decoded["skeleton"], _receive(collective, specs, source))
-
-
-def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """``obj`` with each tensor replaced by a marker; the tensors are appended to ``tensors``."""
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj.detach())
-        return {_TENSOR: len(tensors) - 1}
-    if isinstance(obj, dict):
-        return {k: _strip(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_strip(v, tensors) for v in obj)
-    return obj
-
-
-def _fill(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(skeleton, dict):
-        if len(skeleton) == 1 and _TENSOR in skeleton:
-            return tensors[skeleton[_TENSOR]]
-        return {k: _fill(v, tensors) for k, v in skeleton.items()}
-    if isinstance(skeleton, (list, tuple)):
-        return type(skeleton)(_fill(v, tensors) for v in skeleton)
-    return skeleton
+    return fill(decoded["skeleton"], _receive(collective, specs, source))
 
 
 def _encode(obj: Any) -> bytes:

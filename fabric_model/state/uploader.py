@@ -1,14 +1,17 @@
 """Rank 0's uploads of the training state to the driver: checkpoints and snapshots.
 
-At a step boundary, rank 0 of a generation copies its model and optimizer state (a device
-copy, the only part the step loop waits for) when a checkpoint is due, or when a snapshot is
-due: every ``FABRIC_MODEL_SNAPSHOT_STEPS`` committed steps (but not while snapshots would
-take more than ``FABRIC_MODEL_SNAPSHOT_SHARE`` of the time) or once
-``FABRIC_MODEL_SNAPSHOT_SECONDS`` have passed since the last upload. A background thread
-then serializes the copy (a checkpoint's bytes, :mod:`fabric_model.state.checkpoint`) and sends it
-in :class:`~fabric_model.transport.protocol.StateChunk` messages over the control channel; the driver
-writes checkpoints and keeps the newest state in memory, for when every worker holding the
-state is lost (docs/architecture.md, "Elasticity").
+At a step boundary, rank 0 of a generation copies the state a step can change (its frozen
+parameters stay out: docs/architecture.md, "State that does not change") when a checkpoint is
+due, or when a snapshot is due: every ``FABRIC_MODEL_SNAPSHOT_STEPS`` committed steps (but not
+while snapshots would take more than ``FABRIC_MODEL_SNAPSHOT_SHARE`` of the time) or once
+``FABRIC_MODEL_SNAPSHOT_SECONDS`` have passed since the last upload. The copy is the only part
+the step loop waits for: one copy of each tensor (on a GPU, into pinned memory, queued on the
+training stream without waiting for it). A background thread then waits for the copy and sends
+it in :class:`~fabric_model.transport.protocol.StateChunk` messages over the control channel, as
+:mod:`fabric_model.state.wire` cuts it (no ``torch.save`` here: it would hold the interpreter's
+lock for a tensor's whole length); the driver fills in the frozen parameters, writes
+checkpoints and keeps the newest state in memory, for when every worker holding the state is
+lost (docs/architecture.md, "Elasticity").
 
 One upload at a time: a snapshot due while one is in flight waits for the next boundary; a
 due checkpoint waits for the one in flight to finish.
@@ -25,7 +28,8 @@ from ..setup.config import TrainConfig
 from ..step.plan import Schedule
 from ..transport import protocol as p
 from ..transport.control import Channel
-from .checkpoint import checkpoint_due, encode_state, state_record
+from . import wire
+from .checkpoint import checkpoint_due, state_record
 
 log = logging.getLogger(__name__)
 
@@ -85,18 +89,30 @@ class StateUploader:
         by_time = self.every_seconds > 0 and since >= self.every_seconds
         return "snapshot" if by_steps or by_time else None
 
-    def upload(self, kind: str, unit: int, generation: int, model_state: Any, optimizer_state: Any) -> float:
+    def upload(
+        self,
+        kind: str,
+        unit: int,
+        generation: int,
+        model_state: Any,
+        optimizer_state: Any,
+        omitted: list[str] | None = None,
+    ) -> float:
         """Copy the state (on the caller's thread) and send it from a background thread; returns
-        the seconds the copy took (what the step loop pays)."""
+        the seconds the copy took (what the step loop pays). ``omitted``: the frozen parameters
+        left out of ``model_state``, which the driver fills in."""
         started = time.monotonic()
         self.flush()  # one at a time (only a due checkpoint can find one in flight)
-        record = state_record(
-            self.schedule, unit, self.framework, self.batch_size, _copy(model_state), _copy(optimizer_state)
-        )
+        copies = HostCopies()
+        model, optimizer = copies.of(model_state), copies.of(optimizer_state)
+        copies.queued()
+        record = state_record(self.schedule, unit, self.framework, self.batch_size, model, optimizer)
+        if omitted:
+            record["omitted"] = list(omitted)
         copied = time.monotonic() - started
         self.mark(kind, unit)
         self._thread = threading.Thread(
-            target=self._send, args=(kind, unit, generation, record, copied), name="fabric-upload", daemon=True
+            target=self._send, args=(kind, unit, generation, record, copies, copied), name="fabric-upload", daemon=True
         )
         self._thread.start()
         return copied
@@ -112,32 +128,72 @@ class StateUploader:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def _send(self, kind: str, unit: int, generation: int, record: dict[str, Any], copied: float) -> None:
+    def _send(
+        self, kind: str, unit: int, generation: int, record: dict[str, Any], copies: HostCopies, copied: float
+    ) -> None:
         started = time.monotonic()
+        size = 0
         try:
-            data = memoryview(encode_state(record))
-            del record  # the copy is not needed once serialized
-            count = max(1, -(-len(data) // CHUNK_BYTES))
-            for i in range(count):
-                part = bytes(data[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES])
-                self.channel.send(p.StateChunk(generation, unit, kind, i, part, last=i == count - 1))
+            copies.wait()  # a GPU's copies were queued on the training stream
+            parts = wire.pieces(record, CHUNK_BYTES)
+            part, index = next(parts), 0
+            for following in parts:  # one ahead: the last part says so
+                size += _length(part)
+                self.channel.send(p.StateChunk(generation, unit, kind, index, part, last=False))
+                part, index = following, index + 1
+            size += _length(part)
+            self.channel.send(p.StateChunk(generation, unit, kind, index, part, last=True))
         except (OSError, EOFError) as exc:  # the driver is gone: the inbox thread ends the process
             log.warning("%s of unit %d not sent: %s", kind, unit, exc)
             return
         sent = time.monotonic() - started
         # Wall time, not this thread's CPU time: on busy cores it is what the steps lost meanwhile.
         self.cost = copied + sent
-        log.info("%s of unit %d sent: %d bytes in %.3f s", kind, unit, len(data), sent)
+        log.info("%s of unit %d sent: %d bytes in %.3f s", kind, unit, size, sent)
 
 
-def _copy(tree: Any) -> Any:
-    """A copy of a state's nest whose tensors the training loop can no longer change."""
-    import torch
+def _length(part: Any) -> int:
+    return part.raw().nbytes if hasattr(part, "raw") else len(part)
 
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
-    if isinstance(tree, dict):
-        return {k: _copy(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_copy(v) for v in tree)
-    return tree  # plain values are immutable (numbers, strings) or rebuilt above (containers)
+
+class HostCopies:
+    """Copies of a state's tensors that the training loop can no longer change: a CPU tensor
+    cloned; a device tensor copied into pinned host memory on the training stream, without
+    waiting (the stream orders the copy before any later write to the tensor), and waited for
+    by the upload thread (:meth:`wait`), not by the step loop."""
+
+    def __init__(self) -> None:
+        self._cuda = False
+        self._event: Any = None
+
+    def queued(self) -> None:
+        """On the training thread, after the last :meth:`of`: mark where the device copies end."""
+        if self._cuda:
+            import torch
+
+            self._event = torch.cuda.Event()
+            self._event.record()  # on the current stream, after every copy queued on it
+
+    def of(self, tree: Any) -> Any:
+        """A copy of ``tree``'s nest (dicts, lists, tuples; plain values are kept as they are)."""
+        import torch
+
+        if isinstance(tree, torch.Tensor):
+            tensor = tree.detach()
+            if tensor.device.type == "cpu":
+                return tensor.clone()
+            cuda = tensor.device.type == "cuda"
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=cuda)
+            host.copy_(tensor, non_blocking=cuda)
+            self._cuda = self._cuda or cuda
+            return host
+        if isinstance(tree, dict):
+            return {k: self.of(v) for k, v in tree.items()}
+        if isinstance(tree, (list, tuple)):
+            return type(tree)(self.of(v) for v in tree)
+        return tree  # plain values are immutable (numbers, strings) or rebuilt above (containers)
+
+    def wait(self) -> None:
+        """Until every device copy has landed."""
+        if self._event is not None:
+            self._event.synchronize()

@@ -68,7 +68,7 @@ class CheckpointBook:
         self._scored: dict[int, float] = {}  # what the spared set was last computed from
         self.by_unit: dict[int, Path] = {}
         self.accepted = -1  # the newest checkpoint handed to the writer (written or not yet)
-        self._todo: queue.Queue[tuple[int, int, int, int, bytes] | None] = queue.Queue()
+        self._todo: queue.Queue[tuple[int, int, int, int, bytes | dict[str, Any]] | None] = queue.Queue()
         self._done: queue.Queue[_Written] = queue.Queue()
         self._writer: threading.Thread | None = None
         self._writing = 0  # checkpoints handed to the writer and not yet written
@@ -110,8 +110,9 @@ class CheckpointBook:
         return p.CheckpointSettings(str(self.directory), self.framework, self.accepted, restore)
 
     # -- writing ------------------------------------------------------------------------------
-    def store(self, worker_id: int, generation: int, unit: int, data: bytes) -> None:
-        """Write the checkpoint of ``unit`` that ``worker_id`` (rank 0 of ``generation``) uploaded."""
+    def store(self, worker_id: int, generation: int, unit: int, data: bytes | dict[str, Any]) -> None:
+        """Write the checkpoint of ``unit`` that ``worker_id`` (rank 0 of ``generation``) uploaded:
+        its bytes, or its record (complete), which the writer's thread encodes."""
         self.accepted = max(self.accepted, unit)
         with self._writing_lock:
             self._writing += 1
@@ -125,6 +126,8 @@ class CheckpointBook:
             worker, generation, unit, epoch, data = item
             started = time.monotonic()
             try:
+                if isinstance(data, dict):
+                    data = checkpoint.encode_state(data)
                 path: Path | None = checkpoint.write_checkpoint(self.directory, unit, data, self.wrap_stream)
                 error = None
             except OSError as exc:

@@ -131,11 +131,13 @@ class Finished:
 @dataclasses.dataclass(frozen=True)
 class FinalState:
     """The trained state, sent by the one worker the driver asks (a finished one; rank 0 when
-    replicas diverged), with every unit below ``unit`` done."""
+    replicas diverged), with every unit below ``unit`` done; ``omitted``: the frozen parameters
+    left out, which hold the job's values (the driver fills them in)."""
 
     model_state: dict[str, Any]
     optimizer_state: dict[str, Any]
     unit: int = -1
+    omitted: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,8 +242,10 @@ class Stop:
 class StateChunk:
     """Part ``index`` of the state of ``unit`` that rank 0 of ``generation`` uploads: ``kind``
     "checkpoint" (the driver writes it to ``checkpoints/``) or "snapshot" (kept in memory).
-    The bytes are one ``torch.save`` of a checkpoint's dict, cut into chunks so that heartbeats
-    and step reports travel between them; ``last`` marks the final chunk."""
+    The bytes are a checkpoint's dict as :mod:`fabric_model.state.wire` lays it out, cut into
+    chunks so that heartbeats and step reports travel between them; ``last`` marks the final
+    chunk. ``data`` may be sent as a ``pickle.PickleBuffer`` over a tensor's memory (pickled
+    in-band: it arrives as bytes)."""
 
     generation: int
     unit: int

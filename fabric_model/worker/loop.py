@@ -162,8 +162,7 @@ class TrainingLoop:
         committed step is lost; then the position, marked as leaving, and exit 0."""
         collective = self.collective
         if self.leavers >= collective.world_size and collective.rank == 0:
-            state = (self.adapter.model_state(), self.loop_state.pack(self.adapter.optimizer_state()))
-            self.uploads.upload("snapshot", self.next_unit, collective.generation, *state)
+            self._upload("snapshot")
             self.uploads.flush(self.notice.grace)
         collective.shutdown()
         reason = f"leaves ({self.notice.signal_name})"
@@ -190,14 +189,17 @@ class TrainingLoop:
             state = decode_state(generation.state, self.plan, str(restore))
             if state["unit"] != generation.resume_unit:
                 raise RuntimeError(f"{restore} holds unit {state['unit']}, not {generation.resume_unit}")
-            self.adapter.load_state(state["model"], self.loop_state.unpack(state["optimizer"]))
+            # Complete, from the driver; "base": its frozen parameters that hold the job's values.
+            optimizer = self.loop_state.unpack(state["optimizer"])
+            self.adapter.load_sent_state(state["model"], optimizer, base=state.get("base", ()))
         self.uploads.entered(generation.checkpoint, generation.resume_unit)
         self.notice.holds_state = True  # from here a notice to leave waits for a step boundary
         if source >= 0:  # the members that lack the agreed state take it from the one that holds it
             mine = self._state() if self.collective.rank == source else None
             state = broadcast_state(self.collective, mine, source)
             if self.collective.rank != source:
-                self.adapter.load_state(state["model"], self.loop_state.unpack(state["optimizer"]))
+                optimizer = self.loop_state.unpack(state["optimizer"])
+                self.adapter.load_sent_state(state["model"], optimizer, omitted=state.get("omitted", ()))
         self.next_unit = generation.resume_unit
         log.info(
             "generation %d: rank %d/%d at unit %d (group %.3f s, state %s %.3f s)",
@@ -211,7 +213,17 @@ class TrainingLoop:
         )
 
     def _state(self) -> dict[str, Any]:
-        return {"model": self.adapter.model_state(), "optimizer": self.loop_state.pack(self.adapter.optimizer_state())}
+        """What a join hands over: what a step can change (the live tensors: the broadcast copies
+        them), without the frozen parameters every worker has from the job."""
+        model, optimizer, omitted = self.adapter.state_to_send()
+        return {"model": model, "optimizer": self.loop_state.pack(optimizer), "omitted": omitted}
+
+    def _upload(self, kind: str) -> None:
+        """Rank 0's ``kind`` of the state before ``next_unit`` to the driver (state/uploader.py)."""
+        model, optimizer, omitted = self.adapter.state_to_send()
+        self.uploads.upload(
+            kind, self.next_unit, self.collective.generation, model, self.loop_state.pack(optimizer), omitted
+        )
 
     def fingerprint(self) -> dict[str, int]:
         """Per tensor, a fingerprint of this replica's state: the model's, the optimizer's and the loop's."""
@@ -236,8 +248,7 @@ class TrainingLoop:
         kind = self.uploads.kind_due(self.next_unit, self.collective.rank)
         if kind is not None:
             with self.phases(ph.CHECKPOINT if kind == "checkpoint" else ph.SNAPSHOT):
-                state = (self.adapter.model_state(), self.loop_state.pack(self.adapter.optimizer_state()))
-                self.uploads.upload(kind, self.next_unit, self.collective.generation, *state)
+                self._upload(kind)
 
     # -- one generation -------------------------------------------------------------------
     def _run_generation(self) -> None:

@@ -96,6 +96,7 @@ def _set_up(
         context.pending_join = lambda: inbox.pending_generation > context.generation
         _install(context)
         job.adapter.setup(device, threads)
+        job.adapter.track_frozen(spec.config.frozen)  # left out of what travels while unchanged
     return job, context, device
 
 
@@ -145,15 +146,19 @@ def _train(
         loop.run_joined()
     except TrainingHalted:  # replicas diverged: the driver hands the user this worker's state
         log.error("the driver ended training at unit %d (replicas diverged); sending this state", loop.next_unit)
-        model_state, optimizer_state = job.adapter.model_state(), loop.loop_state.pack(job.adapter.optimizer_state())
+        model_state, optimizer_state, omitted = job.adapter.final_state()
+        optimizer_state = loop.loop_state.pack(optimizer_state)
     else:
         loop.uploads.flush(timeouts.recovery)  # the last checkpoint reaches the driver before Finished
-        model_state, optimizer_state = job.adapter.model_state(), loop.loop_state.pack(job.adapter.optimizer_state())
-        digest = state_digest({"model": model_state, "optimizer": optimizer_state})
-        channel.send(p.Finished(digest, loop.next_unit, loop.fingerprint()))
+        model_state, optimizer_state, omitted = job.adapter.final_state()
+        optimizer_state = loop.loop_state.pack(optimizer_state)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        if omitted:  # the job's frozen parameters: their fingerprints compare them, the digest names them
+            state["frozen"] = omitted
+        channel.send(p.Finished(state_digest(state), loop.next_unit, loop.fingerprint()))
         collective.shutdown()
         inbox.expect(p.SendFinalState, timeouts.recovery)
-    channel.send(p.FinalState(model_state, optimizer_state, loop.next_unit))
+    channel.send(p.FinalState(model_state, optimizer_state, loop.next_unit, tuple(omitted)))
     inbox.expect(p.Stop, timeouts.stop)  # the inbox exits the process on Stop
     return collective
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,6 +21,7 @@ from ..base import FrameworkAdapter, metric_name
 from .batches import cpu_copy, scalar, to_device
 from .calling import ModelCall, detached
 from .evaluation import TorchEvaluation
+from .frozen import FrozenParameters, frozen_names
 from .gather import tensor_reader
 from .ibm import Eva, accuracy, forbidden_step
 from .precision import GradientStep
@@ -506,8 +507,67 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
 
     # -- state ----------------------------------------------------------------------------
     def load_state(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
-        self.model.load_state_dict(model_state)
+        may_lack, self._may_lack = self._may_lack, frozenset()
+        if may_lack:  # a state without the frozen parameters this worker holds (load_sent_state)
+            loaded = self.model.load_state_dict(model_state, strict=False)
+            missing = set(loaded.missing_keys) - may_lack
+            if missing or loaded.unexpected_keys:
+                raise RuntimeError(
+                    f"Error(s) in loading state_dict for {type(self.model).__name__}: missing keys "
+                    f"{sorted(missing)}, unexpected keys {sorted(loaded.unexpected_keys)}"
+                )
+        else:
+            self.model.load_state_dict(model_state)
         self.optimizer.load_state_dict(self.grad_step.unpack(optimizer_state))
+
+    #: Names ``load_state`` may find missing (set by ``load_sent_state`` for one call).
+    _may_lack: frozenset[str] = frozenset()
+
+    def frozen_parameters(self) -> tuple[dict[str, Any], list[str]]:
+        state = self.model.state_dict(keep_vars=True)
+        frozen = {name: state[name].detach() for name in frozen_names(self.model)}
+        return frozen, list(state)
+
+    def track_frozen(self, names: Collection[str]) -> None:
+        self._frozen = FrozenParameters(self.model, names)
+
+    def _unchanged_frozen(self) -> set[str]:
+        frozen = getattr(self, "_frozen", None)  # None before setup, and in the caller
+        return frozen.unchanged() if frozen is not None else set()
+
+    def state_to_send(self) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+        omitted = self._unchanged_frozen()
+        model = {k: v for k, v in self.model.state_dict().items() if k not in omitted}  # detached, live
+        return model, self._live_optimizer_state(), sorted(omitted)
+
+    def final_state(self) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+        model, _, omitted = self.state_to_send()
+        return {k: v.cpu().clone() for k, v in model.items()}, self.optimizer_state(), omitted
+
+    def load_sent_state(
+        self,
+        model_state: dict[str, Any],
+        optimizer_state: dict[str, Any],
+        omitted: Collection[str] = (),
+        base: Collection[str] = (),
+    ) -> None:
+        unchanged = self._unchanged_frozen()
+        if not set(omitted) <= unchanged:
+            raise RuntimeError(
+                f"a state without the frozen parameters {sorted(set(omitted) - unchanged)[:5]} reached a worker "
+                "whose own copies of them changed; set FABRIC_MODEL_OMIT_FROZEN=0 if your code writes to "
+                'parameters that do not require a gradient (docs/training.md, "Frozen parameters")'
+            )
+        skip = set(base) & unchanged  # the driver's copy of the job's values: this worker holds them already
+        if skip:
+            model_state = {k: v for k, v in model_state.items() if k not in skip}
+        self._may_lack = frozenset(omitted) | frozenset(skip)
+        try:
+            self.load_state(model_state, optimizer_state)
+        finally:
+            self._may_lack = frozenset()
+        if base and getattr(self, "_frozen", None) is not None:
+            self._frozen.baseline(set(base) - skip)  # loaded now, with the job's values
 
     def model_state(self) -> dict[str, Any]:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
@@ -521,8 +581,12 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
 
     def state_fingerprint(self) -> dict[str, int]:
         # The live tensors, read in place: the default's copies cost 10x the read (docs/architecture.md,
-        # "Replica checks"), on a GPU a transfer of the whole state to the host.
+        # "Replica checks"), on a GPU a transfer of the whole state to the host. Frozen parameters
+        # that still hold the job's values are read once (docs/architecture.md, "State that does not change").
+        unchanged = self._unchanged_frozen()
+        changing = {k: v for k, v in self.model.state_dict().items() if k not in unchanged}
         return {
-            **state_fingerprint(self.model.state_dict(), "model"),
+            **state_fingerprint(changing, "model"),
+            **(self._frozen.fingerprints() if unchanged else {}),
             **state_fingerprint(self._live_optimizer_state(), "optimizer"),
         }

@@ -214,6 +214,29 @@ def test_rank_0_uploads_due_checkpoints_and_snapshots_every_n_steps():
     }
 
 
+@pytest.mark.parametrize("freq", [0, 1, 3])
+@pytest.mark.parametrize(("steps", "seconds", "share"), [(4, 0, 0), (7, 0, 0.01), (0, 0.5, 0), (3, 0.25, 0.5)])
+def test_the_cheap_answer_of_kind_due_is_its_full_rule_s(monkeypatch, freq, steps, seconds, share):
+    """kind_due runs before every unit: its fast path (nothing due before the next checkpoint's
+    unit and the unit the steps' rule reaches, unless by time) answers as the whole rule does."""
+    clock = [100.0]
+    monkeypatch.setattr("fabric_model.state.uploader.time.monotonic", lambda: clock[0])
+    snapshots = SnapshotCadence(steps=steps, seconds=seconds, share=share)
+    config = types.SimpleNamespace(checkpoint_freq=freq, batch_size=BATCH, snapshots=snapshots)
+    uploads = StateUploader(channel=None, schedule=SCHEDULE, config=config)  # type: ignore[arg-type]
+    uploads.entered(p.CheckpointSettings("", "torch", written=-1), resume_unit=0)
+    due = 0
+    for unit in range(SCHEDULE.total_units):
+        clock[0] += 0.1
+        uploads.cost = 0.2 if unit % 5 else 0.0
+        kind = uploads.kind_due(unit, rank=0)
+        assert kind == (uploads._due(unit) if 0 < unit < SCHEDULE.total_units else None), unit
+        if kind:
+            due += 1
+            uploads.mark(kind, unit)
+    assert due > 0
+
+
 def test_snapshots_by_steps_wait_while_they_would_cost_more_than_their_share():
     snapshots = SnapshotCadence(steps=4, seconds=0, share=0.01)
     config = types.SimpleNamespace(checkpoint_freq=1, batch_size=BATCH, snapshots=snapshots)

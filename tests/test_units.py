@@ -11,7 +11,15 @@ from fabric_model.errors import RemoteTraceback, WorkerError, encode_exception, 
 from fabric_model.setup.config import size_engines, threads_per_worker
 from fabric_model.step.digest import state_digest
 from fabric_model.step.metrics import EpochAverage, stat_means
-from fabric_model.step.plan import Plan, assigned_micro_batches, epoch_permutation, eval_batches, micro_batch_seed
+from fabric_model.step.plan import (
+    MicroBatchSeeds,
+    Plan,
+    assigned_micro_batches,
+    epoch_permutation,
+    eval_batches,
+    micro_batch_seed,
+    micro_batch_seeds,
+)
 
 
 def test_plan_cuts_every_epoch_into_exactly_once_micro_batches():
@@ -33,6 +41,21 @@ def test_permutation_depends_on_seed_and_epoch_only():
     assert np.array_equal(a, epoch_permutation(1, 0, 50))
     assert not np.array_equal(a, epoch_permutation(1, 1, 50))
     assert not np.array_equal(a, epoch_permutation(2, 0, 50))
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**31 - 1, 2**32 - 1, 2**32, 2**45 + 3])
+def test_the_seeds_of_a_block_of_steps_are_micro_batch_seed_s(seed):
+    """The loop looks seeds up in a table made a block of steps at a time (vectorised
+    SeedSequence arithmetic): each must be micro_batch_seed's, or runs would change."""
+    rng = np.random.default_rng(seed % 1000)
+    for epoch in (0, 1, 2**32 - 1, int(rng.integers(1, 10**6))):
+        steps = np.concatenate([np.arange(5), rng.integers(0, 2**32, size=5)])
+        table = micro_batch_seeds(seed, epoch, steps, 3)
+        assert table.tolist() == [[micro_batch_seed(seed, epoch, int(s), j) for j in range(3)] for s in steps]
+    plan = Plan(num_samples=50_000, batch_size=4, micro_batches=3, seed=seed)  # 4,167 steps: 5 blocks
+    seeds = MicroBatchSeeds(plan)
+    for epoch, step, j in ((0, 0, 0), (0, 2100, 2), (0, 4166, 1), (1, 3, 1), (0, 5, 0)):  # blocks, epochs, back
+        assert seeds(epoch, step, j) == micro_batch_seed(seed, epoch, step, j)
 
 
 def test_micro_batch_seeds_are_distinct_and_stable():

@@ -61,6 +61,7 @@ class StateUploader:
         self._last_steps = 0  # steps below the unit of the last upload (or of entering)
         self._last_time = time.monotonic()
         self._thread: threading.Thread | None = None
+        self._thresholds()
 
     def entered(self, settings: p.CheckpointSettings, resume_unit: int) -> None:
         """A generation was entered at ``resume_unit``: the driver holds a state of it or before."""
@@ -68,11 +69,36 @@ class StateUploader:
         self.written = max(self.written, settings.written)
         self._last_steps = self.schedule.steps_before(resume_unit)
         self._last_time = time.monotonic()
+        self._thresholds()
+
+    def _thresholds(self) -> None:
+        """Before these, nothing is due but by time: the next checkpoint's unit, and the unit the
+        steps' rule reaches (``kind_due`` runs before every unit: its common answer is cheap)."""
+        schedule, per_epoch = self.schedule, self.schedule.plan.steps_per_epoch
+        self._checkpoint_unit = schedule.total_units
+        if self.freq > 0:
+            epoch = max(0, (self.written + 1) // schedule.units_per_epoch)
+            epoch += (self.freq - (epoch + 1) % self.freq) % self.freq  # the next epoch a checkpoint ends
+            self._checkpoint_unit = min(schedule.total_units, schedule.unit(epoch, per_epoch))
+        self._steps_unit = schedule.total_units
+        if self.every_steps > 0:
+            target = self._last_steps + self.every_steps
+            epoch, step = divmod(target, per_epoch)
+            self._steps_unit = schedule.unit(epoch, step) - (1 if step == 0 and epoch > 0 else 0)
 
     def kind_due(self, unit: int, rank: int) -> str | None:
         """ "checkpoint", "snapshot" or None: what rank ``rank`` uploads before running ``unit``."""
         if rank != 0 or not 0 < unit < self.schedule.total_units:
             return None
+        if unit < self._checkpoint_unit:  # the common case, in a few comparisons
+            now = time.monotonic()
+            waits = unit < self._steps_unit or (self.share > 0 and (now - self._last_time) * self.share < self.cost)
+            if waits and (self.every_seconds <= 0 or now - self._last_time < self.every_seconds):
+                return None
+        return self._due(unit)
+
+    def _due(self, unit: int) -> str | None:
+        """``kind_due``'s rule in full."""
         if unit > self.written and checkpoint_due(self.schedule, self.freq, unit):
             return "checkpoint"
         if self._thread is not None and self._thread.is_alive():
@@ -122,6 +148,7 @@ class StateUploader:
         if kind == "checkpoint":
             self.written = unit
         self._last_steps, self._last_time = self.schedule.steps_before(unit), time.monotonic()
+        self._thresholds()
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the upload in flight, if any, is sent."""

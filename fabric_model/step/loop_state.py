@@ -74,7 +74,7 @@ class LoopState:
     # -- the loop's events ---------------------------------------------------------------------
     def step_done(self, epoch: int, stats: Sequence[float]) -> None:
         """A step was applied (every replica got the same reduced ``stats``)."""
-        self.average.add(epoch, stats)
+        self.average.accumulate(epoch, stats)
         if self.scheduling is not None and self.scheduling.interval == "step":
             self.scheduling.step({})
 
@@ -93,9 +93,11 @@ class LoopState:
 
     def should_stop(self, model: Any) -> bool:
         """A callback set ``stop_training`` (on itself, or on the model as Keras' callbacks do)."""
-        return bool(getattr(model, "stop_training", False)) or any(
-            getattr(cb, "stop_training", False) is True for cb in self.callbacks
-        )
+        # An instance's own attribute, looked up without getattr: a torch module lacking one
+        # raises AttributeError inside __getattr__, microseconds a step.
+        own = getattr(model, "__dict__", None)
+        flag = own.get("stop_training", False) if own is not None else getattr(model, "stop_training", False)
+        return bool(flag) or any(getattr(cb, "stop_training", False) is True for cb in self.callbacks)
 
     # -- travelling with the optimizer state -------------------------------------------------
     def state(self) -> dict[str, Any]:

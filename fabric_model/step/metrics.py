@@ -35,7 +35,11 @@ class EpochAverage:
 
     def add(self, epoch: int, sums: Sequence[float]) -> dict[str, float]:
         """Add a step's sums; returns the epoch's averages so far (a new ``epoch`` starts afresh)."""
+        self.accumulate(epoch, sums)
+        return stat_means(self.names, self._sums)
+
+    def accumulate(self, epoch: int, sums: Sequence[float]) -> None:
+        """:meth:`add` without the averages (a worker's every step needs none)."""
         if epoch != self.epoch:
             self.epoch, self._sums = epoch, [0.0] * (len(self.names) + 1)
         self._sums = [a + float(b) for a, b in zip(self._sums, sums)]
-        return stat_means(self.names, self._sums)

@@ -8,6 +8,7 @@ independently, and a step can be re-divided among any number of live workers (do
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -30,6 +31,58 @@ def micro_batch_seed(seed: int, epoch: int, step: int, micro_batch: int) -> int:
     state = np.random.SeedSequence([seed, epoch, step, micro_batch]).generate_state(2, np.uint32)
     # 63 bits: valid for torch.manual_seed and for tf.random.set_seed.
     return int((int(state[0]) << 31) ^ int(state[1])) & ((1 << 63) - 1)
+
+
+# numpy's SeedSequence (numpy/random/bit_generator.pyx), its pool of 4 words and its constants:
+# micro_batch_seeds computes what micro_batch_seed does for a whole block of steps at once.
+_INIT_A, _MULT_A, _INIT_B, _MULT_B = 0x43B0D7E5, 0x931E8875, 0x8B51F9DD, 0x58F38DED
+_MIX_MULT_L, _MIX_MULT_R, _XSHIFT, _MASK = 0xCA01F9DD, 0x4973F715, 16, 0xFFFFFFFF
+
+
+def micro_batch_seeds(seed: int, epoch: int, steps: np.ndarray, micro_batches: int) -> np.ndarray:
+    """``micro_batch_seed(seed, epoch, step, j)`` for every ``step`` in ``steps`` and ``j`` below
+    ``micro_batches``, as an int64 array ``[len(steps), micro_batches]``: the same values, in
+    vectorised uint32 arithmetic (a few microseconds a step less than one SeedSequence each;
+    tests/test_units.py checks them against it). Words of 32 bits or more fall back to it."""
+    steps = np.asarray(steps, dtype=np.int64)
+    if not (
+        0 <= seed <= _MASK and 0 <= epoch <= _MASK and (steps.size == 0 or 0 <= steps.min() <= steps.max() <= _MASK)
+    ):
+        return np.array(
+            [[micro_batch_seed(seed, epoch, int(s), j) for j in range(micro_batches)] for s in steps], dtype=np.int64
+        ).reshape(len(steps), micro_batches)
+    shape = (len(steps), micro_batches)
+    words = [
+        np.full(shape, seed, np.uint32),
+        np.full(shape, epoch, np.uint32),
+        np.broadcast_to(steps.astype(np.uint32)[:, None], shape),
+        np.broadcast_to(np.arange(micro_batches, dtype=np.uint32)[None, :], shape),
+    ]
+    constant = _INIT_A
+
+    def hashmix(value: np.ndarray) -> np.ndarray:
+        nonlocal constant
+        value = value ^ np.uint32(constant)
+        constant = (constant * _MULT_A) & _MASK
+        value = value * np.uint32(constant)
+        return value ^ (value >> np.uint32(_XSHIFT))
+
+    def mix(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        result: np.ndarray = np.uint32(_MIX_MULT_L) * x - np.uint32(_MIX_MULT_R) * y
+        return result ^ (result >> np.uint32(_XSHIFT))
+
+    pool = [hashmix(word) for word in words]
+    for src in range(4):
+        for dst in range(4):
+            if src != dst:
+                pool[dst] = mix(pool[dst], hashmix(pool[src]))
+    state, constant = [], _INIT_B
+    for word in pool[:2]:  # generate_state(2): the pool's first two words, hashed again
+        value = word ^ np.uint32(constant)
+        constant = (constant * _MULT_B) & _MASK
+        value = value * np.uint32(constant)
+        state.append((value ^ (value >> np.uint32(_XSHIFT))).astype(np.int64))
+    return ((state[0] << 31) ^ state[1]) & ((1 << 63) - 1)
 
 
 def assigned_micro_batches(num_micro_batches: int, rank: int, world_size: int) -> range:
@@ -70,11 +123,13 @@ class Plan:
         """Whether the training data is read as streams of shards (step/stream_order.py)."""
         return bool(self.shard_lengths)
 
-    @property
+    # Cached: the step path asks a dozen times a step (the plan never changes; the cache is
+    # no field, so equality, asdict and replace are the fields' alone).
+    @functools.cached_property
     def global_batch(self) -> int:
         return self.batch_size * self.micro_batches
 
-    @property
+    @functools.cached_property
     def steps_per_epoch(self) -> int:
         if self.sharded:
             return streams.steps_per_epoch(self.num_samples, self.micro_batches, self.batch_size)
@@ -139,11 +194,11 @@ class Schedule:
     validation_freq: int
     has_test: bool
 
-    @property
+    @functools.cached_property
     def units_per_epoch(self) -> int:
         return self.plan.steps_per_epoch + 1
 
-    @property
+    @functools.cached_property
     def total_units(self) -> int:
         return self.epochs * self.units_per_epoch
 
@@ -163,3 +218,24 @@ class Schedule:
 
     def validation_due(self, epoch: int) -> bool:
         return self.has_test and (epoch + 1) % self.validation_freq == 0
+
+
+class MicroBatchSeeds:
+    """:func:`micro_batch_seed` for the steps a worker runs, a block of steps at a time
+    (:func:`micro_batch_seeds`): a lookup a micro-batch instead of a SeedSequence."""
+
+    BLOCK = 1024
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self._key: tuple[int, int] | None = None
+        self._table = np.zeros((0, 0), dtype=np.int64)
+
+    def __call__(self, epoch: int, step: int, micro_batch: int) -> int:
+        block = step // self.BLOCK
+        if self._key != (epoch, block):
+            first = block * self.BLOCK
+            steps = np.arange(first, min(first + self.BLOCK, self.plan.steps_per_epoch))
+            self._table = micro_batch_seeds(self.plan.seed, epoch, steps, self.plan.micro_batches)
+            self._key = (epoch, block)
+        return int(self._table[step % self.BLOCK, micro_batch])

@@ -45,13 +45,13 @@ from ..step.digest import check_due, state_fingerprint
 from ..step.loop_state import LoopState
 from ..step.metrics import stat_means, validation_means
 from ..step.plan import (
+    MicroBatchSeeds,
     Plan,
     Schedule,
     assigned_micro_batches,
     epoch_permutation,
     eval_batches,
     eval_segment_batches,
-    micro_batch_seed,
 )
 from ..streams.reader import StreamedDataset
 from ..transport import protocol as p
@@ -107,6 +107,7 @@ class TrainingLoop:
         self.schedule = Schedule(plan, config.epochs, config.validation_freq, self.test_set is not None)
         self.next_unit = 0
         self.iterations = 0  # steps this worker took part in
+        self._seeds = MicroBatchSeeds(plan)  # micro_batch_seed, a block of steps at a time
         self.hooks = job.hooks
         # The scheduler, the epoch's sums and the callbacks' state: they travel with the optimizer state.
         self.loop_state = LoopState(self.adapter.stat_names, job.lr_scheduling, self.hooks.callbacks)
@@ -234,8 +235,10 @@ class TrainingLoop:
         several sends its state's fingerprint; the driver compares them (docs/architecture.md,
         "Replica checks"). Only then: it reads every tensor once."""
         collective = self.collective
+        if collective.world_size < 2:  # a lone worker has no replica to compare with
+            return
         last_of_epoch = step == self.plan.steps_per_epoch - 1
-        if collective.world_size < 2 or not check_due(self.context.global_step, last_of_epoch, self.check_steps):
+        if not check_due(self.context.global_step, last_of_epoch, self.check_steps):
             return
         with self.phases(ph.FINGERPRINT):
             message = p.Fingerprint(
@@ -358,7 +361,7 @@ class TrainingLoop:
                 with phases(ph.DATA):
                     key, indices, batch = next(batches)
                 assert key == (epoch, step, j), f"loader out of order: {key} != {(epoch, step, j)}"
-                seed = micro_batch_seed(plan.seed, epoch, step, j)
+                seed = self._seeds(epoch, step, j)
                 adapter.train_micro_batch(batch, len(indices), step_samples, seed, last=position == len(mine) - 1)
             # The switch vote rides in the same allreduce, so every member reads the same sum.
             leaving = self.voted_leave = self.notice.requested

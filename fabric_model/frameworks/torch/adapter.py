@@ -271,19 +271,25 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
 
     def begin_step(self, collective: Any = None) -> None:
         self._collective = collective
-        self._works, self._launched, self._pending = [], 0, list(self._bucket_sizes)
         self._got = [0.0] * len(self._params)
         # A lone worker reduces nothing: backward writes fresh gradients, as in a plain loop,
         # instead of adding into a zeroed buffer (docs/architecture.md, "The step").
-        self._direct = self.lone_direct and getattr(collective, "world_size", 0) == 1 and self.step_fn is None
-        self._hook_gradients(not self._direct)
-        (self._after_gradients if self._direct else self._flat).zero_()
-        # A lone CPU worker adds its stat sums in Python (numpy float32: the same roundings as
-        # the tensor path) instead of in three tensor operations; the step reduces nothing.
-        self._py_sums = [np.float32(0.0)] * (self._layout.n_stats + 1) if self._direct and self._on_cpu else None
-        for p, view in zip(self._params, self._grad_views):
-            p.grad = None if self._direct else view
-        self._buf_start = [b.detach().clone() for b in self._live_buffers()]
+        direct = self._direct = self.lone_direct and getattr(collective, "world_size", 0) == 1 and self.step_fn is None
+        self._hook_gradients(not direct)
+        if direct:
+            self._after_gradients.zero_()
+            # A lone CPU worker adds its stat sums in Python (numpy float32: the same roundings as
+            # the tensor path) instead of in three tensor operations; the step reduces nothing.
+            self._py_sums = [np.float32(0.0)] * (self._layout.n_stats + 1) if self._on_cpu else None
+            for p in self._params:
+                p.grad = None
+        else:
+            self._works, self._launched, self._pending = [], 0, list(self._bucket_sizes)
+            self._flat.zero_()
+            self._py_sums = None
+            for p, view in zip(self._params, self._grad_views):
+                p.grad = view
+        self._buf_start = [b.detach().clone() for b in self._live_buffers()] if self._buffers else []
         self._buffers_at_start = True  # until a micro-batch's forward runs
         self._buffers_as_left = False  # the forward's own values are the step's (whole_step_buffers_in_place)
         self._in_step = True
@@ -321,7 +327,7 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
             self._overlap = False
         with phases(ph.BUFFERS):
             if not self._direct:  # a lone worker's finish_step reads the flags off .grad itself
-                self._got_grad.copy_(torch.tensor(self._got))
+                self._write_flags()
             # No torch.no_grad() here or in finish_step: every operand is detached or a buffer, so
             # nothing is recorded, and entering the context costs ~20 us after a backward.
             if self._direct and share == 1.0 and self.whole_step_buffers_in_place:
@@ -373,6 +379,15 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         values.append(1.0)
         self._py_sums = [s + np.float32(v) * n32 for s, v in zip(self._py_sums, values)]
 
+    def _write_flags(self) -> None:
+        """This worker's got-gradient flags into the step buffer; from pinned memory on a GPU, so
+        the host does not wait for the stream (a pageable copy to the device would)."""
+        flags = torch.tensor(self._got)
+        if self.device.type == "cuda":
+            self._got_grad.copy_(flags.pin_memory(), non_blocking=True)  # the allocator keeps it until copied
+        else:
+            self._got_grad.copy_(flags)
+
     def _seed(self, seed: int) -> None:
         # torch.manual_seed also seeds every lazy accelerator backend, formatting stack
         # traces as it goes (0.1-0.5 ms a call); seed only the generators this worker uses.
@@ -401,7 +416,7 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
                 self.optimizer.step = previous
             else:
                 del self.optimizer.step
-        self._got_grad.copy_(torch.tensor(self._got))
+        self._write_flags()
         scratch = self._scratch
         offset = 0
         for p in self._params:  # the user may have replaced .grad (clipping does not)
@@ -500,7 +515,9 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         if self._direct:  # backward gave fresh gradients: None where it produced none
             unused = [i for i, p in enumerate(self._params) if p.grad is None]
         else:
-            unused = [i for i, got in enumerate(self._got_grad.tolist()) if got == 0.0]
+            # Every parameter got a gradient here: so it did in the sum, which need not be read
+            # (on a GPU, reading it would wait for the allreduce before the optimizer's step).
+            unused = [] if 0.0 not in self._got else [i for i, got in enumerate(self._got_grad.tolist()) if got == 0.0]
         for i in unused:
             self._params[i].grad = None
         return unused

@@ -17,8 +17,11 @@ Each round starts, in turn, fresh interpreters that run:
   replacement worker takes part in.
 
 Times are from just before the parent starts the child to the moment the child stamps; the
-table gives the median [min-max] over the rounds and each row's ratio to ``plain`` of the same
-rounds. Machine load from other processes moves every row alike within a round.
+table gives the median [min-max] over the rounds, each row's ratio to ``plain`` of the same
+rounds, and for FabricModel's rows the seconds it takes beyond ``plain`` (target: at most 0.5 s on
+CPU). Then the phases ``run.json`` records of each default ``fm`` run (``startup``: from
+``train()`` to the first committed step; run/startup.py), medians over the rounds. Machine load
+from other processes moves every row alike within a round.
 """
 
 from __future__ import annotations
@@ -88,6 +91,12 @@ def _run(code: str, env: dict[str, str]) -> tuple[float, float]:
     return (stamps[0] if stamps else end) - start, end
 
 
+def _phases(run_dir: Path) -> list[list]:
+    """``run.json``'s start-up phases: ``[[name, seconds], ...]`` and the total."""
+    startup = json.loads((run_dir / "run.json").read_text())["startup"]
+    return [*startup["phases"], ["total: train() -> first commit", startup["total"]]]
+
+
 def _fabric(engines: int, tmp: Path, name: str, env: dict[str, str], kill: bool = False) -> tuple[float, Path, Path]:
     run_dir, markers = tmp / name / "run", tmp / name / "markers"
     markers.mkdir(parents=True)
@@ -127,6 +136,7 @@ def main() -> int:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("EDT_REPLACE_WORKERS", None)
     rows: dict[str, list[float]] = {}
+    phases: dict[int, dict[str, list[float]]] = {1: {}, 2: {}}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         for r in range(args.rounds):
@@ -134,8 +144,10 @@ def main() -> int:
             rows.setdefault("import torch", []).append(_run("import torch", env)[0])
             rows.setdefault("plain loop: start -> first step", []).append(_run(PLAIN, env)[0])
             for engines in (1, 2):
-                seconds = _fabric(engines, tmp, f"fm{engines}-{r}", env)[0]
+                seconds, run_dir, _ = _fabric(engines, tmp, f"fm{engines}-{r}", env)
                 rows.setdefault(f"fm {engines} engine(s): start -> first commit", []).append(seconds)
+                for phase, took in _phases(run_dir):
+                    phases[engines].setdefault(phase, []).append(took)
                 for mode, label in (("fresh", "fresh warm process"), ("0", "fresh workers")):
                     seconds = _fabric(engines, tmp, f"{mode}{engines}-{r}", {**env, "FABRIC_MODEL_WARM_START": mode})[0]
                     rows.setdefault(f"fm {engines} engine(s), {label}", []).append(seconds)
@@ -149,6 +161,13 @@ def main() -> int:
     for name, values in rows.items():
         ratio = name.startswith(("fm", "import", "plain"))
         print(_row(name, values, base if ratio else None))
+        if name.startswith("fm"):
+            beyond = [v - b for v, b in zip(values, base)]
+            print(f"{'':<34} +{statistics.median(beyond):.2f} s [{min(beyond):.2f}-{max(beyond):.2f}] beyond plain")
+    for engines, table in phases.items():
+        print(f"\nrun.json's start-up phases, {engines} engine(s) (median s over the rounds)")
+        for phase, values in table.items():
+            print(f"  {phase:<44} {statistics.median(values):7.3f}")
     return 0
 
 

@@ -211,8 +211,10 @@ class FabricModel(InferenceMixin):
                 the end (docs/training.md, "Profiling"). Default ``$FABRIC_MODEL_PROFILE``, else off.
         """
         from .run.display import check_verbose
+        from .run.startup import StartUp
         from .setup import pipeline
 
+        startup = StartUp()  # from here to the first committed step, in phases (run.json's "startup")
         ray_cluster = None
         try:
             verbose = check_verbose(verbose)
@@ -225,7 +227,7 @@ class FabricModel(InferenceMixin):
             ignored = {"worker_memory": worker_memory, "driver_memory": driver_memory}
             sizes = pipeline.RunSizes(epoch_number, batch_size, engines_number, effective_batch_size)
             setup, adapter, train_set, resumed = pipeline.prepare(
-                self, sizes, loop, seed, run_dir, resume, ignored, ray_cluster
+                self, sizes, loop, seed, run_dir, resume, ignored, ray_cluster, startup
             )
             # Unless told otherwise, a Ray job listens on the node's IP, a local one on loopback.
             setup = dataclasses.replace(setup, bind_address=host or (ray_cluster.host if ray_cluster else LOOPBACK))

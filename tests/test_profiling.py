@@ -1,4 +1,5 @@
-"""train(profile=...): the window's checks, the named ranges, the summary, and a profiled run's files."""
+"""Where the time goes: train(profile=...) (the window's checks, the named ranges, the summary, a
+profiled run's files) and the start-up's phases in run.json."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import time
 
 import psutil
 import pytest
-import torch
 import torch.nn.functional as F
 
 from fabric_model import FabricModel
@@ -15,6 +15,7 @@ from fabric_model.profiling import phases as ph
 from fabric_model.profiling.phases import Phases
 from fabric_model.profiling.summary import render
 from fabric_model.profiling.window import ProfileWindow, fit_to_run, parse_setting, profile_window
+from fabric_model.run.startup import CALLER_PHASES, DRIVER_PHASES, StartUp
 from fabric_model.setup.settings import PROFILE
 
 from .helpers import fresh_model_and_optimizer, make_data
@@ -119,9 +120,35 @@ def test_a_profiled_run_writes_a_trace_with_the_framework_s_ranges_and_a_summary
 
 
 @pytest.mark.processes
-def test_a_run_without_a_profile_writes_none(run_dir, monkeypatch):
+def test_a_run_records_its_start_up_in_phases_and_without_a_profile_writes_none(run_dir, monkeypatch):
     monkeypatch.delenv("FABRIC_MODEL_PROFILE", raising=False)
     model, opt = fresh_model_and_optimizer()
-    FabricModel(model, lambda: (DATA, None), F.cross_entropy, opt).train(1, 8, 1, run_dir=run_dir, verbose=0)
+    FabricModel(model, lambda: (DATA, None), F.cross_entropy, opt).train(1, 8, 2, run_dir=run_dir, verbose=0)
     assert not (run_dir / "profile").exists()
-    assert torch.is_tensor(next(iter(model.state_dict().values())))
+    startup = json.loads((run_dir / "run.json").read_text())["startup"]
+    names = [name for name, _ in startup["phases"]]
+    top = [name for name in names if not name.startswith("  ")]
+    assert top == [*CALLER_PHASES, *DRIVER_PHASES, "first step"], names  # train() to the first commit, in order
+    assert {"  unpickling the job", "  datasets_function", "  group formed", "  state to the device"} <= set(names)
+    seconds = dict(startup["phases"])
+    assert sum(seconds[name] for name in top) == pytest.approx(startup["total"], abs=1e-3)
+    assert all(value >= 0 for value in seconds.values()) and 0 < startup["total"] < 120
+
+
+def test_start_up_phases_nest_the_first_worker_s_parts_under_the_driver_s():
+    clock = StartUp(began=0.0)
+    clock._marks = {"argument checks": 0.5, "process start": 1.0, "worker set-up": 3.0, "first step": 3.5}
+    clock.worker("worker set-up", {"unpickling the job": 0.5, "datasets_function": 1.0})
+    clock.worker("worker set-up", {"unpickling the job": 9.0})  # a second worker's: the first stands
+    assert clock.phases() == {
+        "phases": [
+            ["argument checks", 0.5],
+            ["process start", 0.5],
+            ["worker set-up", 2.0],
+            ["  unpickling the job", 0.5],
+            ["  datasets_function", 1.0],
+            ["  the rest of worker set-up", 0.5],
+            ["first step", 0.5],
+        ],
+        "total": 3.5,
+    }

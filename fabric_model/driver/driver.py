@@ -25,6 +25,7 @@ from ..profiling.received import ProfileInbox
 from ..run.hooks import Hooks
 from ..run.metrics_log import MetricsLog
 from ..run.rundir import RunDirectory
+from ..run.startup import StartUp
 from ..setup.config import TrainConfig
 from ..state.best import BestCheckpoints, epoch_logs
 from ..state.book import StateBook
@@ -83,6 +84,7 @@ class DriverSetup:
         threads_fixed: every worker takes ``threads``, hand-started ones too (``deterministic=True``).
         ray_actor: what each worker's Ray actor asks for ("1 CPU"); empty where workers are local processes.
         frozen: the job's frozen parameters, which uploads leave out and the driver fills in.
+        startup: the start-up's phases so far (``train()``'s); the driver marks the rest and writes them.
     """
 
     payload: bytes
@@ -102,6 +104,7 @@ class DriverSetup:
     threads_fixed: bool = False
     ray_actor: str = ""
     frozen: FrozenBase = dataclasses.field(default_factory=lambda: FrozenBase({}, []))
+    startup: StartUp = dataclasses.field(default_factory=StartUp)
 
 
 @dataclasses.dataclass
@@ -186,7 +189,8 @@ class Driver:
         self._exits: dict[int, float] = {}  # ended processes whose last messages are awaited: since when
         self._handlers: dict[type, Callable[[int, Any], None]] = {
             p.Hello: self._on_hello,
-            p.Ready: lambda w, m: self._execute(self.membership.ready(w, m.attempt, time.monotonic())),
+            p.Ready: self._on_ready,
+            p.Entered: self._on_entered,
             p.Heartbeat: lambda w, m: None,
             p.StepDone: self._on_step,
             p.Fingerprint: self._on_fingerprint,
@@ -231,6 +235,7 @@ class Driver:
         try:
             watch.__enter__()  # the preemption signals are caught from here (docs/architecture.md, "Preemption")
             self.checkpoints.prepare(self.setup.resume, self.progress.iteration)
+            self.setup.startup.mark("run directory and driver")
             self._execute(self.membership.start(time.monotonic()))
             self.hooks.on_train_begin()
             while self._final is None:
@@ -350,7 +355,20 @@ class Driver:
         return now - since >= EXIT_DRAIN
 
     # -- handlers ---------------------------------------------------------------------------
+    def _on_ready(self, worker_id: int, message: p.Ready) -> None:
+        if not self.setup.startup.marked("worker set-up"):
+            self.setup.startup.mark("worker set-up")
+            self.setup.startup.worker("worker set-up", dict(message.phases))
+        self._execute(self.membership.ready(worker_id, message.attempt, time.monotonic()))
+
+    def _on_entered(self, worker_id: int, message: p.Entered) -> None:
+        startup = self.setup.startup
+        if startup.marked("waiting for the first generation") and not startup.marked("entering it"):
+            startup.mark("entering it")
+            startup.worker("entering it", dict(message.phases))
+
     def _on_hello(self, worker_id: int, message: p.Hello) -> None:
+        self.setup.startup.mark("process start")
         self._hosts[worker_id] = self._launcher.host(worker_id) or where(self._server.peer(worker_id), message.host)
         slot = self.membership.slot_of(worker_id)
         device = self.setup.devices[slot] if slot is not None else None
@@ -567,10 +585,14 @@ class Driver:
             elif isinstance(command, Formed):  # before the members are told: the store must admit them
                 self._store.admit(command.generation, command.members)
                 self._record_generation(command)
+                self.setup.startup.mark("waiting for the first generation")
 
     def _moved_on(self) -> None:
         """The one commit path: the ledger committed steps (its ``CommittedUnit``, shared with
         membership and the state book, moved); they act on it."""
+        if not self.setup.startup.recorded:  # the first commit ends start-up (run/startup.py)
+            self.setup.startup.mark("first step")
+            self.setup.startup.record(self.run_dir.run_json)
         unit = self.progress.committed_unit
         self.membership.committed(unit)  # resets the backoff of slots that train steadily
         self.states.committed(unit)  # drops held states no longer needed

@@ -45,6 +45,8 @@ class FrameworkAdapter(abc.ABC):
     train_set: Any = None
     #: The loop's named ranges (profiling/phases.py): off until a worker's loop hands over its own.
     phases: ph.Phases = ph.OFF
+    #: How long ``setup``'s parts took (run/startup.py); empty where an adapter does not say.
+    setup_phases: dict[str, float] = {}  # never mutated: setup replaces it
 
     @abc.abstractmethod
     def setup(self, device: str, num_threads: int) -> None:

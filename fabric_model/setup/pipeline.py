@@ -14,6 +14,7 @@ from ..profiling.window import fit_to_run, profile_window
 from ..run.hooks import Hooks
 from ..run.result import History, TrainResult
 from ..run.rundir import RunDirectory
+from ..run.startup import StartUp
 from ..state import checkpoint
 from ..state.best import best_of, check_monitors
 from ..state.frozen import FrozenBase
@@ -55,6 +56,7 @@ def prepare(
     resume: bool | str,
     ignored: dict[str, Any],
     ray_cluster: Any = None,
+    startup: StartUp | None = None,
 ) -> tuple[DriverSetup, FrameworkAdapter, Any, checkpoint.ResumeChoice]:
     """Check ``train``'s arguments and the data, size the run, draw its seed, serialize the job;
     returns what the driver needs, the adapter, the training set and how ``resume`` was resolved."""
@@ -99,11 +101,13 @@ def prepare(
             engines_number=sizes.engines_number,
             effective_batch_size=sizes.effective_batch_size,
         )
+    startup = startup or StartUp()
+    startup.mark("argument checks")
     exact = sizing.micro_batches if loop.deterministic else None  # the micro-batches per step
     window = profile_window(loop.profile) if loop.profile is not None else PROFILE.get()
     if window is not None:
         window = fit_to_run(window, epochs * plan.steps_per_epoch)
-    adapter, payload = ship(fm, train_set, test_set is not None, exact)
+    adapter, payload = ship(fm, train_set, test_set is not None, exact, startup)
     frozen = frozen_base(adapter, resumed)
     setup = DriverSetup(
         payload=payload,
@@ -127,6 +131,7 @@ def prepare(
         threads_fixed=loop.deterministic,
         ray_actor=ray_cluster.actor_shape if ray_cluster is not None else "",
         frozen=frozen,
+        startup=startup,
     )
     return setup, adapter, train_set, choice
 
@@ -140,7 +145,9 @@ def frozen_base(adapter: FrameworkAdapter, resumed: checkpoint.CheckpointInfo | 
     return base.without_changed(resumed.path) if resumed is not None and base else base
 
 
-def ship(fm: FabricModel, train_set: Any, has_test: bool, exact: int | None) -> tuple[FrameworkAdapter, bytes]:
+def ship(
+    fm: FabricModel, train_set: Any, has_test: bool, exact: int | None, startup: StartUp | None = None
+) -> tuple[FrameworkAdapter, bytes]:
     """The adapter (deterministic for ``exact`` micro-batches per step) and the job every worker
     receives, cloudpickled once, after what it monitors and its first batch are checked."""
     adapter, framework = fm._make_adapter(), fm._framework
@@ -149,8 +156,13 @@ def ship(fm: FabricModel, train_set: Any, has_test: bool, exact: int | None) -> 
     # EarlyStopping, BestCheckpoints, ReduceLROnPlateau: each monitor must name a metric of the run.
     check_monitors([*fm.user_callbacks, fm.lr_scheduling], adapter.stat_names, has_test)
     adapter = framework.prepare_for_shipping(adapter, framework.first_batch(adapter, train_set))
+    if startup is not None:
+        startup.mark("first-batch check")
     hooks = Hooks.for_worker(fm.worker_logger_callback, fm.user_callbacks)
-    return adapter, serialize_job(Job(adapter, fm.datasets_function, hooks, fm.lr_scheduling))
+    payload = serialize_job(Job(adapter, fm.datasets_function, hooks, fm.lr_scheduling))
+    if startup is not None:
+        startup.mark("shipping the job")
+    return adapter, payload
 
 
 def run_job(

@@ -49,9 +49,20 @@ class Hello:
 
 @dataclasses.dataclass(frozen=True)
 class Ready:
-    """Set up (job, datasets, device) and waiting to enter a generation; ``attempt`` counts pulls."""
+    """Set up (job, datasets, device) and waiting to enter a generation; ``attempt`` counts pulls;
+    ``phases``: how long the set-up's parts took, ``(name, seconds)`` (run/startup.py)."""
 
     attempt: int = 1
+    phases: tuple[tuple[str, float], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Entered:
+    """The worker entered ``generation`` (its first): how long forming the group and taking the
+    state took, ``(name, seconds)`` (run/startup.py)."""
+
+    generation: int
+    phases: tuple[tuple[str, float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,5 +298,5 @@ class StoreOpen:
 
 WorkerMessage = (
     Hello | Ready | LeftGeneration | Heartbeat | StepDone | Fingerprint | EvalDone | Finished | FinalState
-) | (WorkerFailed | StateChunk | ProfilePart)
+) | (WorkerFailed | StateChunk | ProfilePart | Entered)
 DriverMessage = Assigned | JobSpec | EnterGeneration | JoinPending | Abort | SendFinalState | Stop

@@ -202,6 +202,8 @@ class TrainingLoop:
                 optimizer = self.loop_state.unpack(state["optimizer"])
                 self.adapter.load_sent_state(state["model"], optimizer, omitted=state.get("omitted", ()))
         self.next_unit = generation.resume_unit
+        # What entering took, for the run's start-up record (run/startup.py).
+        self.entered_in = {"group formed": formed - started, "state loaded or pulled": time.monotonic() - formed}
         log.info(
             "generation %d: rank %d/%d at unit %d (group %.3f s, state %s %.3f s)",
             generation.generation,

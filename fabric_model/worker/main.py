@@ -55,15 +55,17 @@ from .notice import LeaveNotice
 log = logging.getLogger(__name__)
 
 
-def _join(loop: TrainingLoop, inbox: Inbox, channel: Channel, timeouts: Timeouts) -> bool:
+def _join(
+    loop: TrainingLoop, inbox: Inbox, channel: Channel, timeouts: Timeouts, set_up: dict[str, float] | None = None
+) -> bool:
     """Announce readiness and enter a generation; False after ``pull_failed_limit`` failed tries.
 
     Each try waits ``timeouts.pull`` (EDT_PULL_WEIGHT_TIME_OUT) for the generation and the state
-    it pulls.
+    it pulls. ``set_up``: how long the set-up's parts took (the first Ready says it: run/startup.py).
     """
     limit = timeouts.pull_failed_limit
     for attempt in range(1, limit + 1):
-        channel.send(p.Ready(attempt))
+        channel.send(p.Ready(attempt, tuple((set_up or {}).items()) if attempt == 1 else ()))
         deadline = time.monotonic() + timeouts.pull
         try:
             while True:  # an answer to an earlier attempt may still arrive: skip it
@@ -71,6 +73,7 @@ def _join(loop: TrainingLoop, inbox: Inbox, channel: Channel, timeouts: Timeouts
                 if generation.attempt == attempt:
                     break
             loop.enter(generation)
+            channel.send(p.Entered(generation.generation, tuple(loop.entered_in.items())))
             return True
         except (TimeoutError, CollectiveError) as exc:
             log.warning("pull %d/%d failed: %s", attempt, limit, exc)
@@ -82,20 +85,30 @@ def _join(loop: TrainingLoop, inbox: Inbox, channel: Channel, timeouts: Timeouts
 
 
 def _set_up(
-    spec: p.JobSpec, payload: list[bytes], worker_id: int, device: str | None, inbox: Inbox, threads: int
+    spec: p.JobSpec,
+    payload: list[bytes],
+    worker_id: int,
+    device: str | None,
+    inbox: Inbox,
+    threads: int,
+    phases: dict[str, float],
 ) -> tuple[Job, WorkerContext, str]:
     """Unpickle the job (taking it out of ``payload``, so its bytes are freed), install the
     worker context, place the model on ``device`` with ``threads`` intra-op threads."""
     if spec.config.keep_freed_memory:  # before the job allocates (docs/architecture.md, "Worker memory")
         keep_freed_memory()
+    began = time.monotonic()
     with quiet_tensorflow():  # a Keras job loads TensorFlow here: its start-up notices stay out of the log
         job: Job = cloudpickle.loads(payload.pop())
+        phases["unpickling the job"] = time.monotonic() - began
         device = device or spec.device or "cpu"
         # Installed before any user code runs here, so datasets_function can ask where it is.
         context = WorkerContext(worker_id)
         context.pending_join = lambda: inbox.pending_generation > context.generation
         _install(context)
+        began = time.monotonic()
         job.adapter.setup(device, threads)
+        phases.update(job.adapter.setup_phases or {"device init and state": time.monotonic() - began})
         job.adapter.track_frozen(spec.config.frozen)  # left out of what travels while unchanged
     return job, context, device
 
@@ -118,10 +131,13 @@ def _train(
     threads = spec.threads if own_threads is None or spec.threads_fixed else own_threads()
     source = "the run's" if own_threads is None or spec.threads_fixed else "this host's share"
     log.info("%d intra-op threads (%s)", threads, source)
-    job, context, device = _set_up(spec, payload, worker_id, device, inbox, threads)
+    phases: dict[str, float] = {}  # the set-up's parts, for the run's start-up record (run/startup.py)
+    job, context, device = _set_up(spec, payload, worker_id, device, inbox, threads, phases)
     config, plan = spec.config, spec.plan
     timeouts: Timeouts = config.timeouts
+    began = time.monotonic()
     datasets = in_worker(*job.get_datasets(), plan, config.test_shard_lengths)  # sharded ones as streams
+    phases["datasets_function"] = time.monotonic() - began
     job.adapter.train_set = datasets[0]
     params = {
         "optimizer": job.adapter.optimizer,
@@ -138,7 +154,7 @@ def _train(
     resize = None if own_threads is None or spec.threads_fixed else own_threads
     loop = TrainingLoop(job, config, plan, channel, inbox, collective, datasets, context, notice, threads, resize)
     position.append(loop)
-    if not _join(loop, inbox, channel, timeouts):
+    if not _join(loop, inbox, channel, timeouts, phases):
         return collective
     if config.keep_freed_memory:  # what set-up and the pull freed, not the steps' memory
         release_free_memory()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -97,13 +98,17 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
             torch.set_num_threads(num_threads)
 
     def setup(self, device: str, num_threads: int) -> None:
+        began = time.monotonic()
         self.device = torch.device(device)
         self._on_cpu = self.device.type == "cpu"
         if self.device.type == "cpu":
             torch.set_num_threads(num_threads)
         else:
             torch.cuda.set_device(self.device)
+            torch.zeros((), device=self.device)  # the context, made here: device init has its own time
+        initialized = time.monotonic()
         self.model.to(self.device)  # moves parameters in place, so the optimizer still holds them
+        moved = time.monotonic()
         self.model.train()
         # What IBM's custom steps expect to find on the model.
         optimizer, loss_function = self.optimizer, self.loss_function
@@ -112,6 +117,12 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         # The optimizer's first load_state_dict / step imports torch._dynamo (over a second).
         # Pay it now, while setting up, not while the running workers wait for a newcomer.
         importlib.import_module("torch._dynamo")
+        imported = time.monotonic()
+        self.setup_phases = {
+            "device init": initialized - began,
+            "state to the device": moved - initialized,
+            "importing torch._dynamo": imported - moved,
+        }
 
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._hook_handles: list[Any] = []  # the gradient-ready hooks, while installed (_hook_gradients)

@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python benchmarks/bench_gpu.py                 # every row, 2 rounds
     PYTHONPATH=. python benchmarks/bench_gpu.py --rows resnet,transformer --rounds 3 --steps 200
+    PYTHONPATH=. python benchmarks/bench_gpu.py --rows gpt2,resnet50,startup,profile --out /tmp/traces
+    PYTHONPATH=. python benchmarks/bench_gpu.py --rows gpt2,resnet50,startup,profile --device cpu --small --steps 30
 
 Rows (each figure a ratio against the baseline measured in the same round; runs interleaved;
 every run a fresh process, so one run's CUDA caches and allocator do not help the next):
@@ -16,6 +18,14 @@ every run a fresh process, so one run's CUDA caches and allocator do not help th
   where NCCL accepts two ranks on one GPU, else on gloo; the backend used is printed.
 - ``recovery``: three workers on the GPU, one SIGKILLed inside a step: kill -> next committed
   step, and the state against an undisturbed run (bitwise, both ``deterministic=True``).
+- ``gpt2``, ``resnet50`` (benchmarks/gpu_models.py): Hugging Face GPT-2 (6 x 512, 295 MB of
+  state with AdamW) and a ResNet-50-sized CNN, fp32 and bf16-mixed (``--precisions``), one engine
+  against the loop a user writes, over two epochs with snapshots and checkpoints at their
+  defaults inside the timed span: the throughput over the whole span after the warm-up, not a
+  median step, so what snapshots and checkpoints cost counts (target >= 0.98, ResNet >= 1.0).
+- ``startup``: the GPT-2 from building the model to the first committed step against the plain
+  loop's first step, fresh processes (target: within 2 s), and run.json's start-up phases.
+- ``profile``: the GPT-2 with ``train(profile=(30, 40))``: the summary (and, with ``--out``, the trace).
 
 Step times are stamped at each step's end, after the GPU finished it (both sides read the
 loss), and compared as medians after a warm-up.
@@ -234,8 +244,29 @@ def recovery(steps: int) -> dict:
     return {"kill_to_next": after[0]["time"] - killed, "bitwise_equal": equal}
 
 
+def hf_child(kind: str, workload: str, steps: int, out: str, extra: list[str]) -> int:
+    """The rows of benchmarks/gpu_models.py: ``extra`` is device, precision, small (0/1), trace folder."""
+    import gpu_models as g
+
+    device, precision, small, traces = extra[0], extra[1], extra[2] == "1", extra[3]
+    if kind == "hf-plain":
+        result: object = g.plain(workload, steps, device, precision, small)
+    elif kind == "hf-fabric":
+        result = g.fabric(workload, steps, device, precision, small)
+    elif kind == "hf-profile":
+        result = g.fabric(workload, steps, device, precision, small, profile=(30, 40), out_dir=traces)
+    elif kind == "hf-plain-first":
+        result = g.plain_first_step(workload, device, small)
+    else:
+        result = g.fabric_first_commit(workload, device, small)
+    Path(out).write_text(json.dumps(result))
+    return 0
+
+
 def child(argv: list[str]) -> int:
     kind, workload, steps, out = argv[0], argv[1], int(argv[2]), argv[3]
+    if kind.startswith("hf-"):
+        return hf_child(kind, workload, steps, out, argv[4:])
     if kind.startswith("ddp-"):
         ddp(workload, steps, kind.removeprefix("ddp-"), out)
         return 0
@@ -250,11 +281,12 @@ def child(argv: list[str]) -> int:
 
 
 # -- the parent: interleaved rounds, ratios -------------------------------------------------
-def run(kind: str, workload: str, steps: int, tmp: Path) -> object | None:
+def run(kind: str, workload: str, steps: int, tmp: Path, extra: tuple[str, ...] = ()) -> object | None:
     out = tmp / f"{kind}-{workload}.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    path = [str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     done = subprocess.run(
-        [sys.executable, __file__, "--child", kind, workload, str(steps), str(out)],
+        [sys.executable, __file__, "--child", kind, workload, str(steps), str(out), *extra],
         env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     if done.returncode != 0 or not out.exists():
@@ -307,19 +339,88 @@ def shared(workload: str, rounds: int, steps: int, tmp: Path) -> None:
           f"DDP step {spread(theirs, '{:.2f}')} ms")  # fmt: skip
 
 
+def span_time(times: list[float]) -> float:
+    """Seconds a step over the span after the warm-up: a snapshot's or checkpoint's cost counts."""
+    timed = times[WARMUP:]
+    return (timed[-1] - timed[0]) / (len(timed) - 1)
+
+
+def real_model(workload: str, args: argparse.Namespace, tmp: Path) -> None:
+    """The GPT-2 or ResNet-50 row, per precision: FabricModel against the plain loop, interleaved."""
+    for precision in args.precisions.split(","):
+        extra = (args.device, precision, "1" if args.small else "0", args.out)
+        ratios, plains, uploads = [], [], []
+        for _ in range(args.rounds):
+            base = run("hf-plain", workload, args.steps, tmp, extra)
+            ours = run("hf-fabric", workload, args.steps, tmp, extra)
+            if base is None or ours is None:
+                continue
+            p, f = span_time(base), span_time(ours["times"])  # type: ignore[arg-type,index]
+            plains.append(p * 1e3)
+            ratios.append(p / f)
+            uploads = ours["uploads"]  # type: ignore[index]
+        sent = "; ".join(uploads) or "none"
+        print(f"{workload:9s} {precision:10s} 1 engine vs the plain loop: throughput {spread(ratios)}x, "
+              f"plain step {spread(plains, '{:.2f}')} ms; uploads in the last run: {sent}")  # fmt: skip
+
+
+def startup(args: argparse.Namespace, tmp: Path) -> None:
+    extra = (args.device, "32", "1" if args.small else "0", args.out)
+    plains, ours, phases = [], [], {}
+    for _ in range(args.rounds):
+        base = run("hf-plain-first", "gpt2", 0, tmp, extra)
+        fabric = run("hf-fabric-first", "gpt2", 0, tmp, extra)
+        if base is None or fabric is None:
+            continue
+        plains.append(float(base))  # type: ignore[arg-type]
+        ours.append(fabric["seconds"])  # type: ignore[index]
+        for name, seconds in fabric["startup"]["phases"]:  # type: ignore[index]
+            phases.setdefault(name, []).append(seconds)
+    beyond = [o - p for o, p in zip(ours, plains)]
+    plain_s, ours_s, beyond_s = spread(plains, "{:.2f}"), spread(ours, "{:.2f}"), spread(beyond, "{:+.2f}")
+    print(f"startup   gpt2: model built -> first step {plain_s} s (plain), -> first commit {ours_s} s "
+          f"(fabric_model), {beyond_s} s beyond")  # fmt: skip
+    for name, values in phases.items():
+        print(f"            {name:<42} {statistics.median(values):7.3f} s")
+
+
+def profile(args: argparse.Namespace, tmp: Path) -> None:
+    for precision in args.precisions.split(","):
+        extra = (args.device, precision, "1" if args.small else "0", args.out)
+        result = run("hf-profile", "gpt2", max(args.steps, 60), tmp, extra)
+        if result is not None:
+            print(f"profile   gpt2 {precision}:\n{result['summary']}")  # type: ignore[index]
+
+
 def main() -> int:
     if sys.argv[1:2] == ["--child"]:
         return child(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="resnet,transformer,shared,recovery")
+    parser.add_argument("--rows", default="resnet,transformer,shared,recovery,gpt2,resnet50,startup,profile")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--precisions", default="32,bf16-mixed", help="for the gpt2, resnet50 and profile rows")
+    parser.add_argument("--device", default="cuda", help="cpu: the gpt2/resnet50/startup/profile rows on the CPU")
+    parser.add_argument("--small", action="store_true", help="small sizes (a check of the script, not a figure)")
+    parser.add_argument("--out", default="", help="a folder for the profile rows' traces")
     args = parser.parse_args()
     rows = args.rows.split(",")
-    nccl = ".".join(map(str, torch.cuda.nccl.version()))
-    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}, {torch.cuda.get_device_name(0)}")
+    if args.device == "cpu":
+        print(f"torch {torch.__version__} on the CPU: a check of the script, not GPU figures")
+    else:
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}, {torch.cuda.get_device_name(0)}")
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
+        for workload in ("gpt2", "resnet50"):
+            if workload in rows:
+                real_model(workload, args, tmp)
+        if "startup" in rows:
+            startup(args, tmp)
+        if "profile" in rows:
+            profile(args, tmp)
+        if args.device == "cpu":
+            return 0
         for workload in ("resnet", "transformer"):
             if workload in rows:
                 one_engine(workload, args.rounds, args.steps, tmp)

@@ -6,6 +6,12 @@ outside a window, every worker but the profiling one), the call returns one shar
 ``__enter__`` and ``__exit__`` do nothing: a tenth of a microsecond each. On, each range is a
 ``torch.profiler.record_function`` (so the trace shows it) and its *exclusive* time (its own,
 less the ranges nested in it) adds to a total per name, from which the summary is made.
+
+Marking a range costs microseconds while the profiler records (its ``record_function`` and the
+clock), paid where the range begins and ends, that is in its parent's time. :meth:`Phases.calibrate`
+measures that cost once the profiler runs, and each range's share is taken out of its parent
+and counted on its own (``INSTRUMENTATION``), so the framework's rows are not charged for the
+profiling.
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ BACKWARD = "user/backward"
 METRICS = "user/metrics"
 OPTIMIZER = "user/optimizer"
 CALLBACKS = "user/callbacks"
+#: Not ranges of the step: what marking them cost (``close``), and the ranges ``calibrate`` times.
+INSTRUMENTATION = "profiling/instrumentation"
+CALIBRATION = "profiling/calibration"
 
 
 class _Off:
@@ -66,11 +75,13 @@ class _Range:
 
     def __exit__(self, *exc: Any) -> None:
         elapsed = time.perf_counter() - self.start
-        stack = self.phases._stack
+        phases = self.phases
+        stack = phases._stack
         stack.pop()
-        self.phases.totals[self.name] += elapsed - self.nested
+        phases.totals[self.name] += elapsed - self.nested
+        phases.marked += 1
         if stack:
-            stack[-1].nested += elapsed
+            stack[-1].nested += elapsed + phases.overhead
         self.mark.__exit__(*exc)
 
 
@@ -81,6 +92,8 @@ class Phases:
         self.on = False
         self.totals: defaultdict[str, float] = defaultdict(float)  # name -> exclusive seconds
         self._stack: list[_Range] = []
+        self.overhead = 0.0  # seconds a range's marking costs outside its own time (calibrate)
+        self.marked = 0  # ranges closed since open
 
     def __call__(self, name: str) -> Any:
         return _Range(self, name) if self.on else _OFF
@@ -89,12 +102,25 @@ class Phases:
         """Start timing (totals from zero)."""
         self.totals.clear()
         self._stack.clear()
+        self.marked = 0
         self.on = True
 
+    def calibrate(self, rounds: int = 200) -> None:
+        """Measure what marking a range costs now (the profiler running): the time ``rounds``
+        empty ranges add to the one around them."""
+        self.overhead = 0.0
+        with self(CALIBRATION):
+            for _ in range(rounds):
+                with self(CALIBRATION):
+                    pass
+        self.overhead = self.totals.pop(CALIBRATION) / (rounds + 1)  # the outer range's own time, mostly
+        self.marked = 0
+
     def close(self) -> dict[str, float]:
-        """Stop timing; the exclusive seconds per name since :meth:`open`."""
+        """Stop timing; the exclusive seconds per name since :meth:`open`, and under
+        :data:`INSTRUMENTATION` what marking the ranges cost."""
         self.on = False
-        return dict(self.totals)
+        return {**self.totals, INSTRUMENTATION: self.marked * self.overhead}
 
 
 #: What an adapter holds until a loop gives it its own: always off.

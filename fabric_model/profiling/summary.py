@@ -62,14 +62,16 @@ def render(figures: dict[str, Any], trace: str | None) -> list[str]:
     group("your code", YOURS)
     group("data", DATA)
     group("fabric-model", OURS)
-    lines.append(_row("between the named ranges", max(0.0, wall - named), steps, wall, None, indent=4))
+    marking = times.get(ph.INSTRUMENTATION, 0.0)
+    lines.append(_row("between the named ranges", max(0.0, wall - named - marking), steps, wall, None, indent=4))
+    lines.append(_row("profiling: marking the ranges", marking, steps, wall, None, indent=2))
     operators = figures.get("operators") or []
     if operators:
         lines.append("  the profiler's busiest operators (self time, ms/step):")
         for name, cpu, device in operators:
             extra = f" cpu, {_ms(device / steps)} device" if device else ""
             lines.append(f"    {name[:52]:<52}{_ms(cpu / steps):>8}{extra}")
-    lines.append("  (times include the profiler's own cost, a few microseconds an operator)")
+    lines.append("  (times include the torch profiler's own cost, a few microseconds an operator)")
     if trace is not None:
         lines.append(f"  trace: {trace} (ui.perfetto.dev, chrome://tracing, TensorBoard's profiler)")
     return lines

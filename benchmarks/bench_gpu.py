@@ -285,6 +285,8 @@ def run(kind: str, workload: str, steps: int, tmp: Path, extra: tuple[str, ...] 
     out = tmp / f"{kind}-{workload}.json"
     path = [str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    if extra and extra[0] == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU check: workers on the CPU, as the script's plain loop
     done = subprocess.run(
         [sys.executable, __file__, "--child", kind, workload, str(steps), str(out), *extra],
         env=env, capture_output=True, text=True, timeout=900,

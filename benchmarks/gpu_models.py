@@ -6,7 +6,8 @@ of the GPT-2 against the plain loop's (fresh processes), with run.json's phases;
 of the GPT-2 step with ``train(profile=...)``.
 
 Each function here runs in a child process (``bench_gpu.py --child``). ``--device cpu`` (with
-``--small``) runs the same code on a CPU, small, to check the script where there is no GPU.
+``--small``) runs the same code on a CPU, small, to check the script where there is no GPU (the
+children then see no GPU: ``CUDA_VISIBLE_DEVICES`` empty from their start).
 """
 
 from __future__ import annotations
@@ -192,8 +193,6 @@ def fabric(
         pass
 
     model = make(workload, small)
-    if device == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU check: workers on the CPU
     batch = sizes(workload, small)["batch"]
     with tempfile.TemporaryDirectory() as tmp:
         path, run_dir = os.path.join(tmp, "times.json"), Path(tmp, "run")
@@ -247,8 +246,6 @@ def fabric_first_commit(workload: str, device: str, small: bool) -> dict[str, An
             if self.first is None:
                 self.first = time.perf_counter()
 
-    if device == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     began = time.perf_counter()
     model = make(workload, small)
     stamp = Stamp()

@@ -77,15 +77,15 @@ def test_workers_of_a_job_on_a_host_share_the_cpus_they_may_both_run_on(tmp_path
 
 
 class RecordThreads:
-    """A worker logger writing ``<pid> <torch threads>`` once the worker is set up."""
+    """A worker logger writing ``<pid> <torch threads>`` after each step: what a worker ends with,
+    whichever order the workers came in (a worker alone in a first generation takes every core
+    until another on its host joins)."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
 
     def log_train_metrics(self, metrics, iteration, epoch, workers) -> None:  # noqa: ANN001
-        path = os.path.join(self.directory, str(os.getpid()))
-        if not os.path.exists(path):
-            Path(path).write_text(str(torch.get_num_threads()))
+        Path(self.directory, str(os.getpid())).write_text(str(torch.get_num_threads()))
 
 
 def threads_by_pid(directory: Path) -> dict[int, int]:
@@ -135,5 +135,6 @@ def test_a_driver_with_no_local_workers_trains_with_workers_started_by_hand(tmp_
         train(tmp_path / f"run-{deterministic}", record, 2, starter, deterministic=deterministic)
         assert sorted(threads_by_pid(record).values()) == [expected, expected]
         assert sorted(threads_by_pid(record)) == sorted(p.pid for p in starter.processes)  # no local worker trained
-        assert [g["workers"] for g in records(tmp_path / f"run-{deterministic}", "generation")][0] == 2
+        # Both in the first generation, or the second joined it: either way the run ends with both.
+        assert [g["workers"] for g in records(tmp_path / f"run-{deterministic}", "generation")][-1] == 2
         assert not (Path(os.environ.get("TMPDIR", "/tmp")) / f"fabric-model-{os.getuid()}").exists()

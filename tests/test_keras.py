@@ -462,7 +462,13 @@ def test_keras_job_killed_whole_resumes_to_the_undisturbed_weights(tmp_path, und
     proc, progress = run_keras_script(tmp_path, run_dir, "first", resume=False, delay=0.3)
     try:
         deadline = time.monotonic() + 150
-        while not (progress.exists() and int(progress.read_text() or 0) >= steps_per_epoch + 2):
+        # 2 steps past the epoch's end, and its checkpoint on disk: its upload and write take their
+        # own time (threads in rank 0 and in the driver), more on a busy machine than 2 paced steps.
+        while not (
+            progress.exists()
+            and int(progress.read_text() or 0) >= steps_per_epoch + 2
+            and list((run_dir / "checkpoints").glob("ckpt-unit-*.pt"))
+        ):
             assert proc.poll() is None, (tmp_path / "first.out").read_text()
             assert time.monotonic() < deadline, "the job did not get 2 steps past its first checkpoint"
             time.sleep(0.05)

@@ -270,4 +270,4 @@ def test_a_ray_job_across_hosts_survives_a_node_crash_a_new_node_and_a_healed_pa
     assert all(ipaddress.ip_address(x) in netns.SUBNET for x in addresses), addresses
     used = {(local, remote) for _, local, remote, state in seen if state != "0A"}  # connections, not listeners
     assert used and all(in_test_network(x) for pair in used for x in pair if x not in ("0.0.0.0", "::")), used
-    assert elapsed < 180, f"the scenario took {elapsed:.0f} s"
+    assert elapsed < scaled(180), f"the scenario took {elapsed:.0f} s"  # a bound on hanging, stretched by load

@@ -124,7 +124,7 @@ def _chrome_trace(profiler: Any) -> bytes:
 
 
 def _ours(name: str) -> bool:
-    return name.startswith(("fabric_model/", "user/", "ProfilerStep"))
+    return name.startswith(("fabric_model/", "user/", "profiling/", "ProfilerStep"))
 
 
 def _busiest(profiler: Any) -> list[tuple[str, float, float]]:

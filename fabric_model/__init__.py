@@ -12,7 +12,7 @@ from .driver.replicas import ReplicaDivergenceError
 from .errors import JobError, WorkerError
 from .frameworks.keras.quiet import quiet_tensorflow
 from .state.best import BestCheckpoints
-from .step.plan import epoch_permutation, micro_batch_seed
+from .step.plan import epoch_permutation, generator_seed, micro_batch_seed
 from .streams.sharded import ShardedDataset, ShardReadError
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "worker_context",
     "epoch_permutation",
     "micro_batch_seed",
+    "generator_seed",
     "quiet_tensorflow",
 ]
 __version__ = "0.1.0"

@@ -98,6 +98,76 @@ def test_a_dict_without_a_target_needs_the_model_to_compute_its_loss():
     assert ModelCall.of(Named(), target_required=False).split(batch) == (batch, None)
 
 
+class PassesOn(torch.nn.Module):
+    """A wrapper of the shape DDP, accelerate and peft have: ``forward(*args, **kwargs)``, the
+    wrapped module exposed under ``attribute``."""
+
+    def __init__(self, inner: torch.nn.Module, attribute: str = "module") -> None:
+        super().__init__()
+        setattr(self, attribute, inner)
+        self.attribute = attribute
+
+    def forward(self, *args, **kwargs):
+        return getattr(self, self.attribute)(*args, **kwargs)
+
+
+class BaseExposed(torch.nn.Module):
+    """peft's shape: the wrapped model behind ``get_base_model()``, under a name of its own."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.wrapped = PassesOn(inner, "model")
+
+    def get_base_model(self) -> torch.nn.Module:
+        return self.wrapped.model
+
+    def forward(self, *args, **kwargs):
+        return self.wrapped(*args, **kwargs)
+
+
+@pytest.mark.parametrize("wrap", ["module", "model", "get_base_model", "nested"])
+def test_a_wrapper_is_called_as_the_module_it_exposes_takes(wrap):
+    named = Named()
+    model = {
+        "module": lambda: PassesOn(named, "module"),
+        "model": lambda: PassesOn(named, "model"),
+        "get_base_model": lambda: BaseExposed(named),
+        "nested": lambda: PassesOn(BaseExposed(named), "module"),
+    }[wrap]()
+    call = ModelCall.of(model)
+    assert call.names == {"features", "mask", "labels"} and not call.wraps_all
+    batch = {"features": torch.ones(2, 4), "mask": torch.ones(2), "labels": torch.tensor([0, 2])}
+    inputs, _ = call.split(batch)
+    assert set(inputs) == set(batch) and call(model, inputs)["loss"] is not None
+    # a target the wrapped forward does not name stays out, as for the module itself
+    inputs, _ = call.split({"features": torch.ones(2, 4), "mask": torch.ones(2), "target": torch.zeros(2)})
+    assert set(inputs) == {"features", "mask"} and call(model, inputs)["loss"] is None
+
+
+def test_a_forward_taking_kwargs_gets_the_target_when_it_computes_the_loss_or_names_nothing():
+    class Keywords(torch.nn.Module):  # names its input, passes the rest on
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Named()
+
+        def forward(self, features, **kwargs):
+            return self.inner(features, **kwargs)
+
+    class AllKeywords(Keywords):  # a wrapper that exposes nothing by a known name
+        def forward(self, **kwargs):
+            return self.inner(**kwargs)
+
+    batch = {"features": torch.ones(2, 4), "labels": torch.tensor([0, 2])}
+    for model in (Keywords(), AllKeywords()):
+        own = ModelCall.of(model, target_required=False)  # loss_function=None: the labels go in
+        inputs, _ = own.split(batch)
+        assert set(inputs) == {"features", "labels"} and own(model, inputs)["loss"] is not None
+    given = ModelCall.of(Keywords())  # a loss function reads the labels: the forward does not get them
+    inputs, _ = given.split(batch)
+    assert inputs is batch["features"] and given(Keywords(), inputs)["loss"] is None
+    assert set(ModelCall.of(AllKeywords()).split(batch)[0]) == {"features", "labels"}
+
+
 @dataclasses.dataclass
 class Output:
     logits: torch.Tensor

@@ -17,6 +17,7 @@ from fabric_model.step.plan import (
     assigned_micro_batches,
     epoch_permutation,
     eval_batches,
+    generator_seed,
     micro_batch_seed,
     micro_batch_seeds,
 )
@@ -63,6 +64,53 @@ def test_micro_batch_seeds_are_distinct_and_stable():
     assert len(seeds) == 120
     assert micro_batch_seed(5, 1, 2, 3) == micro_batch_seed(5, 1, 2, 3)
     assert all(0 <= s < 2**63 for s in seeds)
+
+
+def test_generator_seeds_differ_by_name_and_micro_batch_and_are_stable():
+    seeds = [micro_batch_seed(0, 0, s, 0) for s in range(50)]
+    names = ["noise", "block.noise", "blocks.0.gen", "blocks.1.gen"]
+    derived = {generator_seed(s, n) for s in seeds for n in names}
+    assert len(derived) == 200 and not derived & set(seeds)  # no stream shared, none the global one's
+    assert all(0 <= d < 2**63 for d in derived)
+    assert generator_seed(seeds[3], "noise") == generator_seed(seeds[3], "noise")
+
+
+def test_the_generators_a_model_owns_are_found_once_each_by_their_path():
+    import torch
+
+    from fabric_model.frameworks.torch.generators import OwnedGenerators, owned_generators
+
+    shared = torch.Generator()
+
+    class Leaf(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gen = shared
+            self.pool = [torch.Generator(), 3]
+            self.by_name = {"a": torch.Generator()}
+
+    class Top(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.noise = torch.Generator()
+            self.blocks = torch.nn.ModuleList([Leaf(), Leaf()])
+
+    model = Top()
+    names = [n for n, _ in owned_generators(model)]
+    assert names == [
+        "noise",
+        "blocks.0.gen",
+        "blocks.0.pool.0",
+        "blocks.0.by_name.a",
+        "blocks.1.pool.0",
+        "blocks.1.by_name.a",
+    ]
+    owned = OwnedGenerators(model)
+    owned.seed(12345)
+    first = torch.rand(3, generator=model.blocks[1].pool[0])
+    owned.seed(12345)
+    assert torch.equal(torch.rand(3, generator=model.blocks[1].pool[0]), first)
+    assert not OwnedGenerators(torch.nn.Linear(2, 2))
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5, 7])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import zlib
 
 import numpy as np
 
@@ -31,6 +32,25 @@ def micro_batch_seed(seed: int, epoch: int, step: int, micro_batch: int) -> int:
     state = np.random.SeedSequence([seed, epoch, step, micro_batch]).generate_state(2, np.uint32)
     # 63 bits: valid for torch.manual_seed and for tf.random.set_seed.
     return int((int(state[0]) << 31) ^ int(state[1])) & ((1 << 63) - 1)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def generator_seed(seed: int, name: str) -> int:
+    """The seed of a ``torch.Generator`` the model owns, at attribute path ``name`` (``"noise"``,
+    ``"blocks.0.gen"``), before the micro-batch whose seed is ``seed`` (:func:`micro_batch_seed`).
+
+    A model that draws its noise from a generator of its own gets, like torch's global generator,
+    the same draws for a micro-batch whichever worker runs it; each generator its own stream (the
+    name mixed in, so two generators, or one and the global, do not draw the same numbers). A
+    reference loop calls ``model.noise.manual_seed(generator_seed(micro_batch_seed(...), "noise"))``.
+    """
+    # splitmix64's finaliser over the seed and the name's CRC: cheap enough for every micro-batch.
+    z = (seed ^ (zlib.crc32(name.encode()) * 0x9E3779B97F4A7C15)) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
 # numpy's SeedSequence (numpy/random/bit_generator.pyx), its pool of 4 words and its constants:

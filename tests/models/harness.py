@@ -38,6 +38,8 @@ class Case:
     hand_loss: Callable[[torch.nn.Module, Any], torch.Tensor]  # the user's own loop: model and collated batch
     epochs: int = 3
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # more FabricModel arguments
+    # what the user's loop seeds besides torch's global generator before a micro-batch (model, seed)
+    seed_own: Callable[[torch.nn.Module, int], None] | None = None
 
 
 @dataclasses.dataclass
@@ -90,7 +92,10 @@ def by_hand(case: Case) -> Trained:
                     with torch.no_grad():
                         for n, b in model.named_buffers():
                             b.copy_(start[n])
-                    torch.manual_seed(micro_batch_seed(SEED, epoch, step, j))
+                    seed = micro_batch_seed(SEED, epoch, step, j)
+                    torch.manual_seed(seed)
+                    if case.seed_own is not None:
+                        case.seed_own(model, seed)
                     share = len(indices) / total
                     (case.hand_loss(model, batch) * share).backward()
                     for n, b in model.named_buffers():

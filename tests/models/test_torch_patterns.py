@@ -1,7 +1,8 @@
 """Common torch model patterns as users write them: structured outputs, named inputs, buffers a
 forward reassigns or counts with, tied weights with BatchNorm and dropout, packed sequences,
-bf16-mixed. Each trains unchanged and gives, with ``deterministic=True``, the same bits on 1 and
-2 engines as the loop its user would write by hand (tests/models/harness.py)."""
+bf16-mixed, noise from generators the model owns. Each trains unchanged and gives, with
+``deterministic=True``, the same bits on 1 and 2 engines as the loop its user would write by
+hand (tests/models/harness.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pack_padded_sequence, pad_sequence
+
+from fabric_model import generator_seed
 
 from .harness import Case, by_hand, differing, loss_fell, train
 
@@ -136,3 +139,64 @@ def test_packed_gru_with_named_inputs_and_a_tuple_output(tmp_path):
     assert loss_fell(two), two.train_history
     assert not differing(one.state, two.state)
     assert not differing(two.state, by_hand(case).state)
+
+
+class NoisyBlock(torch.nn.Module):
+    """A layer that adds noise from a generator it owns (a denoising model's shape)."""
+
+    def __init__(self, width: int, seed: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(width, width)
+        self.noise = torch.Generator().manual_seed(seed)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc(h))
+        if self.training:
+            h = h + 0.3 * torch.randn(h.shape, generator=self.noise)
+        return h
+
+
+class Denoiser(torch.nn.Module):
+    """Two owned generators, one of them nested, beside dropout from torch's global generator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        self.block = NoisyBlock(16, seed=7)
+        self.drop = torch.nn.Dropout(0.1)
+        self.out = torch.nn.Linear(16, VOCAB)
+        self.input_noise = torch.Generator().manual_seed(11)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        if self.training:
+            h = h + 0.1 * torch.randn(h.shape, generator=self.input_noise)
+        return self.out(self.drop(self.block(h)))
+
+
+def denoiser() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Denoiser()
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def test_a_model_owning_generators_draws_the_same_noise_on_any_worker_count(tmp_path):
+    """Each generator the model owns is seeded per micro-batch as the global one is
+    (``generator_seed``): 1 and 2 engines and the loop that seeds them by hand agree bitwise."""
+
+    def seed_own(model, seed):  # what the user's loop does, as docs/training.md says
+        model.input_noise.manual_seed(generator_seed(seed, "input_noise"))
+        model.block.noise.manual_seed(generator_seed(seed, "block.noise"))
+
+    def hand(model, batch):
+        return F.cross_entropy(model(batch[0]).flatten(0, 1), batch[1].flatten())
+
+    case = Case(denoiser, next_token_data(), lm_loss_of_logits, hand, seed_own=seed_own)
+    one, two = train(case, 1, tmp_path / "one"), train(case, 2, tmp_path / "two")
+    assert loss_fell(two), two.train_history
+    assert not differing(one.state, two.state), differing(one.state, two.state)
+    assert not differing(two.state, by_hand(case).state)
+
+
+def lm_loss_of_logits(output, target):
+    return F.cross_entropy(output.flatten(0, 1), target.flatten())

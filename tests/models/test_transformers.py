@@ -9,6 +9,7 @@ would write by hand (tests/models/harness.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -47,10 +48,12 @@ def gpt2() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
 
 
-def lora_gpt2() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def lora_gpt2(task_type: str | None = "CAUSAL_LM") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """peft's LoRA on GPT-2; without a ``task_type`` peft returns a plain ``PeftModel``, whose
+    ``forward(*args, **kwargs)`` names nothing: its base model's signature says what it takes."""
     torch.manual_seed(0)
     base = transformers.GPT2LMHeadModel(gpt2_config())
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True, task_type="CAUSAL_LM")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True, task_type=task_type)
     model = peft.get_peft_model(base, config)
     trainable = [p for p in model.parameters() if p.requires_grad]
     return model, torch.optim.AdamW(trainable, lr=1e-2)
@@ -121,16 +124,43 @@ def test_bert_classifier_with_a_loss_on_logits(tmp_path):
     run_case(Case(bert, classified_sequences(), logits_loss, own_loss), tmp_path)
 
 
-def test_lora_trains_only_the_adapters(tmp_path):
-    """peft LoRA: the adapter weights train; the frozen base stays bit-identical and is never exchanged."""
-    case = Case(lora_gpt2, counting_sequences(), None, own_loss)
+@pytest.mark.parametrize("task_type", ["CAUSAL_LM", None])
+def test_lora_trains_only_the_adapters(tmp_path, task_type):
+    """peft LoRA, with and without a ``task_type``, on the model's own loss: the adapter weights
+    train; the frozen base stays bit-identical and is never exchanged."""
+    build = functools.partial(lora_gpt2, task_type)
+    case = Case(build, counting_sequences(), None, own_loss)
     one, two, hand = run_case(case, tmp_path)
-    initial, _ = lora_gpt2()
+    if task_type is None:
+        assert type(two.model) is peft.PeftModel  # the wrapper whose forward names nothing
+    initial, _ = build()
     start = {f"model.{k}": v for k, v in initial.state_dict().items()}
     changed = [k for k in start if not torch.equal(two.state[k], start[k])]
     assert changed and all("lora_" in k for k in changed), changed
     trainable = sum(p.numel() for p in two.model.parameters() if p.requires_grad)
     assert trainable < sum(p.numel() for p in two.model.parameters()) // 10
+
+
+class Wrapper(torch.nn.Module):
+    """A user's own wrapper that passes every keyword on to a model it does not expose by a known
+    name: every key of the dict sample reaches the model, ``labels`` included."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, **kwargs):
+        return self.inner(**kwargs)
+
+
+def wrapped_gpt2() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Wrapper(transformers.GPT2LMHeadModel(gpt2_config()))
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+
+def test_a_user_s_keyword_wrapper_passes_the_labels_on(tmp_path):
+    run_case(Case(wrapped_gpt2, counting_sequences(), None, own_loss), tmp_path)
 
 
 def reversed_sequences(samples: int = SAMPLES) -> list[dict[str, torch.Tensor]]:

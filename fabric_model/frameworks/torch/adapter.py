@@ -24,6 +24,7 @@ from .calling import ModelCall, detached
 from .evaluation import TorchEvaluation
 from .frozen import FrozenParameters, frozen_names
 from .gather import tensor_reader
+from .generators import OwnedGenerators
 from .ibm import Eva, accuracy, forbidden_step
 from .precision import GradientStep
 
@@ -124,6 +125,7 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
             "importing torch._dynamo": imported - moved,
         }
 
+        self._owned_generators = OwnedGenerators(self.model)  # seeded with the global one (_seed)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._hook_handles: list[Any] = []  # the gradient-ready hooks, while installed (_hook_gradients)
         self._track_buffers()
@@ -405,6 +407,8 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         torch.default_generator.manual_seed(seed)
         if self.device.type == "cuda":
             torch.cuda.default_generators[self.device.index or 0].manual_seed(seed)
+        if self._owned_generators:
+            self._owned_generators.seed(seed)
 
     def _custom_micro_batch(self, inputs: Any, target: Any, weight: float, n: int) -> None:
         """Run the user's step; its backward fills a scratch gradient, added here with its weight."""

@@ -5,7 +5,12 @@ A model is called as its ``forward`` takes its inputs, as one would call it by h
 
 - a dict whose keys the forward takes by name is passed as keyword arguments,
   ``model(**inputs)`` (a Hugging Face model and its ``input_ids``, ``attention_mask``,
-  ``labels``); the target stays among them when the forward takes a parameter of its name;
+  ``labels``); the target stays among them when the forward takes a parameter of its name,
+  or takes ``**kwargs`` and either names no parameter of its own (a pure wrapper) or must
+  compute the loss itself (``loss_function=None``);
+- a wrapper whose forward is ``forward(*args, **kwargs)`` and which exposes the module it
+  forwards to (peft's ``get_base_model()``, ``.module`` of DDP and accelerate, ``.model``) is
+  called as that module's signature says (:func:`signature_source`);
 - a tuple or list of inputs is unpacked when the forward takes that many positional
   arguments, else passed as one;
 - anything else is the one argument.
@@ -26,6 +31,50 @@ import torch
 
 from ..base import TARGET_KEYS
 
+#: How wrappers expose the module their ``forward(*args, **kwargs)`` forwards to, in the order tried.
+WRAPPED_BY = ("get_base_model", "module", "model")
+
+
+def _parameters(forward: Any) -> list[inspect.Parameter] | None:
+    try:
+        return list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C forward
+        return None
+
+
+def _names_nothing(parameters: list[inspect.Parameter]) -> bool:
+    """``forward(*args, **kwargs)``: no parameter of its own, so its signature says nothing."""
+    return bool(parameters) and all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters)
+
+
+def _wrapped(model: Any) -> Any:
+    """The module ``model`` says it forwards to (:data:`WRAPPED_BY`), or None."""
+    for name in WRAPPED_BY:
+        try:
+            inner = getattr(model, name, None)
+            if name == "get_base_model" and callable(inner):
+                inner = inner()
+        except Exception:  # a property or method that needs more than it has: not a wrapper's
+            continue
+        if isinstance(inner, torch.nn.Module) and inner is not model:
+            return inner
+    return None
+
+
+def signature_source(model: Any) -> Any:
+    """The module whose ``forward`` says what the call takes: ``model`` (a compiled model: its
+    original module), or, while its forward names no parameter (``forward(*args, **kwargs)``) and
+    it exposes the module it forwards to, that module, followed down through nested wrappers."""
+    current, seen = getattr(model, "_orig_mod", model), set()
+    while id(current) not in seen:
+        seen.add(id(current))
+        parameters = _parameters(getattr(current, "forward", current))
+        inner = _wrapped(current) if parameters is not None and _names_nothing(parameters) else None
+        if inner is None:
+            return current
+        current = getattr(inner, "_orig_mod", inner)
+    return current
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelCall:
@@ -34,16 +83,16 @@ class ModelCall:
     names: frozenset[str] = frozenset()  # parameters that may be passed by name
     required: frozenset[str] = frozenset()  # those of them without a default
     var_keyword: bool = False  # forward(..., **kwargs)
+    wraps_all: bool = False  # forward(*args, **kwargs), the module it forwards to unknown: every key goes in
     positional: int = 1  # the most positional arguments it takes (a large number for *args)
     target_required: bool = True  # False when the model computes its own loss
 
     @classmethod
     def of(cls, model: Any, *, target_required: bool = True) -> ModelCall:
-        """The call of ``model`` (a compiled model: its original module's forward)."""
-        forward = getattr(getattr(model, "_orig_mod", model), "forward", model)
-        try:
-            parameters = list(inspect.signature(forward).parameters.values())
-        except (TypeError, ValueError):  # a builtin or C forward: one positional argument
+        """The call of ``model``, read from the forward of :func:`signature_source`."""
+        source = signature_source(model)
+        parameters = _parameters(getattr(source, "forward", source))
+        if parameters is None:  # a builtin or C forward: one positional argument
             return cls(target_required=target_required)
         kinds = inspect.Parameter
         named = {p.name for p in parameters if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)}
@@ -56,7 +105,15 @@ class ModelCall:
             var_keyword=any(p.kind is kinds.VAR_KEYWORD for p in parameters),
             positional=1 << 30 if var_positional else len(by_position),
             target_required=target_required,
+            wraps_all=_names_nothing(parameters),
         )
+
+    def takes_target(self, key: str) -> bool:
+        """Whether the target under ``key`` is passed to the forward with the other inputs: the forward
+        names it; or it takes ``**kwargs`` and either names nothing (a wrapper that passes every key
+        on) or must compute the loss itself (``loss_function=None``). A forward that names its inputs
+        and takes ``**kwargs`` besides does not get the target a loss function reads."""
+        return key in self.names or (self.var_keyword and (self.wraps_all or not self.target_required))
 
     # -- a batch's inputs and target --------------------------------------------------------
     def split(self, batch: Any) -> tuple[Any, Any]:
@@ -80,7 +137,7 @@ class ModelCall:
                         f"for a model that computes its own loss); received keys {sorted(batch)}."
                     )
                 return dict(batch), None
-            if key in self.names and self.takes_keywords(batch):
+            if self.takes_target(key) and self.takes_keywords(batch):
                 return dict(batch), batch[key]  # the forward takes the target too (HF models' labels)
             rest = {k: v for k, v in batch.items() if k != key}
             if len(rest) == 1 and self.positional:  # {"x": ..., "label": ...}: model(x), as before

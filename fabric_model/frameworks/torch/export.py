@@ -96,9 +96,12 @@ def call_arguments(model: Any, inputs: Any) -> tuple[tuple[Any, ...], dict[str, 
 
 
 def _takes_by_name(model: Any, name: str, n_args: int) -> bool:
-    """Whether the forward has a parameter ``name`` that ``n_args`` positional arguments do not fill."""
+    """Whether the forward (a wrapper's: the module it exposes) has a parameter ``name`` that ``n_args``
+    positional arguments do not fill."""
+    from .calling import signature_source
+
     try:
-        parameters = list(inspect.signature(model.forward).parameters.values())
+        parameters = list(inspect.signature(signature_source(model).forward).parameters.values())
     except (TypeError, ValueError):
         return False
     for position, parameter in enumerate(parameters):

@@ -52,7 +52,8 @@ class FabricModel(InferenceMixin):
         loss_function: torch: ``loss(output, target)`` returning the batch-mean loss, the output as
             the model returned it; None: the model computes its loss (``output.loss``, as Hugging
             Face models do when the batch holds ``labels``). Keras: a ``keras.losses`` instance, a
-            loss name, or ``loss(y_true, y_pred)`` (Keras' order).
+            loss name, or ``loss(y_true, y_pred)`` (Keras' order); None for a model that overrides
+            ``compute_loss`` or ``train_step``, or with ``fn_step_train`` (docs/keras.md).
         optimizer: an optimizer over ``model``'s parameters (Keras: an instance or a name).
         metrics: torch: callables ``metric(output, target)`` returning a batch mean. Keras:
             names ("accuracy"), ``keras.metrics.Metric`` instances or ``metric(y_true, y_pred)``.

@@ -206,3 +206,79 @@ def test_a_compute_loss_override_is_what_the_step_differentiates():
     expected = one_device(reference, lambda m, x, y, out: 2.0 * LOSS(y, out))
     assert close([v.numpy() for v in adapter.model.trainable_variables], expected)
     assert stats[0][0] / 8 > 2.0  # the loss shown is the doubled one (a 3-class loss starts near ln 3)
+
+
+# -- loss_function=None: the model's own loss ---------------------------------------------------------
+class OwnTrainStep(keras.Sequential):
+    """train_step overridden with a loss of its own: nothing compiled is needed."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = LOSS(y, self(x, training=True))
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_variables), self.trainable_variables))
+        return {"loss": loss}
+
+
+class OwnLoss(keras.Sequential):
+    """compute_loss overridden with a loss of its own (not super()'s, which has no loss compiled)."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return 2.0 * LOSS(y, y_pred)
+
+
+def layers() -> list:
+    keras.utils.set_random_seed(0)  # mlp()'s weights
+    return [keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)]
+
+
+@pytest.mark.parametrize(
+    ("make", "kwargs", "loss_of", "stat_names"),
+    [
+        (lambda: OwnTrainStep(layers()), {"custom_objects": {"OwnTrainStep": OwnTrainStep}}, None, ["loss"]),
+        (mlp, {"user_code": UserCode(returning_step)}, None, ["loss", "accuracy"]),
+        (
+            lambda: OwnLoss(layers()),
+            {"custom_objects": {"OwnLoss": OwnLoss}},
+            lambda m, x, y, out: 2.0 * LOSS(y, out),
+            ["loss"],
+        ),
+    ],
+    ids=["train_step", "fn_step_train", "compute_loss"],
+)
+def test_loss_function_none_is_taken_from_a_model_that_computes_its_own(make, kwargs, loss_of, stat_names):
+    """No loss given: the step is the model's (or the user's), and validation shows the model's
+    compute_loss where it has its own, else NaN (the metrics as usual)."""
+    adapter = shipped(make(), loss=None, **kwargs)
+    assert adapter.loss_function is None and adapter.stat_names == stat_names
+    stats = train_two_steps(adapter)
+    assert all(np.isfinite(s).all() and s[-1] == 8.0 for s in stats)
+    assert close([v.numpy() for v in adapter.model.trainable_variables], one_device(mlp(), loss_of))
+    validation = adapter._evaluate_batch((X[:4], Y[:4])).tolist()
+    assert len(validation) == len(stat_names) + 1 and validation[-1] == 4.0
+    if loss_of is None:
+        assert np.isnan(validation[0]) and np.isfinite(validation[1:]).all()
+    else:
+        out = adapter.model(X[:4], training=False)
+        assert np.isclose(validation[0] / 4, float(loss_of(adapter.model, X[:4], Y[:4], out)), rtol=1e-5)
+
+
+def test_loss_function_none_is_refused_for_a_model_without_its_own_loss():
+    """``FabricModel(...)`` refuses it, naming the argument, what came and what is accepted; a
+    model that overrides ``train_step`` or ``compute_loss``, or a custom step, is taken without."""
+    from fabric_model import FabricModel
+
+    def data():
+        return (X, Y), None
+
+    with pytest.raises(TypeError) as info:
+        FabricModel(mlp(), data, None, keras.optimizers.SGD(0.1))
+    message = str(info.value)
+    for part in ("`loss_function`", "loss_function=None", "Sequential", "compute_loss", "train_step", "fn_step_train"):
+        assert part in message, message
+    assert "keras.losses.Loss" in message and "loss(y_true, y_pred)" in message, message
+    FabricModel(OwnTrainStep(layers()), data, None, keras.optimizers.SGD(0.1))
+    FabricModel(OwnLoss(layers()), data, None, keras.optimizers.SGD(0.1))
+    FabricModel(mlp(), data, None, keras.optimizers.SGD(0.1), fn_step_train=returning_step)
+    with pytest.raises(TypeError, match="or None, for a model that computes its own loss"):
+        FabricModel(mlp(), data, 3, keras.optimizers.SGD(0.1))

@@ -205,8 +205,9 @@ class Framework(abc.ABC):
             )
 
     @abc.abstractmethod
-    def check_loss(self, loss_function: Any) -> None:
-        """Raise when ``loss_function`` is no loss this framework can use."""
+    def check_loss(self, loss_function: Any, *, model: Any = None, fn_step_train: Any = None) -> None:
+        """Raise when ``loss_function`` is no loss this framework can use (for ``model``, with the
+        custom step ``fn_step_train``: None may be accepted where they compute the loss)."""
 
     @abc.abstractmethod
     def check_metrics(self, metrics: Any) -> list[Any] | None:

@@ -257,7 +257,7 @@ def check_constructor_arguments(
         self.datasets_function,
         hint=" HINT: pass the function itself, datasets_function=my_fn, not its result my_fn().",
     )
-    framework.check_loss(self.loss_function)
+    framework.check_loss(self.loss_function, model=self.model, fn_step_train=self.fn_step_train)
     checked_metrics = framework.check_metrics(metrics)
     check_logger("worker_logger_callback", self.worker_logger_callback)
     check_logger("driver_logger_callback", self.driver_logger_callback)

@@ -168,16 +168,22 @@ def test_named_inputs_two_outputs_and_a_dict_of_losses(run_dir):
 
     reference, ref_optimizer = two_headed(), keras.optimizers.SGD(0.05)
     reference.compile(optimizer=ref_optimizer, loss=LOSSES)
+    train_on_compute_loss(reference, ref_optimizer, data, epochs)
+    assert max_rel_diff(weights(model), weights(reference)) < 1e-5
+
+
+def train_on_compute_loss(model: keras.Model, optimizer, data: list, epochs: int) -> None:
+    """The loop its user writes: one device, the global batches in the plan's order, the gradient
+    of ``model.compute_loss``."""
 
     @tf.function(reduce_retracing=True)
     def one_device(x, y):
         with tf.GradientTape() as tape:
-            total = reference.compute_loss(x, y, reference(x, training=True))
-        ref_optimizer.apply(tape.gradient(total, reference.trainable_variables), reference.trainable_variables)
+            total = model.compute_loss(x, y, model(x, training=True))
+        optimizer.apply(tape.gradient(total, model.trainable_variables), model.trainable_variables)
 
     for x, y in global_batches(data, epochs):
         one_device(x, y)
-    assert max_rel_diff(weights(model), weights(reference)) < 1e-5
 
 
 # -- (d) a Model subclass with its own train_step and compute_loss ----------------------------------
@@ -222,3 +228,58 @@ def test_a_model_subclass_s_train_step_and_compute_loss_are_honoured(run_dir):
 
     assert max_rel_diff(weights(model), weights(one_device(OwnStep))) < 1e-5
     assert max_rel_diff(weights(model), weights(one_device(keras.Model))) > 1e-3  # the overrides mattered
+
+
+# -- (e) a Model subclass with a loss of its own, and no loss_function ------------------------------
+@keras.saving.register_keras_serializable("fabric_model_tests")
+class OwnLoss(keras.Model):
+    """compute_loss overridden with a loss of its own: the mean squared error plus an L2 penalty on the
+    weights. Nothing is compiled (loss_function=None), so it does not call super().compute_loss."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        mse = tf.reduce_mean(tf.square(y_pred - tf.cast(y, y_pred.dtype)))
+        return mse + 1e-2 * tf.add_n([tf.reduce_sum(tf.square(w)) for w in self.trainable_weights])
+
+
+def regression(n: int = 64) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(n, 10)).astype(np.float32)
+    y = np.tanh(x @ rng.normal(size=(10, 1))).astype(np.float32)
+    return [(x[i], y[i]) for i in range(n)]
+
+
+def own_loss_model() -> keras.Model:
+    keras.utils.set_random_seed(4)
+    inputs = keras.Input((10,))
+    return OwnLoss(inputs, keras.layers.Dense(1)(keras.layers.Dense(16, activation="relu")(inputs)))
+
+
+def train_own_loss(run_dir, engines: int, data: list, epochs: int):
+    """(the model, its optimizer, the result) of a deterministic run with loss_function=None."""
+    model, optimizer = own_loss_model(), keras.optimizers.SGD(0.05, momentum=0.9)
+    result = FabricModel(model, lambda: (data, data[:16]), None, optimizer).train(
+        epochs, BATCH, engines, effective_batch_size=MICRO * BATCH, seed=SEED, run_dir=run_dir, deterministic=True
+    )
+    return model, optimizer, result
+
+
+def test_a_model_subclass_with_its_own_compute_loss_needs_no_loss_function(tmp_path):
+    """Bitwise equal on 1 and 2 workers, where the loop its user writes ends; validation shows the
+    model's compute_loss (training=False)."""
+    data, epochs = regression(), 3
+    one, one_optimizer, _ = train_own_loss(tmp_path / "one", 1, data, epochs)
+    two, two_optimizer, result = train_own_loss(tmp_path / "two", 2, data, epochs)
+    ones = [v.numpy() for v in one.variables + one_optimizer.variables]
+    twos = [v.numpy() for v in two.variables + two_optimizer.variables]
+    differ = [i for i, (a, b) in enumerate(zip(ones, twos)) if not np.array_equal(a, b)]
+    assert len(ones) == len(twos) and not differ, f"not bitwise equal: variables {differ}"
+    assert set(result.history[-1]) == {"epoch", "loss"}  # no default accuracy with the model's own loss
+    assert result.history[-1]["loss"] < 0.7 * result.history[0]["loss"]
+
+    x, y = collate_numpy(data[:16])
+    expected = float(two.compute_loss(x, y, two(x, training=False), training=False))
+    assert abs(result.test_history[-1]["loss"] - expected) <= 1e-5 * expected
+
+    reference = own_loss_model()
+    train_on_compute_loss(reference, keras.optimizers.SGD(0.05, momentum=0.9), data, epochs)
+    assert max_rel_diff(weights(two), weights(reference)) < 1e-5

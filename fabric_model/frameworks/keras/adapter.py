@@ -31,6 +31,9 @@ How the pieces travel and meet the shared loop:
   ``train_step``, else our tape over the model's loss (its ``compute_loss`` where it has its
   own or the loss is a dict or list); the user's code hands its gradients over through the
   optimizer's ``apply`` (:mod:`.capture`, :mod:`.user_step`; docs/keras.md, "Custom steps").
+  Those three compute their own loss, so only they may come with ``loss_function=None``
+  (:func:`.names.check_own_loss`); validation then shows the model's ``compute_loss`` where it
+  has its own, else NaN for the loss.
 
 Forward-updated variables (BatchNorm moving statistics) start every micro-batch from the
 step's values and the weighted deltas are reduced, as in the PyTorch adapter. Dropout and
@@ -55,7 +58,15 @@ from ...step.tree import leaves
 from ..base import FrameworkAdapter
 from .batches import collate_numpy, split_keras_batch
 from .flavor import flavor_of
-from .names import ACCURACY_NAMES, accuracy_for, metric_label, resolve_loss, resolve_metric, resolve_optimizer
+from .names import (
+    ACCURACY_NAMES,
+    accuracy_for,
+    check_own_loss,
+    metric_label,
+    resolve_loss,
+    resolve_metric,
+    resolve_optimizer,
+)
 from .runtime import configure_tensorflow, torch_view
 from .shipping import (
     assign_all,
@@ -134,14 +145,18 @@ class KerasAdapter(FrameworkAdapter):
         self.flavor = flavor_of(model)  # Keras 3 or Keras 2: resolves names and the few calls that differ
         self.optimizer = resolve_optimizer(optimizer, self.flavor)
         self.loss_spec = loss_function  # the name, instance or callable (or a dict or list of them), as given
-        self.loss_function = resolve_loss(loss_function, flavor=self.flavor)
         self.user_code = user_code or UserCode()
         self.custom_step = self.user_code.step_fn is not None
         # How a micro-batch's gradient is made (docs/keras.md, "Custom steps"): fn_step_train, else
         # the model's own train_step, else our tape, with the model's compute_loss where it has
         # its own or the loss has a structure (Keras' compiled loss maps it onto the outputs).
         self.model_train_step = not self.custom_step and overridden(model, "train_step")
-        self.model_loss = overridden(model, "compute_loss") or isinstance(loss_function, dict | list | tuple)
+        own_loss = overridden(model, "compute_loss")
+        if loss_function is None:  # only a model that computes its own loss may go without one
+            check_own_loss(model, self.custom_step or self.model_train_step or own_loss)
+        # None: no loss given (the model's own; validation then shows the model's compute_loss, or NaN).
+        self.loss_function = None if loss_function is None else resolve_loss(loss_function, flavor=self.flavor)
+        self.model_loss = own_loss or isinstance(loss_function, dict | list | tuple)
         if metrics is None:  # the default accuracy, where one output and our step make it meaningful
             simple = not (self.custom_step or self.model_train_step or self.model_loss or _several_outputs(model))
             metrics = ["accuracy"] if simple else []
@@ -213,7 +228,7 @@ class KerasAdapter(FrameworkAdapter):
             flavor.build_optimizer(self.optimizer, self.model.trainable_variables)
             if shipped["optimizer_state"] is not None:
                 assign_all(flavor.optimizer_variables(self.optimizer), shipped["optimizer_state"], "optimizer")
-        if self.loss_function is None:
+        if self.loss_function is None and self.loss_spec is not None:  # a name travels as itself
             self.loss_function = resolve_loss(self.loss_spec, flavor=flavor)
         self.metric_specs = metrics_from_configs(shipped["metrics"], custom, flavor)
         # Compiled as after compile(): model.optimizer, model.compute_loss and a train_step override
@@ -297,6 +312,9 @@ class KerasAdapter(FrameworkAdapter):
         if self.model_loss:
             total = _compute_loss(self.model, x, y, out, training)
             return _scalar(total), total
+        if self.loss_function is None:  # validating a step of the user's (no loss, no compute_loss of its own)
+            nan = tf.constant(float("nan"))
+            return nan, nan
         loss = tf.reduce_mean(tf.cast(self.loss_function(y, out), tf.float32))
         return loss, (loss + tf.add_n(self.model.losses) if training and self.model.losses else loss)
 

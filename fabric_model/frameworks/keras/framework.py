@@ -17,7 +17,8 @@ import numpy as np
 
 from ..base import Framework, FrameworkAdapter, TrainedModel, UserObjects
 from .flavor import KERAS3, Flavor, flavor_named
-from .names import resolve_loss, resolve_metric, resolve_optimizer
+from .names import check_own_loss, resolve_loss, resolve_metric, resolve_optimizer
+from .user_step import computes_own_loss
 
 
 class KerasFramework(Framework):
@@ -36,9 +37,15 @@ class KerasFramework(Framework):
         (docs/keras.md, "Custom steps"; ``setup/checks.py`` checks that they are callables)."""
         super().check_options(fn_step_train=fn_step_train, fn_test=fn_test, keras_custom_objects=keras_custom_objects)
 
-    def check_loss(self, loss_function: Any) -> None:
+    def check_loss(self, loss_function: Any, *, model: Any = None, fn_step_train: Any = None) -> None:
         """A ``keras.losses`` instance, a loss name, ``loss(y_true, y_pred)``, or a dict or list of them
-        (by output, as ``compile(loss=)`` takes); names resolved now."""
+        (by output, as ``compile(loss=)`` takes); names resolved now. None where the model computes its
+        own loss (:func:`.names.check_own_loss`: a ``compute_loss`` or ``train_step`` override, or
+        ``fn_step_train``); the adapter checks it again when it is made."""
+        if loss_function is None:
+            if model is not None:
+                check_own_loss(model, fn_step_train is not None or computes_own_loss(model))
+            return
         resolve_loss(loss_function, flavor=self.flavor)
 
     def check_metrics(self, metrics: Any) -> list[Any] | None:
@@ -87,7 +94,8 @@ class KerasFramework(Framework):
 
         assert isinstance(adapter, KerasAdapter)
         adapter.check_rebuild(first_batch)
-        if not (adapter.custom_step or adapter.model_train_step or adapter.model_loss):  # our loss, our step
+        own = adapter.custom_step or adapter.model_train_step or adapter.model_loss
+        if not own and adapter.loss_function is not None:  # our loss, our step (None: the model's own, above)
             check_summed_loss(adapter.model, adapter.loss_function, first_batch)
         return adapter
 

@@ -56,6 +56,14 @@ def unknown_name_error(argument: str, name: str, candidates: list[str]) -> Value
     )
 
 
+#: What ``loss_function`` takes for a Keras model.
+LOSSES_ACCEPTED = (
+    "a keras.losses.Loss, a Keras loss name such as 'sparse_categorical_crossentropy', or a callable "
+    "loss(y_true, y_pred) (`loss_function` may also be a dict of them by output name, or a list by output, "
+    "as compile(loss=) takes)"
+)
+
+
 def resolve_loss(loss: Any, argument: str = "loss_function", flavor: Flavor = KERAS3) -> Any:
     """A loss, or a dict (by output name) or list (by output) of them, as ``compile(loss=)`` takes;
     names as ``flavor``'s Keras resolves them."""
@@ -71,10 +79,21 @@ def resolve_loss(loss: Any, argument: str = "loss_function", flavor: Flavor = KE
             raise unknown_name_error(argument, loss, valid_names(keras.losses, keras.losses.Loss)) from None
     if isinstance(loss, keras.losses.Loss) or callable(loss):
         return loss
+    none = " (or None, for a model that computes its own loss)" if argument == "loss_function" else ""
+    raise TypeError(f"Expected `{argument}` to be {LOSSES_ACCEPTED}{none}. Received: {argument}={loss!r}")
+
+
+def check_own_loss(model: Any, computes_its_own: bool) -> None:
+    """``loss_function=None``: refused unless the model computes its own loss (``computes_its_own``: a
+    ``compute_loss`` or ``train_step`` override, or ``fn_step_train=``)."""
+    if computes_its_own:
+        return
     raise TypeError(
-        f"Expected `{argument}` to be a keras.losses.Loss, a Keras loss name such as "
-        "'sparse_categorical_crossentropy', or a callable loss(y_true, y_pred) (`loss_function` may also be a "
-        f"dict of them by output name, or a list by output, as compile(loss=) takes). Received: {argument}={loss!r}"
+        "Expected `loss_function` to be a loss: a Keras model needs one unless it computes its own (a "
+        "`compute_loss` or `train_step` override in its keras.Model subclass, or a custom step, fn_step_train=). "
+        f"Received: loss_function=None, for a {type(model).__name__} model that overrides neither, and no "
+        f"fn_step_train. Accepted: {LOSSES_ACCEPTED}. HINT: pass the loss you would give compile(loss=), "
+        "e.g. loss_function='sparse_categorical_crossentropy'."
     )
 
 

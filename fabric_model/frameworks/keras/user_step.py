@@ -43,6 +43,12 @@ def overridden(model: Any, name: str) -> bool:
     return getattr(type(model), name, None) is not flavor_of(model).model_method(name)
 
 
+def computes_own_loss(model: Any) -> bool:
+    """Whether ``model``'s class overrides ``train_step`` or ``compute_loss``: it may train without a
+    ``loss_function`` (docs/keras.md, "Custom steps")."""
+    return overridden(model, "train_step") or overridden(model, "compute_loss")
+
+
 # -- how the user's code travels --------------------------------------------------------------
 def _pickler_class() -> type:
     # The job's pickler, which keeps each function's file for the worker's tracebacks.

@@ -16,7 +16,7 @@ class TorchFramework(Framework):
 
     name: ClassVar[str] = "torch"
 
-    def check_loss(self, loss_function: Any) -> None:
+    def check_loss(self, loss_function: Any, *, model: Any = None, fn_step_train: Any = None) -> None:
         """A callable ``loss(output, target)``, not a loss class; None: the model computes its loss."""
         from ...setup.first_batch import check_loss_object
 

@@ -17,9 +17,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fabric_model import FabricModel
+from fabric_model.run.rundir import RunDirectory
 from fabric_model.state.checkpoint import list_checkpoints
 from fabric_model.step.plan import Plan
-from fabric_model.testing import FaultInjector, HoldForJoin, Kill
+from fabric_model.testing import FaultInjector, HoldForJoin, Kill, WorkerStarter
 
 from .helpers import make_data, max_rel_diff, records, reference_train, sample_indices_of_steps
 
@@ -206,6 +207,30 @@ def test_a_worker_killed_mid_allreduce_on_the_gpu_is_regrouped_and_replaced(
     assert sizes[:2] == [3, 2] and sizes[-1] == 3, sizes
     assert len(set(result.replica_digests.values())) == 1 and len(result.replica_digests) == 3
     assert max_rel_diff(cpu_state(model), undisturbed) < 1e-5
+
+
+# -- a host without a GPU ----------------------------------------------------------------------
+def test_a_worker_on_a_host_without_a_gpu_is_refused_by_a_job_on_gpus(run_dir, tmp_path, monkeypatch):
+    """A worker started by hand where torch sees no GPU (``CUDA_VISIBLE_DEVICES=""``: a CPU host's
+    shape) joins a job training a CUDA model on the GPU: its copy of the state unpickles (mapped to
+    the CPU, not torch's error), it is refused before it trains, naming its host, and the job goes
+    on on the GPU without it (worker/job_loading.py)."""
+    monkeypatch.setenv("FABRIC_MODEL_LOCAL_WORKERS", "1")
+    starter = WorkerStarter(run_dir, [], at_start=1, env={"CUDA_VISIBLE_DEVICES": ""})
+    model, opt = fresh("cuda")
+    pace = FaultInjector([], tmp_path, step_delay=0.3)  # 9 s: the worker starts and is refused within
+    try:
+        result = FabricModel(
+            model, lambda: (DATA, None), F.cross_entropy, opt, metrics=[on_cuda], worker_logger_callback=pace,
+            driver_logger_callback=starter,
+        ).train(EPOCHS, BATCH, 2, effective_batch_size=GLOBAL, seed=SEED, run_dir=run_dir)  # fmt: skip
+    finally:
+        starter.close()
+    assert starter.processes[0].returncode == 1
+    log = RunDirectory(run_dir).joined_log(0).read_text()
+    assert "has no GPU (torch sees no CUDA device), but the job's workers train on GPUs" in log, log[-2000:]
+    assert "deserialize" not in log
+    assert_ran_on_the_gpu(result)
 
 
 # -- deterministic mode, checkpoints and resume ---------------------------------------------

@@ -156,6 +156,8 @@ class TrainConfig:
     timeouts: Timeouts
     snapshots: SnapshotCadence
     backend: str  # "gloo" or "nccl"
+    #: The job's workers train on GPUs (a worker on a host without one is refused: worker/job_loading.py).
+    on_gpus: bool = False
     keep_freed_memory: bool = True  # worker/allocator.py
     #: Replicas compare state fingerprints every this many steps and after each epoch (0: at the
     #: end only): docs/architecture.md, "Replica checks". Read once in the caller, so all compare alike.

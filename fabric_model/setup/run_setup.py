@@ -118,6 +118,7 @@ def train_config(epoch_number: int, batch_size: int, sizing: EngineSizing, loop:
         snapshots=SnapshotCadence.from_environment(),
         preemption=Preemption.from_environment(),
         backend=collective_backend(gpus, workers_per_gpu()),  # as the workers will see the GPUs
+        on_gpus=gpus > 0,
         keep_freed_memory=keep_freed_memory_setting(),
         replica_check_steps=DIVERGENCE_CHECK_STEPS.get(),
     )

@@ -23,12 +23,19 @@ class WorkerStarter:
     """A driver logger that starts one extra worker by hand when ``iteration`` reaches each of
     ``at_iterations`` (and ``at_start`` of them as training begins, before any step: a driver with
     ``FABRIC_MODEL_LOCAL_WORKERS=0`` waits for them), with the command line a user would run on
-    another host."""
+    another host. ``env``: variables its workers get on top of this process's (``CUDA_VISIBLE_DEVICES``
+    empty: a host without a GPU)."""
 
     def __init__(
-        self, run_dir: str | os.PathLike[str], at_iterations: Sequence[int], inner: Any = None, at_start: int = 0
+        self,
+        run_dir: str | os.PathLike[str],
+        at_iterations: Sequence[int],
+        inner: Any = None,
+        at_start: int = 0,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
+        self.env = dict(env or {})
         self.at_start = at_start
         self.at_iterations = sorted(at_iterations)
         self.inner = inner
@@ -58,7 +65,7 @@ class WorkerStarter:
     def start(self, device: str | None = None) -> subprocess.Popen[bytes]:
         run = RunDirectory(self.run_dir)
         info = json.loads(run.join_json.read_text())
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **self.env)
         env[SECRET.name] = info["secret"]
         cmd = module_command("fabric_model", "worker", "--driver", info["driver"])
         if device:

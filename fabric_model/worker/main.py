@@ -21,8 +21,6 @@ from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing import AuthenticationError
 
-import cloudpickle
-
 from ..context import WorkerContext, _install
 from ..errors import encode_exception, user_traceback
 from ..frameworks.keras.quiet import quiet_tensorflow
@@ -48,6 +46,7 @@ from . import cli
 from .allocator import keep_freed_memory, release_free_memory
 from .host_share import HostShare
 from .inbox import Heartbeat, Inbox, TrainingHalted, at_exit
+from .job_loading import HostUnfit, fit_device, load_job
 from .loop import TrainingLoop, WorkerLeft
 from .native import die_with_parent
 from .notice import LeaveNotice
@@ -99,9 +98,10 @@ def _set_up(
         keep_freed_memory()
     began = time.monotonic()
     with quiet_tensorflow():  # a Keras job loads TensorFlow here: its start-up notices stay out of the log
-        job: Job = cloudpickle.loads(payload.pop())
+        job: Job
+        job, mapped = load_job(payload.pop())  # a CUDA state onto the CPU where this host has no GPU
         phases["unpickling the job"] = time.monotonic() - began
-        device = device or spec.device or "cpu"
+        device = fit_device(device or spec.device, mapped, spec.config.on_gpus)
         # Installed before any user code runs here, so datasets_function can ask where it is.
         context = WorkerContext(worker_id)
         context.pending_join = lambda: inbox.pending_generation > context.generation
@@ -180,12 +180,14 @@ def _train(
 
 
 def _report_failure(channel: Channel, exc: BaseException, unit: int) -> None:
-    sys.stderr.write(traceback.format_exc())  # the worker log keeps every frame
+    if isinstance(exc, HostUnfit):  # this host's circumstance, not a bug: its one line says it all
+        sys.stderr.write(f"fabric_model worker: exiting (1): {exc}\n")
+    else:
+        sys.stderr.write(traceback.format_exc())  # the worker log keeps every frame
     text = user_traceback(exc)
     # Not the user's error: the driver must not count it against their code.
-    collective = isinstance(exc, (CollectiveError, TimeoutError, KeyboardInterrupt)) or type(exc).__module__.startswith(
-        "torch.distributed"
-    )
+    not_the_user_s = (CollectiveError, TimeoutError, KeyboardInterrupt, HostUnfit)
+    collective = isinstance(exc, not_the_user_s) or type(exc).__module__.startswith("torch.distributed")
     try:
         channel.send(p.WorkerFailed(text, encode_exception(exc), collective, unit))
     except (OSError, EOFError):

@@ -190,3 +190,47 @@ def test_killed_driver_takes_its_workers_along(run_dir, prelude):
     proc.kill()
     proc.communicate(timeout=10)  # reaped, its pipe read and closed
     _assert_gone(workers, within=10)
+
+
+KILLED_AT_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, torch, torch.nn.functional as F
+    sys.path.insert(0, {repo!r})
+    torch.set_num_threads(1)
+    from tests.helpers import fresh_model_and_optimizer, make_data
+    from fabric_model import FabricModel
+
+    class KilledAt:  # the driver's own logger: SIGKILL to its process once step {at} is committed
+        def log_train_metrics(self, metrics, iteration, epoch, workers):
+            if iteration == {at}:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    model, opt = fresh_model_and_optimizer()
+    data = make_data(400)
+    FabricModel(model, lambda: (data, None), F.cross_entropy, opt, driver_logger_callback=KilledAt()).train(
+        50, 4, 2, run_dir={run_dir!r}
+    )
+""")
+
+
+def test_a_driver_killed_without_notice_leaves_every_committed_step_s_record(run_dir):
+    """SIGKILL to the driver right after step 30 commits (its own logger sends it, after the
+    step's record is made): ``logs/metrics.jsonl`` holds steps 1 to 30, none lost in a buffer."""
+    at = 30
+    script = KILLED_AT_SCRIPT.format(repo=str(REPO), run_dir=str(run_dir), at=at)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    seen: dict[int, psutil.Process] = {}  # its warm process and workers, to wait for once it is gone
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            seen.update((c.pid, c) for c in psutil.Process(proc.pid).children(recursive=True))
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.05)
+    if proc.poll() is None:
+        proc.kill()
+    out, _ = proc.communicate(timeout=10)
+    _assert_gone(list(seen.values()), within=10)
+    assert proc.returncode == -signal.SIGKILL, out.decode(errors="replace")[-2000:]
+    records = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+    iterations = sorted(r["iteration"] for r in records if r["type"] == "train")
+    assert iterations == list(range(1, at + 1)), iterations

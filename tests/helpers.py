@@ -215,3 +215,30 @@ def run_killed_job(directory: Path, module: str, arguments: str, kill_at: int, t
         except ProcessLookupError:
             pass
         proc.wait(timeout=10)
+
+
+def run_script_and_its_tree(script: str, within: float, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """``python -c script`` to its end (killed after ``within`` seconds), then every process it
+    started (a warm process, workers) waited for, killed if still there after 10 s, and asserted
+    gone: ``(return code, output)``."""
+    import time
+
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    seen: dict[int, psutil.Process] = {}
+    deadline = time.monotonic() + within
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            seen.update((c.pid, c) for c in psutil.Process(proc.pid).children(recursive=True))
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.05)
+    if proc.poll() is None:
+        proc.kill()
+    out = proc.communicate(timeout=10)[0].decode(errors="replace")
+    _, alive = psutil.wait_procs(list(seen.values()), timeout=10)
+    for p in alive:
+        p.kill()
+    assert not alive, f"processes of the script still running: {[p.pid for p in alive]}"
+    return proc.returncode, out

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from fabric_model import FabricModel
 from fabric_model.errors import RemoteTraceback
 
-from .helpers import fresh_model_and_optimizer, interruptible, make_data
+from .helpers import fresh_model_and_optimizer, interruptible, make_data, run_script_and_its_tree
 
 pytestmark = pytest.mark.processes
 
@@ -217,20 +217,8 @@ def test_a_driver_killed_without_notice_leaves_every_committed_step_s_record(run
     step's record is made): ``logs/metrics.jsonl`` holds steps 1 to 30, none lost in a buffer."""
     at = 30
     script = KILLED_AT_SCRIPT.format(repo=str(REPO), run_dir=str(run_dir), at=at)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    seen: dict[int, psutil.Process] = {}  # its warm process and workers, to wait for once it is gone
-    deadline = time.monotonic() + 120
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            seen.update((c.pid, c) for c in psutil.Process(proc.pid).children(recursive=True))
-        except psutil.NoSuchProcess:
-            break
-        time.sleep(0.05)
-    if proc.poll() is None:
-        proc.kill()
-    out, _ = proc.communicate(timeout=10)
-    _assert_gone(list(seen.values()), within=10)
-    assert proc.returncode == -signal.SIGKILL, out.decode(errors="replace")[-2000:]
+    code, out = run_script_and_its_tree(script, within=120)
+    assert code == -signal.SIGKILL, out[-2000:]
     records = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
     iterations = sorted(r["iteration"] for r in records if r["type"] == "train")
     assert iterations == list(range(1, at + 1)), iterations

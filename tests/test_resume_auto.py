@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,7 @@ from fabric_model.state.checkpoint import (
 )
 from fabric_model.step.plan import Plan, Schedule
 
-from .helpers import fresh_model_and_optimizer, make_data, records
+from .helpers import fresh_model_and_optimizer, make_data, records, run_script_and_its_tree
 
 SEED, EPOCHS, BATCH, GLOBAL = 5, 3, 8, 16
 DATA = make_data(96)  # 6 steps an epoch
@@ -206,3 +208,62 @@ def test_a_user_error_records_failed(tmp_path):
     assert end is not None and (end["state"], end["error"]) == ("failed", "ValueError")
     table = status_table(summarize(run_dir))
     assert "failed (resume=True goes on)" in table and "(error=ValueError)" in table
+
+
+# -- a whole job lost: the snapshot on disk ----------------------------------------------------
+SNAPSHOT_STEPS = 2
+KILLED_JOB = """
+import os, signal, sys, time
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+from fabric_model.state.checkpoint import SNAPSHOT_NAME, list_checkpoints, read_info
+from tests.test_resume_auto import train
+
+run_dir = Path({run_dir!r})
+
+
+class KilledOnceASnapshotIsOnDisk:
+    '''SIGKILL to the driver (its workers die with it) in epoch 2, once a snapshot newer than the
+    epoch's checkpoint is on disk (its writer is a thread of its own: waited for, bounded).'''
+
+    def log_train_metrics(self, metrics, iteration, epoch, workers):
+        if iteration < {at}:
+            return
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            saved = list_checkpoints(run_dir / "checkpoints")
+            try:
+                unit = read_info(run_dir / "checkpoints" / SNAPSHOT_NAME).unit
+            except (OSError, ValueError):
+                unit = -1
+            if saved and unit > saved[-1][0]:
+                print("killed at", iteration, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(0.01)
+
+
+train(run_dir, 2, driver_logger=KilledOnceASnapshotIsOnDisk(), resume="auto")
+"""
+
+
+@pytest.mark.processes
+def test_a_job_killed_whole_resumes_from_its_snapshot_on_disk(undisturbed, tmp_path):
+    """Driver and workers SIGKILLed mid-epoch, a checkpoint behind: the same call again resumes
+    from the newest committed snapshot on disk, not the checkpoint, redoes at most two snapshot
+    intervals (the interval, and the write under way), and ends with the undisturbed weights."""
+    run_dir, at = tmp_path / "run", STEPS + 3  # in epoch 2, after its checkpoint
+    env = dict(os.environ, FABRIC_MODEL_SNAPSHOT_STEPS=str(SNAPSHOT_STEPS), FABRIC_MODEL_SNAPSHOT_SHARE="0")
+    script = KILLED_JOB.format(repo=str(Path(__file__).resolve().parents[1]), run_dir=str(run_dir), at=at)
+    code, out = run_script_and_its_tree(script, within=180, env=env)
+    assert code == -signal.SIGKILL, out[-3000:]
+    killed_at = int(out.split("killed at ")[1].split()[0])
+    epoch_checkpoint = list_checkpoints(run_dir / "checkpoints")[-1][0]
+
+    state = train(run_dir, 1, resume="auto")  # the requeued job: the same call
+    (resumed,) = records(run_dir, "resume")
+    assert resumed["resume_unit"] > epoch_checkpoint, (resumed, epoch_checkpoint)
+    schedule = Schedule(Plan(len(DATA), BATCH, GLOBAL // BATCH, SEED), EPOCHS, 1, False)
+    redone = killed_at - schedule.steps_before(resumed["resume_unit"])
+    assert 0 <= redone <= 2 * SNAPSHOT_STEPS, (killed_at, resumed)
+    assert_equal_weights(state, undisturbed[1])
+    assert not (run_dir / "checkpoints" / "snapshot.pt").exists()  # finished: the checkpoints hold the result

@@ -30,6 +30,7 @@ from ..setup.config import TrainConfig
 from ..state.best import BestCheckpoints, epoch_logs
 from ..state.book import StateBook
 from ..state.checkpoint import CheckpointInfo, decode_state, encode_state, state_record
+from ..state.durable import DurableSnapshot
 from ..state.frozen import FrozenBase
 from ..state.writer import CheckpointBook
 from ..step.plan import Plan, Schedule
@@ -163,7 +164,9 @@ class Driver:
             on_written=hooks.on_checkpoint,
         )
         # Checkpoints and snapshots that rank 0 uploads (docs/architecture.md, "Elasticity").
-        self.states = StateBook(self.checkpoints, self.progress.committed, setup.frozen)
+        # The newest committed snapshot on disk too: a whole-job loss costs at most the snapshot interval.
+        self.durable = DurableSnapshot(run_dir.checkpoints)
+        self.states = StateBook(self.checkpoints, self.progress.committed, setup.frozen, self.durable)
         limits = Limits(
             max_workers=max(len(setup.devices), setup.max_workers or 0),
             total_units=self.schedule.total_units,
@@ -235,6 +238,7 @@ class Driver:
         try:
             watch.__enter__()  # the preemption signals are caught from here (docs/architecture.md, "Preemption")
             self.checkpoints.prepare(self.setup.resume, self.progress.iteration)
+            self.durable.remove()  # an earlier run's, or one older than the state resumed from
             self.setup.startup.mark("run directory and driver")
             self._execute(self.membership.start(time.monotonic()))
             self.hooks.on_train_begin()
@@ -257,12 +261,15 @@ class Driver:
                 self._server.send(worker_id, p.Stop())
             self._launcher.wait_all(timeouts.stop)
             if final.divergence is None:  # else train() hands the state back, then raises
+                self.durable.close(timeouts.stop)
+                self.durable.remove()  # finished: the checkpoints and the model hold the result
                 self.hooks.on_train_end()
         except BaseException as exc:
             self._tell_hand_started(exc)
             raise
         finally:
             self.checkpoints.close(stop)  # a failed job's last write may serve its resume
+            self.durable.close(stop)
             self._launcher.stop_all(stop)
             self._server.close()
             self.metrics.close()

@@ -17,6 +17,7 @@ from ..run.rundir import RunDirectory
 from ..run.startup import StartUp
 from ..state import checkpoint
 from ..state.best import best_of, check_monitors
+from ..state.durable import adopt_snapshot
 from ..state.frozen import FrozenBase
 from ..step.loop_state import LoopState
 from ..step.plan import Plan
@@ -108,6 +109,11 @@ def prepare(
     if window is not None:
         window = fit_to_run(window, epochs * plan.steps_per_epoch)
     adapter, payload = ship(fm, train_set, test_set is not None, exact, startup)
+    if resumed is not None and resumed.path.name == checkpoint.SNAPSHOT_NAME:
+        # The snapshot on disk, made whole with the job's frozen values; else the newest checkpoint.
+        resumed = adopt_snapshot(resumed, *adapter.frozen_parameters()) or checkpoint.newest_checkpoint(
+            resumed.path.parent
+        )
     frozen = frozen_base(adapter, resumed)
     setup = DriverSetup(
         payload=payload,

@@ -4,7 +4,8 @@ Rank 0 of a generation uploads the state (a checkpoint's record, see
 :mod:`fabric_model.state.checkpoint`, laid out by :mod:`fabric_model.state.wire`) in
 :class:`~fabric_model.transport.protocol.StateChunk` messages: a *checkpoint* when one is due
 (written to ``checkpoints/`` by :class:`CheckpointBook`), a *snapshot* every few steps or
-seconds (kept in memory only). The job's frozen parameters an upload leaves out are filled
+seconds (kept in memory; the newest whose steps are all committed also on disk, by
+:class:`~fabric_model.state.durable.DurableSnapshot`). The job's frozen parameters an upload leaves out are filled
 back in from the driver's own (:class:`~fabric_model.state.frozen.FrozenBase`), so every
 state held or written is complete. When every worker holding the
 committed state is lost, the next generation loads the newest of them at or below the
@@ -28,6 +29,7 @@ from ..driver.ledger import CommittedUnit
 from ..transport import protocol as p
 from . import wire
 from .checkpoint import checkpoint_name, encode_state
+from .durable import DurableSnapshot
 from .frozen import FrozenBase
 from .writer import CheckpointBook
 
@@ -68,9 +70,14 @@ class StateBook:
     """
 
     def __init__(
-        self, checkpoints: CheckpointBook, committed: CommittedUnit | None = None, frozen: FrozenBase | None = None
+        self,
+        checkpoints: CheckpointBook,
+        committed: CommittedUnit | None = None,
+        frozen: FrozenBase | None = None,
+        durable: DurableSnapshot | None = None,
     ) -> None:
         self.checkpoints = checkpoints
+        self.durable = durable
         self.frozen = frozen if frozen is not None else FrozenBase({}, [])
         self.held: list[_Held] = []  # by unit, oldest first
         self._committed = committed or CommittedUnit()  # the driver's ledger's, shared
@@ -135,6 +142,7 @@ class StateBook:
             return  # not newer than what is held (a checkpoint rank 0 re-sent after a rollback)
         self.held.append(state)
         self._prune()
+        self._make_durable()
 
     @property
     def committed_unit(self) -> int:
@@ -152,6 +160,15 @@ class StateBook:
         """Units below ``unit`` are committed: older held states are no longer needed."""
         self._committed.advance(unit)
         self._prune()
+        self._make_durable()
+
+    def _make_durable(self) -> None:
+        """Offer the newest snapshot whose steps are all committed to the disk (a checkpoint is there already)."""
+        if self.durable is None or not self.held:
+            return
+        newest = self.held[0]  # after _prune: the newest state at or below the committed unit, if any
+        if newest.kind == "snapshot" and newest.unit <= self.committed_unit:
+            self.durable.offer(newest.unit, newest.record)
 
     def rolled_back(self, unit: int) -> None:
         """Progress went back to ``unit``: newer states belong to steps that will be redone."""

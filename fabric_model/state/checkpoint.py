@@ -12,7 +12,9 @@ the *unit* the run goes on from (that epoch's validation slot, see
 
 The data order and every RNG of a run are functions of ``(seed, epoch, step,
 micro-batch)``, so the plan and the unit are the whole data and RNG position. A snapshot
-(kept in the driver's memory, never on disk) has the same shape at any step boundary.
+has the same shape at any step boundary: kept in the driver's memory, and the newest committed
+one on disk as ``checkpoints/snapshot.pt`` (:mod:`fabric_model.state.durable`), which a resume
+takes when it is newer than every checkpoint.
 
 Rank 0 of a generation builds the bytes (:func:`state_record`, :func:`encode_state`) and
 uploads them to the driver, which writes the file: no shared storage is needed, and the
@@ -53,7 +55,9 @@ StreamWrapper = Callable[[IO[bytes], int], Any]
 _WRITE_CHUNK = 1 << 22  # 4 MiB a write
 
 _NAME = re.compile(r"^ckpt-unit-(\d{8})\.pt$")
-_TEMP = re.compile(r"^\.ckpt-unit-\d{8}\.pt\.(\d+)\.tmp$")  # atomic_write's temporary name
+#: The newest committed snapshot, on disk (:mod:`fabric_model.state.durable`): one file, replaced.
+SNAPSHOT_NAME = "snapshot.pt"
+_TEMP = re.compile(r"^\.(?:ckpt-unit-\d{8}|snapshot)\.pt\.(\d+)\.tmp$")  # atomic_write's temporary name
 
 
 def checkpoint_name(unit: int) -> str:
@@ -211,6 +215,21 @@ def newest_checkpoint(directory: Path) -> CheckpointInfo | None:
     return None
 
 
+def newest_resume_state(directory: Path) -> CheckpointInfo | None:
+    """What a resume goes on from: the newest complete checkpoint, or the snapshot on disk
+    (:data:`SNAPSHOT_NAME`) where it reads back complete and is newer."""
+    info = newest_checkpoint(directory)
+    path = directory / SNAPSHOT_NAME
+    if not path.is_file():
+        return info
+    try:
+        snapshot = read_info(path)
+    except Exception as exc:  # a foreign or damaged file: the checkpoints stand
+        log.warning("skipping %s: %s", path, str(exc).splitlines()[0] if str(exc) else repr(exc))
+        return info
+    return snapshot if info is None or snapshot.unit > info.unit else info
+
+
 # -- the driver's housekeeping -------------------------------------------------------------
 def prune(directory: Path, keep: int, spare: Collection[int] = ()) -> list[Path]:
     """Delete all but the newest ``keep`` checkpoints and the units in ``spare`` (the best ones;
@@ -282,7 +301,7 @@ def choose_resume(resume: bool | str, run_dir: str | os.PathLike[str] | None) ->
     end = run.end_state()
     if end is not None and end["state"] == "finished":
         return ResumeChoice(False, f'resume="auto": the run in {run.path} finished; starting afresh')
-    info = newest_checkpoint(run.checkpoints)
+    info = newest_resume_state(run.checkpoints)
     if info is None:
         what = "no checkpoint to resume from" if run.path.exists() else "no run"
         return ResumeChoice(False, f'resume="auto": {run.path} holds {what}; starting afresh')
@@ -300,7 +319,7 @@ def find_resume_point(
     recorded, so that the restarted run is the run that was started.
     """
     run = RunDirectory.resolve(run_dir, for_resume=True)
-    info = newest_checkpoint(run.checkpoints)
+    info = newest_resume_state(run.checkpoints)
     if info is None:
         recorded = run.recorded_seed()
         chosen = seed if seed is not None else recorded

@@ -92,3 +92,21 @@ def test_a_snapshot_of_other_frozen_values_is_set_aside(tmp_path):
     state = anew.state_dict()
     assert adopt_snapshot(read_info(tmp_path / SNAPSHOT_NAME), {"0.weight": state["0.weight"]}, list(state)) is None
     assert (tmp_path / (SNAPSHOT_NAME + ".unusable")).exists() and newest_resume_state(tmp_path) is None
+
+
+def test_writes_take_at_most_their_share_and_a_flush_writes_the_newest_at_once(tmp_path, monkeypatch):
+    import time
+
+    from fabric_model.state import durable as module
+
+    monkeypatch.setattr(module, "WRITE_SHARE", 1e-6)  # after any write, the next waits for ages
+    model = lora_shaped()
+    writer = DurableSnapshot(tmp_path)
+    writer.offer(3, record_of(model, 3))
+    writer.flush(10)
+    writer.offer(4, record_of(model, 4))
+    writer.offer(5, record_of(model, 5))
+    time.sleep(0.3)
+    assert writer.written_unit == 3  # waiting its turn; the newest replaced the one before
+    writer.close(10)  # flushes: the newest goes now
+    assert writer.written_unit == 5 and read_info(tmp_path / SNAPSHOT_NAME).unit == 5

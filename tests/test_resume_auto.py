@@ -216,8 +216,11 @@ KILLED_JOB = """
 import os, signal, sys, time
 sys.path.insert(0, {repo!r})
 from pathlib import Path
+from fabric_model.state import durable
 from fabric_model.state.checkpoint import SNAPSHOT_NAME, list_checkpoints, read_info
 from tests.test_resume_auto import train
+
+durable.WRITE_SHARE = 1.0  # every committed snapshot written once the one before is (the bound below)
 
 run_dir = Path({run_dir!r})
 
@@ -250,7 +253,8 @@ train(run_dir, 2, driver_logger=KilledOnceASnapshotIsOnDisk(), resume="auto")
 def test_a_job_killed_whole_resumes_from_its_snapshot_on_disk(undisturbed, tmp_path):
     """Driver and workers SIGKILLed mid-epoch, a checkpoint behind: the same call again resumes
     from the newest committed snapshot on disk, not the checkpoint, redoes at most two snapshot
-    intervals (the interval, and the write under way), and ends with the undisturbed weights."""
+    intervals (the interval, and the write under way: the writes' share is lifted, so each
+    committed snapshot is written once the one before is), and ends with the undisturbed weights."""
     run_dir, at = tmp_path / "run", STEPS + 3  # in epoch 2, after its checkpoint
     env = dict(os.environ, FABRIC_MODEL_SNAPSHOT_STEPS=str(SNAPSHOT_STEPS), FABRIC_MODEL_SNAPSHOT_SHARE="0")
     script = KILLED_JOB.format(repo=str(Path(__file__).resolve().parents[1]), run_dir=str(run_dir), at=at)

@@ -13,7 +13,9 @@ the job's frozen parameters (those the record's ``base`` names) are left out and
 each kept instead. A resume puts the job's values back and keeps the whole as the checkpoint
 of its unit (:func:`adopt_snapshot`), once the samples show they are the values it trained
 with. The writes run on a thread of their own, newest first: a snapshot offered while one is
-written replaces any that waits, so a slow disk skips snapshots rather than queueing them.
+written replaces any that waits, so a slow disk skips snapshots rather than queueing them, and
+the writes take at most :data:`WRITE_SHARE` of that thread's time (a large model's snapshots
+reach the disk less often than the memory).
 """
 
 from __future__ import annotations
@@ -53,6 +55,12 @@ def _same(tensor: Any, saved: Any) -> bool:
     return bool(shape == list(saved[0]) and sample.dtype == saved[1].dtype and torch.equal(sample, saved[1]))
 
 
+#: The most of a driver thread's time the writes take: a write of ``s`` seconds is followed by
+#: none for ``s / WRITE_SHARE - s`` (a 1 s write of a large model at most every 10 s; a small
+#: model's every snapshot).
+WRITE_SHARE = 0.1
+
+
 def _write_all(file: Any, data: bytes) -> None:
     file.write(data)
 
@@ -69,6 +77,8 @@ class DurableSnapshot:
         self._waiting: tuple[int, dict[str, Any]] | None = None
         self._busy = False
         self._closed = False
+        self._hurry = False  # flush(): the next write starts now, whatever WRITE_SHARE says
+        self._next_at = 0.0  # when the next write may start (WRITE_SHARE)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
 
@@ -87,8 +97,11 @@ class DurableSnapshot:
     def _write_loop(self) -> None:
         while True:
             with self._cond:
-                while self._waiting is None and not self._closed:
-                    self._cond.wait()
+                while not self._closed:
+                    wait = self._next_at - time.monotonic()
+                    if self._waiting is not None and (wait <= 0 or self._hurry):
+                        break
+                    self._cond.wait(wait if self._waiting is not None else None)
                 if self._waiting is None:
                     return
                 (unit, record), self._waiting = self._waiting, None
@@ -102,6 +115,7 @@ class DurableSnapshot:
                 log.warning("snapshot of unit %d not written to %s: %s", unit, self.path, exc)
             else:
                 seconds = time.monotonic() - began
+                self._next_at = began + seconds / WRITE_SHARE
                 self.written_unit, self.last = unit, (unit, len(data), seconds)
                 log.debug("snapshot of unit %d on disk: %d bytes in %.3f s", unit, len(data), seconds)
             finally:
@@ -125,8 +139,11 @@ class DurableSnapshot:
         """Wait (bounded) until the snapshot offered last is on disk."""
         deadline = time.monotonic() + timeout
         with self._cond:
+            self._hurry = True
+            self._cond.notify_all()
             while (self._waiting is not None or self._busy) and time.monotonic() < deadline:
                 self._cond.wait(max(0.0, deadline - time.monotonic()))
+            self._hurry = False
 
     def close(self, timeout: float) -> None:
         """Finish the write under way (bounded); no further one starts."""

@@ -106,7 +106,7 @@ def test_writes_take_at_most_their_share_and_a_flush_writes_the_newest_at_once(t
     writer.flush(10)
     writer.offer(4, record_of(model, 4))
     writer.offer(5, record_of(model, 5))
-    time.sleep(0.3)
+    time.sleep(0.1)
     assert writer.written_unit == 3  # waiting its turn; the newest replaced the one before
     writer.close(10)  # flushes: the newest goes now
     assert writer.written_unit == 5 and read_info(tmp_path / SNAPSHOT_NAME).unit == 5

@@ -271,3 +271,14 @@ def test_a_job_killed_whole_resumes_from_its_snapshot_on_disk(undisturbed, tmp_p
     assert 0 <= redone <= 2 * SNAPSHOT_STEPS, (killed_at, resumed)
     assert_equal_weights(state, undisturbed[1])
     assert not (run_dir / "checkpoints" / "snapshot.pt").exists()  # finished: the checkpoints hold the result
+    # The resumed epoch's average goes on from its steps before the snapshot, as if never stopped.
+    for epoch, expected in epoch_averages(undisturbed[0]).items():
+        got = epoch_averages(run_dir)[epoch]
+        assert got.keys() == expected.keys()
+        assert all(abs(got[k] - expected[k]) <= 1e-6 * abs(expected[k]) for k in expected), (epoch, got, expected)
+
+
+def epoch_averages(run_dir: Path) -> dict[int, dict[str, float]]:
+    """Each epoch's training averages as its last step's record gives them (a redone step's later record)."""
+    final = {(r["epoch"], r["step"]): r for r in records(run_dir, "train")}
+    return {e: final[(e, STEPS - 1)]["epoch_metrics"] for e in range(EPOCHS)}

@@ -11,7 +11,7 @@ import pytest
 from fabric_model.callbacks import Callback
 from fabric_model.context import WorkerContext
 from fabric_model.run.hooks import Hooks, OldStyleLogger
-from fabric_model.run.metrics_log import MetricsLog, read_records
+from fabric_model.run.metrics_log import MetricsLog, epoch_so_far, read_records
 from fabric_model.run.rundir import RunDirectory, atomic_write
 from fabric_model.step.plan import Plan, Schedule
 from fabric_model.testing import CheckpointFault, FailCollective, FaultInjector
@@ -122,6 +122,22 @@ def test_resumed_log_appends_after_cutting_a_partial_line_and_replays_the_latest
     assert len(lines) == 9 and all(json.loads(line) for line in lines)
     assert json.loads(lines[-1])["type"] == "resume"
     assert MetricsLog.replay(tmp_path / "absent.jsonl", SCHEDULE, 6) == ([], [])
+
+
+def test_a_resume_inside_an_epoch_gets_that_epoch_s_steps_before_it_the_latest_record_of_each(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    with MetricsLog(path) as log:
+        for step in range(5):
+            _train(log, 0, step, 1.0)
+        for step in range(4):
+            _train(log, 1, step, 2.0 + step)
+        _train(log, 1, 1, 7.0)  # redone after a failure: the later record
+    assert epoch_so_far(path, SCHEDULE, SCHEDULE.unit(1, 3)) == [
+        (1, 0, {"loss": 2.0}),
+        (1, 1, {"loss": 7.0}),
+        (1, 2, {"loss": 4.0}),
+    ]
+    assert epoch_so_far(path, SCHEDULE, SCHEDULE.unit(1, 0)) == []  # at an epoch's start: nothing before it
 
 
 # -- Hooks ---------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from ..errors import rebuild_exception
 from ..launchers.base import Launcher
 from ..launchers.local import LocalLauncher
 from ..profiling.received import ProfileInbox
+from ..run import metrics_log
 from ..run.hooks import Hooks
 from ..run.metrics_log import MetricsLog
 from ..run.rundir import RunDirectory
@@ -147,9 +148,10 @@ class Driver:
         self.setup, self.run_dir, self.hooks = setup, run_dir, hooks
         config, timeouts = setup.config, setup.config.timeouts
         self.schedule = Schedule(setup.plan, config.epochs, config.validation_freq, setup.has_test)
-        history = None
+        history, epoch_so_far = None, []
         if setup.resume is not None:  # the earlier attempts' record, before appending to it
             history = MetricsLog.replay(run_dir.metrics, self.schedule, setup.resume.unit)
+            epoch_so_far = metrics_log.epoch_so_far(run_dir.metrics, self.schedule, setup.resume.unit)
         self.metrics = MetricsLog(run_dir.metrics, append=setup.resume is not None)
         self.progress = Progress(setup.plan, self.schedule, setup.stat_names, self.metrics, hooks)
         self.checkpoints = CheckpointBook(
@@ -185,6 +187,7 @@ class Driver:
         self._held: RestorePoint | None = None  # the saved state a preempted run writes, when no member sent one
         if setup.resume is not None and history is not None:
             self.progress.start_at(setup.resume.unit, *history)
+            self.progress.resume_epoch(epoch_so_far)  # resumed inside an epoch: its average so far
         self._launcher_factory = launcher_factory or self._local_launcher
         self._hosts: dict[int, str] = {}  # worker id -> where it runs (its Hello, or the launcher's word)
         self._final: FinalState | None = None

@@ -82,6 +82,15 @@ class Progress:
         self.iteration = self.schedule.steps_before(unit)
         self.train_history, self.test_history = train_history, test_history
 
+    def resume_epoch(self, steps: list[tuple[int, int, dict[str, float]]]) -> None:
+        """A run resumed inside an epoch: the epoch's average goes on from its steps done before, their
+        sums rebuilt from their records (each step's means times its samples: the same to rounding)."""
+        for epoch, step, means in steps:
+            n = float(self.plan.step_samples(epoch, step))
+            sums = tuple(float(means.get(name, float("nan"))) * n for name in self.stat_names) + (n,)
+            self._stats[(epoch, step)] = sums
+            self._average.add(epoch, sums)
+
     def roll_back(self, unit: int) -> None:
         """No holder of the committed state was left and the run went back to ``unit``: the steps
         and validations from there on are un-committed; their replays' records supersede the

@@ -219,6 +219,17 @@ class MetricsLog:
         return train_history, test_history
 
 
+def epoch_so_far(path: Path, schedule: Schedule, unit: int) -> list[tuple[int, int, dict[str, float]]]:
+    """``(epoch, step, the step's metrics)`` of the steps of ``unit``'s epoch below ``unit``, in order
+    (of two records of a step, the later): what a run resumed inside an epoch goes on averaging from."""
+    epoch = unit // schedule.units_per_epoch
+    steps: dict[int, dict[str, float]] = {}
+    for r in read_records(path):
+        if r.get("type") == "train" and r["epoch"] == epoch and schedule.unit(epoch, r["step"]) < unit:
+            steps[r["step"]] = r["metrics"]
+    return [(epoch, step, metrics) for step, metrics in sorted(steps.items())]
+
+
 def read_records(path: Path) -> list[dict[str, Any]]:
     """Every complete record of the file (none if it does not exist); unreadable lines are skipped."""
     try:

@@ -14,6 +14,9 @@ from .load import scale
 # The elastic tests run more workers than this host has cores; the cap on CPU workers
 # (fabric_model/devices.py) is tested on its own, with this variable removed.
 os.environ.setdefault("FABRIC_MODEL_CPU_WORKERS", "16")
+# Workers of a driver killed without notice exit at once, as they did before they could wait for
+# it to come back: the tests of that wait (test_driver_restart.py) give theirs.
+os.environ.setdefault("FABRIC_MODEL_DRIVER_WAIT", "0")
 
 # Variables that pytest and torch set for themselves on first use.
 _OWN_VARIABLES = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_", "_TORCHINDUCTOR_")

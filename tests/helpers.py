@@ -10,7 +10,10 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import psutil
 
 import numpy as np
 import pytest
@@ -217,10 +220,34 @@ def run_killed_job(directory: Path, module: str, arguments: str, kill_at: int, t
         proc.wait(timeout=10)
 
 
+class KilledAt:
+    """A driver logger that SIGKILLs its own process (the driver) once step ``at`` is committed."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def log_train_metrics(self, metrics, iteration, epoch, workers) -> None:
+        if iteration == self.at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def run_script_and_its_tree(script: str, within: float, env: dict[str, str] | None = None) -> tuple[int, str]:
     """``python -c script`` to its end (killed after ``within`` seconds), then every process it
     started (a warm process, workers) waited for, killed if still there after 10 s, and asserted
     gone: ``(return code, output)``."""
+    import psutil
+
+    code, out, seen = run_script(script, within, env)
+    _, alive = psutil.wait_procs(seen, timeout=10)
+    for p in alive:
+        p.kill()
+    assert not alive, f"processes of the script still running: {[p.pid for p in alive]}"
+    return code, out
+
+
+def run_script(script: str, within: float, env: dict[str, str] | None = None) -> tuple[int, str, list[psutil.Process]]:
+    """``python -c script`` to its end (killed after ``within`` seconds): ``(return code, output,
+    every process it started)``, those left to the caller to wait for."""
     import time
 
     import psutil
@@ -237,8 +264,4 @@ def run_script_and_its_tree(script: str, within: float, env: dict[str, str] | No
     if proc.poll() is None:
         proc.kill()
     out = proc.communicate(timeout=10)[0].decode(errors="replace")
-    _, alive = psutil.wait_procs(list(seen.values()), timeout=10)
-    for p in alive:
-        p.kill()
-    assert not alive, f"processes of the script still running: {[p.pid for p in alive]}"
-    return proc.returncode, out
+    return proc.returncode, out, list(seen.values())

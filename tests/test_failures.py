@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from fabric_model import FabricModel
 from fabric_model.errors import RemoteTraceback
 
 from .helpers import fresh_model_and_optimizer, interruptible, make_data, run_script_and_its_tree
+from .load import scaled
 
 pytestmark = pytest.mark.processes
 
@@ -127,20 +129,27 @@ PRELUDES = {
 }
 
 
-def _start_driver(run_dir: Path, prelude: str) -> tuple[subprocess.Popen, list[psutil.Process]]:
-    """The driver script training, its warm process and workers: on any failure here, all ended and reaped."""
+def _start_driver(
+    run_dir: Path, prelude: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    """The driver script training (a step committed), its warm process and workers: on any
+    failure here, all ended and reaped."""
     blockers = run_dir.parent / "fork_blockers.json"
     script = DRIVER_SCRIPT.format(
         repo=str(REPO), run_dir=str(run_dir), prelude=PRELUDES[prelude], blockers=str(blockers)
     )
     # SIGINT as a terminal leaves it (the test sends it), whatever this process inherited.
     proc = subprocess.Popen(
-        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=interruptible
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        preexec_fn=interruptible,
+        env=dict(os.environ, **(env or {})),
     )
     try:
         metrics = run_dir / "logs" / "metrics.jsonl"
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (metrics.exists() and metrics.stat().st_size > 0):
+        while time.monotonic() < deadline and b'"type": "train"' not in _read(metrics):
             assert proc.poll() is None, proc.stdout.read().decode()
             time.sleep(0.1)
         assert metrics.exists(), "training did not start within 60 s"
@@ -160,6 +169,10 @@ def _start_driver(run_dir: Path, prelude: str) -> tuple[subprocess.Popen, list[p
         proc.communicate(timeout=10)
         raise
     return proc, processes
+
+
+def _read(path: Path) -> bytes:
+    return path.read_bytes() if path.exists() else b""
 
 
 def _assert_gone(workers: list[psutil.Process], within: float) -> None:
@@ -185,28 +198,45 @@ def test_ctrl_c_stops_everything(run_dir, prelude):
 
 
 @pytest.mark.parametrize("prelude", PRELUDES)
-def test_killed_driver_takes_its_workers_along(run_dir, prelude):
-    proc, workers = _start_driver(run_dir, prelude)
+def test_killed_driver_takes_its_workers_along_when_they_may_not_wait(run_dir, prelude):
+    """``FABRIC_MODEL_DRIVER_WAIT=0``: a driver SIGKILLed takes its warm process and workers along."""
+    proc, workers = _start_driver(run_dir, prelude, {"FABRIC_MODEL_DRIVER_WAIT": "0"})
     proc.kill()
     proc.communicate(timeout=10)  # reaped, its pipe read and closed
     _assert_gone(workers, within=10)
+
+
+@pytest.mark.parametrize("prelude", PRELUDES)
+def test_a_killed_driver_s_workers_wait_for_it_then_exit_leaving_nothing(run_dir, prelude):
+    """A driver SIGKILLed that never comes back: its workers hold the state and wait
+    ``FABRIC_MODEL_DRIVER_WAIT`` (3 s here) for a driver at its address, then exit, and the
+    warm process with them; no process is left, nor ``join.json`` (the job's secret)."""
+    wait = 3
+    proc, processes = _start_driver(run_dir, prelude, {"FABRIC_MODEL_DRIVER_WAIT": str(wait)})
+    proc.kill()
+    proc.communicate(timeout=10)
+    killed = time.monotonic()
+    time.sleep(1)
+    waiting = [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert waiting == processes, "the workers did not wait for their driver"
+    _assert_gone(processes, within=scaled(wait + 30))
+    assert time.monotonic() - killed >= wait  # not before the wait was over
+    assert not (run_dir / "join.json").exists()
+    for worker in (0, 1):
+        log = (run_dir / "logs" / f"worker-{worker}.log").read_text()
+        assert f"no driver came back within {wait} s (FABRIC_MODEL_DRIVER_WAIT)" in log, log[-2000:]
 
 
 KILLED_AT_SCRIPT = textwrap.dedent("""
     import os, signal, sys, torch, torch.nn.functional as F
     sys.path.insert(0, {repo!r})
     torch.set_num_threads(1)
-    from tests.helpers import fresh_model_and_optimizer, make_data
+    from tests.helpers import KilledAt, fresh_model_and_optimizer, make_data
     from fabric_model import FabricModel
-
-    class KilledAt:  # the driver's own logger: SIGKILL to its process once step {at} is committed
-        def log_train_metrics(self, metrics, iteration, epoch, workers):
-            if iteration == {at}:
-                os.kill(os.getpid(), signal.SIGKILL)
 
     model, opt = fresh_model_and_optimizer()
     data = make_data(400)
-    FabricModel(model, lambda: (data, None), F.cross_entropy, opt, driver_logger_callback=KilledAt()).train(
+    FabricModel(model, lambda: (data, None), F.cross_entropy, opt, driver_logger_callback=KilledAt({at})).train(
         50, 4, 2, run_dir={run_dir!r}
     )
 """)

@@ -59,6 +59,9 @@ MEMBERSHIP_MESSAGES = (p.LeftGeneration, p.Ready, p.WorkerFailed, p.ConnectionLo
 #: How long an ended process's connection may stay open (a child holding the socket, a host
 #: gone without a FIN) before the exit is acted on without reading what it sent last (seconds).
 EXIT_DRAIN = 1.0
+#: Seconds a restarted driver waits for the workers of its vanished predecessor before it goes
+#: on without those that did not come (they retry every 0.1 s: worker/reattach.py).
+REJOIN_WINDOW = 5.0
 #: Makes the launcher of a job from the control plane's address and the job's secret.
 LauncherFactory = Callable[[tuple[str, int], bytes], Launcher]
 
@@ -87,6 +90,8 @@ class DriverSetup:
         ray_actor: what each worker's Ray actor asks for ("1 CPU"); empty where workers are local processes.
         frozen: the job's frozen parameters, which uploads leave out and the driver fills in.
         startup: the start-up's phases so far (``train()``'s); the driver marks the rest and writes them.
+        rejoin: the address and secret in the ``join.json`` of a driver of this run that vanished:
+            its workers may wait there to be taken back (docs/elasticity.md, "A lost driver").
     """
 
     payload: bytes
@@ -107,6 +112,7 @@ class DriverSetup:
     ray_actor: str = ""
     frozen: FrozenBase = dataclasses.field(default_factory=lambda: FrozenBase({}, []))
     startup: StartUp = dataclasses.field(default_factory=StartUp)
+    rejoin: tuple[tuple[str, int], bytes] | None = None
 
 
 @dataclasses.dataclass
@@ -152,7 +158,7 @@ class Driver:
         if setup.resume is not None:  # the earlier attempts' record, before appending to it
             history = MetricsLog.replay(run_dir.metrics, self.schedule, setup.resume.unit)
             epoch_so_far = metrics_log.epoch_so_far(run_dir.metrics, self.schedule, setup.resume.unit)
-        self.metrics = MetricsLog(run_dir.metrics, append=setup.resume is not None)
+        self.metrics = MetricsLog(run_dir.metrics, append=setup.resume is not None or setup.rejoin is not None)
         self.progress = Progress(setup.plan, self.schedule, setup.stat_names, self.metrics, hooks)
         self.checkpoints = CheckpointBook(
             run_dir.checkpoints,
@@ -193,6 +199,7 @@ class Driver:
         self._final: FinalState | None = None
         self._ticked = 0.0  # when tick() last ran
         self._exits: dict[int, float] = {}  # ended processes whose last messages are awaited: since when
+        self._taken_back: set[int] = set()  # workers of a vanished driver of this run (not our processes)
         self._handlers: dict[type, Callable[[int, Any], None]] = {
             p.Hello: self._on_hello,
             p.Ready: self._on_ready,
@@ -224,13 +231,18 @@ class Driver:
 
     # -- the run ----------------------------------------------------------------------------
     def run(self) -> FinalState:
-        secret = secrets.token_bytes(32)
         # One chosen address for everything that listens (docs/architecture.md, "Processes"):
         # the rendezvous store is served on the control plane's port; workers are told a
         # routable address when the bind address is a wildcard.
         host = self.setup.bind_address
         self._store = StoreService()
-        self._server = ControlServer(secret, host=host, allocate_id=self.membership.allocate_id, store=self._store)
+        rejoin = self.setup.rejoin if self.setup.config.timeouts.driver_wait > 0 else None
+        server = self._listen(host, rejoin)
+        if server is None:  # the port is taken: its workers cannot reach this driver
+            rejoin, server = None, self._listen(host, None)
+        assert server is not None
+        self._server = server
+        secret = server.secret
         address = (advertised_address(host), self._server.address[1])
         config = self.setup.config
         timeouts = config.timeouts
@@ -240,10 +252,11 @@ class Driver:
         watch = self._watch = SignalWatch(config.preemption.signals, config.preemption.grace)
         try:
             watch.__enter__()  # the preemption signals are caught from here (docs/architecture.md, "Preemption")
-            self.checkpoints.prepare(self.setup.resume, self.progress.iteration)
+            held = self._take_back() if rejoin is not None else {}
+            self.checkpoints.prepare(self.setup.resume, self.progress.iteration, record=not held)
             self.durable.remove()  # an earlier run's, or one older than the state resumed from
             self.setup.startup.mark("run directory and driver")
-            self._execute(self.membership.start(time.monotonic()))
+            self._execute(self._rejoined(held) if held else self.membership.start(time.monotonic()))
             self.hooks.on_train_begin()
             while self._final is None:
                 self._next_event()
@@ -281,6 +294,92 @@ class Driver:
         assert self._final is not None
         return self._final
 
+    def _listen(self, host: str, rejoin: tuple[tuple[str, int], bytes] | None) -> ControlServer | None:
+        """The control server: where a vanished driver of this run listened, with its secret,
+        when its workers may wait there (None when that port is taken), else anywhere afresh."""
+        if rejoin is None:
+            secret, port = secrets.token_bytes(32), 0
+        else:
+            (_, port), secret = rejoin
+        try:
+            return ControlServer(
+                secret, host=host, port=port, allocate_id=self.membership.allocate_id, store=self._store
+            )
+        except OSError as exc:
+            if rejoin is None:
+                raise
+            log.warning(
+                "cannot listen on port %d, where the workers of this run's vanished driver would wait (%s): "
+                "starting new workers",
+                port,
+                exc,
+            )
+            return None
+
+    def _take_back(self) -> dict[int, p.Hello]:
+        """Workers of this run's vanished driver that waited for it, each with what it holds: they
+        reach this driver within a second of its listening (they try every 0.1 s); the wait ends
+        when every member of the run's last generation came, or after ``REJOIN_WINDOW`` seconds.
+        What else arrived meanwhile is handled afterwards, in order."""
+        _, expected = metrics_log.last_commit(self.run_dir.metrics, self.schedule)
+        deadline = time.monotonic() + REJOIN_WINDOW
+        came: dict[int, p.Hello] = {}
+        later: list[tuple[int, Any]] = []
+        while time.monotonic() < deadline and not (expected and set(expected) <= set(came)):
+            try:
+                worker_id, message = self._server.events.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if isinstance(message, p.Hello) and message.held is not None:
+                came[worker_id] = message
+            elif isinstance(message, p.ConnectionLost) and worker_id in came:
+                del came[worker_id]
+            else:
+                later.append((worker_id, message))
+        for event in later:
+            self._server.events.put(event)
+        return came
+
+    def _rejoined(self, came: dict[int, p.Hello]) -> list[Command]:
+        """Go on with the workers taken back (docs/elasticity.md, "A lost driver"): from the
+        vanished driver's last committed step, recording the steps whose reports it never
+        handled from what the workers kept, in a generation above theirs."""
+        path, schedule = self.run_dir.metrics, self.schedule
+        unit, _ = metrics_log.last_commit(path, schedule)
+        unit = max(unit, self.setup.resume.unit if self.setup.resume is not None else 0)
+        self.progress.restart_at(
+            unit, MetricsLog.replay(path, schedule, unit), metrics_log.epoch_so_far(path, schedule, unit)
+        )
+        reports = sorted(
+            (r for h in came.values() if h.held for r in h.held.reports if schedule.unit(r.epoch, r.step) >= unit),
+            key=lambda r: (schedule.unit(r.epoch, r.step), r.rank),
+        )
+        for report in reports:
+            self.progress.step_done(report)
+        slots: dict[int, int | None] = {}
+        free = list(range(len(self.setup.devices)))
+        for worker_id, hello in sorted(came.items()):
+            held = hello.held
+            assert held is not None
+            self._hosts[worker_id] = where(self._server.peer(worker_id), hello.host)
+            if held.finished is not None:
+                self.progress.finished(worker_id, held.finished)
+            slot = next((s for s in free if self.setup.devices[s] == held.device), None) if held.launched else None
+            if slot is not None:
+                free.remove(slot)
+            slots[worker_id] = slot
+            self._taken_back.add(worker_id)
+        log.warning(
+            "took back %d worker(s) of this run's vanished driver: %s; its last committed step was unit %d",
+            len(came),
+            ", ".join(f"{w} (pid {h.pid}, unit {h.held.next_unit})" for w, h in sorted(came.items()) if h.held),
+            unit - 1,
+        )
+        now = time.monotonic()
+        commands = self.membership.rejoined({w: h.held for w, h in came.items() if h.held}, slots, now)
+        taken = {s for s in slots.values() if s is not None}
+        return commands + self.membership.start(now, taken)
+
     def _tell_hand_started(self, exc: BaseException) -> None:
         """Workers started by hand learn how the job ended, rather than find the connection
         closed (exit 3, "lost the connection"): a Slurm allocation's tasks end with code 0."""
@@ -288,7 +387,8 @@ class Driver:
         if isinstance(exc, KeyboardInterrupt):
             how = "interrupted"
         for worker_id in self.membership.alive():
-            if self.membership.workers[worker_id].slot is None:
+            # Workers taken back from a vanished driver are not this driver's processes to kill either.
+            if self.membership.workers[worker_id].slot is None or worker_id in self._taken_back:
                 self._server.send(worker_id, p.Stop(ended=how))
 
     def _local_launcher(self, address: tuple[str, int], secret: bytes) -> Launcher:
@@ -378,6 +478,9 @@ class Driver:
             startup.worker("entering it", dict(message.phases))
 
     def _on_hello(self, worker_id: int, message: p.Hello) -> None:
+        if message.held is not None:  # a worker of the vanished driver, after the driver went on
+            self._late_back(worker_id, message.held)
+            return
         self.setup.startup.mark("process start")
         self._hosts[worker_id] = self._launcher.host(worker_id) or where(self._server.peer(worker_id), message.host)
         slot = self.membership.slot_of(worker_id)
@@ -385,6 +488,18 @@ class Driver:
         setup = self.setup
         spec = p.JobSpec(setup.payload, setup.config, setup.plan, device, setup.threads, setup.threads_fixed)
         self._server.send(worker_id, spec)
+
+    def _late_back(self, worker_id: int, held: p.Held) -> None:
+        """A worker of this run's vanished driver that came after the driver went on: it joins as
+        a newcomer does, taking the state from a member, when its own generations are behind the
+        next one's; else it is sent away (it exits)."""
+        if held.finished is None and held.generation < self.membership.generation:
+            log.warning("worker %d of the vanished driver came back late: it joins", worker_id)
+            self._taken_back.add(worker_id)
+            self._execute(self.membership.ready(worker_id, 1, time.monotonic()))
+        else:
+            self._server.fence(worker_id, "came back after the restarted driver went on without it")
+            self.membership.workers[worker_id].state = WorkerState.GONE
 
     def _on_step(self, worker_id: int, message: p.StepDone) -> None:
         if message.generation != self.membership.generation:

@@ -82,6 +82,21 @@ class Progress:
         self.iteration = self.schedule.steps_before(unit)
         self.train_history, self.test_history = train_history, test_history
 
+    def restart_at(
+        self,
+        unit: int,
+        history: tuple[list[dict[str, float]], list[dict[str, float]]],
+        epoch_steps: list[tuple[int, int, dict[str, float]]],
+    ) -> None:
+        """A restarted driver took back workers ahead of the state it resumed from: the position,
+        history and epoch so far of the vanished driver's last committed step instead."""
+        self._steps.clear()
+        self._early_evals.clear()
+        self._stats.clear()
+        self._average = EpochAverage(self.stat_names)
+        self.start_at(unit, *history)
+        self.resume_epoch(epoch_steps)
+
     def resume_epoch(self, steps: list[tuple[int, int, dict[str, float]]]) -> None:
         """A run resumed inside an epoch: the epoch's average goes on from its steps done before, their
         sums rebuilt from their records (each step's means times its samples: the same to rounding)."""

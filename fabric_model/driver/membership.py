@@ -22,7 +22,7 @@ import dataclasses
 import enum
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from ..errors import JobError
 from ..transport import protocol as p
@@ -127,13 +127,43 @@ class Membership:
         return [w for w, r in self.workers.items() if r.state in states]
 
     # -- events -----------------------------------------------------------------------------
-    def start(self, now: float) -> list[Command]:
-        """The job starts: one worker per local slot."""
+    def start(self, now: float, taken: Collection[int] = ()) -> list[Command]:
+        """The job starts: one worker per local slot (but the ``taken`` ones, whose workers came back
+        to a restarted driver: :meth:`rejoined`)."""
         self._started = now
         slots = self.limits.max_workers if self.limits.local_slots is None else self.limits.local_slots
-        for slot in range(slots):
-            self.workers[slot] = WorkerRecord(slot=slot, last_seen=now, placed=now)
-        return [Start(slot, slot) for slot in range(slots)]
+        free = [slot for slot in range(slots) if slot not in taken]
+        commands: list[Command] = []
+        for slot in free:
+            worker_id = slot if slot not in self.workers else self.allocate_id()
+            self.workers[worker_id] = WorkerRecord(slot=slot, last_seen=now, placed=now)
+            commands.append(Start(slot, worker_id))
+        return commands
+
+    def rejoined(self, held: dict[int, p.Held], slots: dict[int, int | None], now: float) -> list[Command]:
+        """A restarted driver took back the workers that waited for it (docs/elasticity.md, "A lost
+        driver"): ``held``, what each holds, and ``slots``, the local slot each launched one takes.
+        They form the next generation above every one they were in, resuming at the furthest unit
+        any holds, from a holder, as after any generation change; or, when they had finished
+        the schedule, the final state is asked for."""
+        self._started = now
+        for worker_id in held:
+            record = self.workers[worker_id] = WorkerRecord(slot=slots.get(worker_id), last_seen=now, placed=now)
+            record.state = WorkerState.MEMBER
+        with self._id_lock:
+            self._next_id = max(self._next_id, max(held) + 1)
+        self.generation = max(h.generation for h in held.values())
+        self.members = sorted(held)
+        reports = {w: h.next_unit for w, h in held.items()}
+        total = self.limits.total_units
+        if max(reports.values()) >= total:  # they finished: the final state is all that is left
+            self.members = [w for w in self.members if reports[w] >= total]
+            for worker_id in self.members:
+                self.workers[worker_id].state, self.workers[worker_id].done_unit = WorkerState.DONE, reports[worker_id]
+            self.finishing, self._finish_started = True, now
+            return [Settle(total, self.generation), *self._request_final()]
+        change = Change("the driver restarted", now)
+        return self._form_generation(change, reports)
 
     def seen(self, worker_id: int, now: float) -> bool:
         """Any message from ``worker_id`` arrived; False when it is gone (ignore the message).

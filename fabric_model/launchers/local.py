@@ -27,7 +27,7 @@ from typing import IO
 
 from ..setup.cluster import check_cluster
 from ..setup.devices import cuda_visible_for_workers
-from ..setup.settings import CUDA_VISIBLE, LAUNCHED, SECRET, WARM_START
+from ..setup.settings import CUDA_VISIBLE, JOIN_FILE, LAUNCHED, SECRET, WARM_START
 from .base import Launcher, module_command
 from .fork_safety import fork_blockers
 from .warm_client import ForkedWorker, WarmProcess
@@ -45,6 +45,10 @@ class LocalLauncher(Launcher):
         threads: intra-op threads per CPU worker (``OMP_NUM_THREADS``).
         warm: the job's warm process, which forks the workers; without one (or once it is
             gone), each worker is a fresh interpreter.
+        linger: how long its forked workers may outlive a driver that vanished, waiting for it
+            to come back (``FABRIC_MODEL_DRIVER_WAIT``; launchers/warm.py). A fresh
+            interpreter dies with the driver.
+        join_file: the run's ``join.json``, which a worker that waited in vain removes.
     """
 
     def __init__(
@@ -54,7 +58,10 @@ class LocalLauncher(Launcher):
         log_path: Callable[[int], Path],
         threads: int,
         warm: WarmProcess | None = None,
+        linger: float = 0.0,
+        join_file: Path | None = None,
     ) -> None:
+        self.linger, self.join_file = linger, join_file
         self.address = address
         self.secret = secret
         self.log_path = log_path
@@ -67,6 +74,8 @@ class LocalLauncher(Launcher):
         env = worker_environment(self.threads, self.address[0])
         env[SECRET.name] = self.secret.hex()
         env[LAUNCHED.name] = "1"
+        if self.join_file is not None:
+            env[JOIN_FILE.name] = str(self.join_file)
         return env
 
     def start(self, worker_id: int, device: str | None) -> None:
@@ -77,7 +86,7 @@ class LocalLauncher(Launcher):
             argv += ["--device", device]
         proc: subprocess.Popen[bytes] | ForkedWorker | None = None
         if self.warm is not None:
-            proc = self.warm.fork(worker_id, argv, self._environment(), path)
+            proc = self.warm.fork(worker_id, argv, self._environment(), path, self.linger)
         if proc is None:
             logfile = open(path, "ab")
             proc = subprocess.Popen(
@@ -206,7 +215,11 @@ def prestart_warm_process(framework: str) -> WarmProcess | None:
 
 
 def local_launcher_factory(
-    log_path: Callable[[int], Path], threads: int, warm: WarmProcess | None
+    log_path: Callable[[int], Path],
+    threads: int,
+    warm: WarmProcess | None,
+    linger: float = 0.0,
+    join_file: Path | None = None,
 ) -> Callable[[tuple[str, int], bytes], LocalLauncher]:
     """The driver's launcher factory (address, secret -> launcher) for local workers."""
-    return lambda address, secret: LocalLauncher(address, secret, log_path, threads, warm)
+    return lambda address, secret: LocalLauncher(address, secret, log_path, threads, warm, linger, join_file)

@@ -12,15 +12,19 @@ no TensorFlow; see docs/architecture.md, "Start-up".
 
 Protocol (JSON lines; the caller's side is :mod:`fabric_model.launchers.warm_client`):
 
-- on stdin: ``{"op": "start", "id", "argv", "env", "log", "cwd"}`` forks worker ``id``;
+- on stdin: ``{"op": "start", "id", "argv", "env", "log", "cwd", "linger"}`` forks worker ``id``;
   ``{"op": "signal", "id", "sig"}`` signals it; ``{"op": "log", "path"}`` appends what this
-  process has written so far to ``path`` and writes there from now on; end of input: every
-  worker is SIGKILLed and reaped, then the process exits.
+  process has written so far to ``path`` and writes there from now on; ``{"op": "end"}``, then
+  end of input: every worker is SIGKILLed and reaped, then the process exits.
 - on stdout: ``{"ev": "ready"}`` once imported, ``{"ev": "started", "id", "pid"}``,
   ``{"ev": "exited", "id", "code"}`` (a ``Popen.returncode``: ``-N`` for signal ``N``).
 
-It dies with the caller (``PR_SET_PDEATHSIG`` and the end of its stdin), and each worker dies
-with it (``PR_SET_PDEATHSIG`` again), so no process outlives the caller on any path.
+Each worker dies with it (``PR_SET_PDEATHSIG``). When the caller ends its input with ``end``,
+it kills them all and exits. When the caller vanishes instead (its input ends without ``end``,
+or ``PR_SET_PDEATHSIG`` sends SIGHUP: a driver SIGKILLed), it keeps its workers, which wait
+for a driver to come back (worker/reattach.py), reaps those that exit, and kills those still
+running after ``linger`` seconds (the job's ``FABRIC_MODEL_DRIVER_WAIT`` and a margin): no
+process outlives the caller by more than that.
 """
 
 from __future__ import annotations
@@ -54,12 +58,26 @@ def exit_code(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
+class CallerGone(Exception):
+    """The caller died (``PR_SET_PDEATHSIG``'s SIGHUP)."""
+
+
+def _caller_gone(signum: int, frame: Any) -> None:
+    raise CallerGone()
+
+
+#: Seconds the warm process keeps its workers beyond their own wait for a vanished driver.
+LINGER_MARGIN = 10.0
+
+
 class Server:
     """Reads requests, forks and signals workers, reports their exits."""
 
     def __init__(self, out: int) -> None:
         self.out = out  # the events' pipe (fd 1 itself carries stray output to the log)
         self.children: dict[int, int] = {}  # worker id -> pid, until reaped
+        self.linger = 0.0  # how long workers may outlive a vanished caller (the start requests say)
+        self.ended = False  # the caller said "end": it is done with every worker
         self._pending = b""
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -90,6 +108,7 @@ class Server:
 
     def handle(self, request: dict[str, Any]) -> None:
         if request["op"] == "start":
+            self.linger = max(self.linger, float(request.get("linger", 0.0)))
             pid = os.fork()
             if pid == 0:
                 code = 70
@@ -109,6 +128,21 @@ class Server:
                 os.kill(target, request["sig"])
         elif request["op"] == "log":
             move_log(request["path"])
+        elif request["op"] == "end":
+            self.ended = True
+
+    def outlive_caller(self) -> None:
+        """The caller vanished: keep the workers, which wait for a driver to come back, reaping
+        those that exit, for ``linger`` seconds at most; SIGHUP (the caller's death) no longer
+        concerns this process."""
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        deadline = time.monotonic() + self.linger + LINGER_MARGIN
+        while self.children and time.monotonic() < deadline:
+            for worker_id, pid in list(self.children.items()):
+                done, _ = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    del self.children[worker_id]
+            time.sleep(0.1)
 
     def reap(self) -> None:
         for worker_id, pid in list(self.children.items()):
@@ -179,7 +213,8 @@ def move_log(path: str) -> None:
 def serve(framework: str, before_ready: Callable[[int], None] = lambda out: None) -> int:
     """Import what workers need, say ready, serve requests until stdin ends; ``before_ready``
     gets the events' descriptor first."""
-    die_with_parent()
+    signal.signal(signal.SIGHUP, _caller_gone)
+    die_with_parent(signal.SIGHUP)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the caller decides
     # So may a preemption signal (Slurm signals every process of a job): dying of it here would
     # kill every worker (they die with this process) before the driver saves their state; each
@@ -195,8 +230,16 @@ def serve(framework: str, before_ready: Callable[[int], None] = lambda out: None
     server.send(ev="ready")
     try:
         server.serve()
+    except CallerGone:
+        pass
     finally:
-        server.kill_all()
+        try:
+            if not server.ended and server.linger > 0:
+                server.outlive_caller()
+        except CallerGone:
+            pass
+        finally:
+            server.kill_all()
     return 0
 
 

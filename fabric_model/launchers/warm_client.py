@@ -156,14 +156,25 @@ class WarmProcess:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.request(op="log", path=str(path))
 
-    def fork(self, worker_id: int, argv: list[str], env: dict[str, str], log_path: Path) -> ForkedWorker | None:
-        """Fork worker ``worker_id`` running ``fabric_model`` with ``argv``; None if the warm process is gone."""
+    def fork(
+        self, worker_id: int, argv: list[str], env: dict[str, str], log_path: Path, linger: float = 0.0
+    ) -> ForkedWorker | None:
+        """Fork worker ``worker_id`` running ``fabric_model`` with ``argv``; None if the warm process is
+        gone. ``linger``: how long the worker may outlive a vanished driver (launchers/warm.py)."""
         worker = ForkedWorker(self, worker_id)
         with self.changed:
             if not self.alive:
                 return None
             self._workers[worker_id] = worker
-        request = {"op": "start", "id": worker_id, "argv": argv, "env": env, "log": str(log_path), "cwd": os.getcwd()}
+        request = {
+            "op": "start",
+            "id": worker_id,
+            "argv": argv,
+            "env": env,
+            "log": str(log_path),
+            "cwd": os.getcwd(),
+            "linger": linger,
+        }
         if not self.request(**request):
             with self.changed:
                 self._workers.pop(worker_id, None)
@@ -209,6 +220,7 @@ class WarmProcess:
         if self.closed:
             return
         self.closed = True
+        self.request(op="end")  # done with every worker: none is kept for a driver to come back
         try:
             assert self.process.stdin is not None
             with self._write:

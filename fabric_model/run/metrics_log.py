@@ -230,6 +230,19 @@ def epoch_so_far(path: Path, schedule: Schedule, unit: int) -> list[tuple[int, i
     return [(epoch, step, metrics) for step, metrics in sorted(steps.items())]
 
 
+def last_commit(path: Path, schedule: Schedule) -> tuple[int, list[int]]:
+    """Where the run's record stops: the unit after its last committed step (every unit below
+    it was committed; 0 with none), and the members of its last generation (what a restarted
+    driver waits for: driver/driver.py, "take back")."""
+    unit, members = 0, []
+    for r in read_records(path):
+        if r.get("type") == "train":
+            unit = schedule.unit(r["epoch"], r["step"]) + 1  # in commit order: the last is the newest
+        elif r.get("type") == "generation":
+            members = list(r.get("members", []))
+    return unit, members
+
+
 def read_records(path: Path) -> list[dict[str, Any]]:
     """Every complete record of the file (none if it does not exist); unreadable lines are skipped."""
     try:

@@ -195,6 +195,16 @@ class RunDirectory:
     def remove_join_info(self) -> None:
         self.join_json.unlink(missing_ok=True)
 
+    def read_join_info(self) -> tuple[tuple[str, int], bytes] | None:
+        """The address and secret in ``join.json``, which only a driver that vanished leaves
+        behind (its workers may wait there); None where there is none or it is unreadable."""
+        try:
+            info = json.loads(self.join_json.read_text())
+            host, _, port = str(info["driver"]).rpartition(":")
+            return (host, int(port)), bytes.fromhex(str(info["secret"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], Any], *, mode: int = 0o666) -> Path:
     """Write ``path`` so that a reader sees the old file or the whole new one, never a part.

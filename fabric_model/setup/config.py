@@ -34,6 +34,8 @@ class Timeouts:
     recovery: float
     pull_failed_limit: int
     replace_workers: bool
+    #: How long workers wait for a vanished driver to come back (``FABRIC_MODEL_DRIVER_WAIT``).
+    driver_wait: float = 0.0
 
     @classmethod
     def from_environment(cls) -> Timeouts:
@@ -47,6 +49,7 @@ class Timeouts:
             recovery=settings.RECOVERY_TIMEOUT.get(),
             pull_failed_limit=settings.PULL_FAILED_LIMITS.get(),
             replace_workers=settings.REPLACE_WORKERS.get(),
+            driver_wait=settings.DRIVER_WAIT.get(),
         )
 
 

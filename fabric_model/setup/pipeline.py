@@ -138,8 +138,17 @@ def prepare(
         ray_actor=ray_cluster.actor_shape if ray_cluster is not None else "",
         frozen=frozen,
         startup=startup,
+        rejoin=_vanished_driver(run_dir) if choice.resume else None,
     )
     return setup, adapter, train_set, choice
+
+
+def _vanished_driver(run_dir: str | os.PathLike[str] | None) -> tuple[tuple[str, int], bytes] | None:
+    """Where the run's vanished driver listened, and its secret: ``join.json``, which a driver
+    removes at its end, so that only a driver killed without notice leaves it (its workers may
+    wait there: docs/elasticity.md, "A lost driver")."""
+    run = RunDirectory.named(run_dir)
+    return run.read_join_info() if run is not None else None
 
 
 def frozen_base(adapter: FrameworkAdapter, resumed: checkpoint.CheckpointInfo | None) -> FrozenBase:
@@ -196,7 +205,9 @@ def run_job(
         launcher = (
             ray_cluster.launcher_factory(run.worker_log)
             if ray_cluster
-            else local_launcher_factory(run.worker_log, setup.threads, warm)
+            else local_launcher_factory(
+                run.worker_log, setup.threads, warm, setup.config.timeouts.driver_wait, run.join_json
+            )
         )
 
         def start(hooks: Hooks) -> tuple[Driver, Any]:

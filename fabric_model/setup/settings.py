@@ -516,6 +516,17 @@ PULL_FAILED_LIMITS: Setting[int] = declare(
         "Failed pulls after which a joining worker gives up (the job goes on without it).",
     )
 )
+DRIVER_WAIT: Setting[float] = declare(
+    Setting(
+        "FABRIC_MODEL_DRIVER_WAIT",
+        180.0,
+        _seconds_or_zero,
+        "a number of seconds, 0 or more",
+        "Seconds a worker holding the training state waits for a driver that vanished without stopping it "
+        "(SIGKILL, its host lost) to come back at the same address (`0`: it exits at once): the same command "
+        'with `resume="auto"` takes the workers back (docs/elasticity.md, "A lost driver").',
+    )
+)
 REPLACE_WORKERS: Setting[bool] = declare(
     Setting(
         "EDT_REPLACE_WORKERS",
@@ -635,7 +646,19 @@ LAUNCHED: Setting[bool] = declare(
         False,
         _flag,
         _FLAG,
-        "Set by the launchers: the worker dies with its parent and leaves Ctrl-C to the driver.",
+        "Set by the launchers: the worker dies with its parent (a warm process keeps its workers for a "
+        "vanished driver) and leaves Ctrl-C to the driver.",
+        internal=True,
+    )
+)
+JOIN_FILE: Setting[str | None] = declare(
+    Setting(
+        "_FABRIC_MODEL_JOIN_FILE",
+        None,
+        _text,
+        "a path",
+        "Set by the local launcher: the run's `join.json`, which a worker that waited in vain for its "
+        "vanished driver removes (it holds the job's secret).",
         internal=True,
     )
 )

@@ -302,6 +302,9 @@ def choose_resume(resume: bool | str, run_dir: str | os.PathLike[str] | None) ->
     if end is not None and end["state"] == "finished":
         return ResumeChoice(False, f'resume="auto": the run in {run.path} finished; starting afresh')
     info = newest_resume_state(run.checkpoints)
+    if info is None and end is None and run.read_join_info() is not None:
+        # Its driver vanished before any checkpoint: its workers may wait to be taken back.
+        return ResumeChoice(True, f'resume="auto": the driver of the run in {run.path} vanished; going on with it')
     if info is None:
         what = "no checkpoint to resume from" if run.path.exists() else "no run"
         return ResumeChoice(False, f'resume="auto": {run.path} holds {what}; starting afresh')

@@ -74,8 +74,10 @@ class CheckpointBook:
         self._writing = 0  # checkpoints handed to the writer and not yet written
         self._writing_lock = threading.Lock()
 
-    def prepare(self, resumed: checkpoint.CheckpointInfo | None, iteration: int) -> None:
-        """A fresh run starts with no checkpoint; a resumed one keeps those up to its own."""
+    def prepare(self, resumed: checkpoint.CheckpointInfo | None, iteration: int, record: bool = True) -> None:
+        """A fresh run starts with no checkpoint; a resumed one keeps those up to its own.
+        ``record``: say the resume in the metrics and the log (not when workers that were taken
+        back go on from a later state)."""
         checkpoint.remove_temp_files(self.directory)  # no writer of this run has started yet
         if resumed is None:
             old = checkpoint.list_checkpoints(self.directory)
@@ -88,6 +90,8 @@ class CheckpointBook:
         self.by_unit = dict(checkpoint.list_checkpoints(self.directory))
         self.by_unit[resumed.unit] = resumed.path
         self.accepted = resumed.unit
+        if not record:
+            return
         self.metrics.resume(
             checkpoint=resumed.path.name, resume_unit=resumed.unit, epoch=resumed.epoch, iteration=iteration
         )

@@ -127,9 +127,31 @@ class Channel:
         self.close()
 
 
-def connect(address: tuple[str, int], secret: bytes) -> Channel:
-    """A worker's connection to the driver at ``address``, authenticated with ``secret``."""
-    return Channel(Client(address, family="AF_INET", authkey=secret))
+def connect(
+    address: tuple[str, int], secret: bytes, timeout: float | None = None, kind: type[Channel] = Channel
+) -> Channel:
+    """A worker's connection to the driver at ``address``, authenticated with ``secret``.
+
+    ``timeout``: seconds for the connection and the handshake both (a peer at the address that
+    accepts and then stays silent would otherwise hold the caller for ever); None: no bound.
+    Raises ``OSError``/``EOFError``, or ``AuthenticationError`` when the peer does not hold
+    ``secret`` (nothing it sent has been unpickled then)."""
+    if timeout is None:
+        return kind(Client(address, family="AF_INET", authkey=secret))
+    sock = socket.create_connection(address, timeout=timeout)
+    sock.settimeout(None)  # the Connection reads blocking; the timer below bounds the handshake
+    conn = Connection(sock.detach())
+    timer = threading.Timer(timeout, _shut_down, args=(conn,))
+    timer.start()
+    try:
+        answer_challenge(conn, secret)
+        deliver_challenge(conn, secret)
+    except BaseException:
+        conn.close()
+        raise
+    finally:
+        timer.cancel()
+    return kind(conn)
 
 
 class StoreHandler(Protocol):
@@ -177,6 +199,11 @@ class ControlServer:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._accept_loop, name="fabric-accept", daemon=True)
         self._thread.start()
+
+    @property
+    def secret(self) -> bytes:
+        """The job's secret, which every connection proves it holds."""
+        return self._secret
 
     @property
     def address(self) -> tuple[str, int]:

@@ -40,11 +40,32 @@ from typing import Any
 # -- worker -> driver -----------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Hello:
-    """The first message on a connection. ``worker_id`` None asks the driver to assign one."""
+    """The first message on a connection. ``worker_id`` None asks the driver to assign one.
+    ``held``: a worker whose driver vanished comes back to its successor holding this."""
 
     worker_id: int | None
     pid: int
     host: str
+    held: Held | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """What a worker whose driver vanished holds when it reaches the restarted driver
+    (docs/elasticity.md, "A lost driver").
+
+    ``generation``: the last it entered; ``next_unit``: every unit below it is done in its state;
+    ``finished``: it ran the schedule to its end and waits to hand over the final state, having
+    sent ``finished_report`` (its :class:`Finished`); ``launched``: a launcher started it on the
+    driver's host (it takes a local slot, of its ``device``); ``reports``: its latest step reports,
+    whose records the vanished driver may not have written."""
+
+    generation: int
+    next_unit: int
+    launched: bool
+    device: str | None = None
+    finished: Finished | None = None
+    reports: tuple[StepDone, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

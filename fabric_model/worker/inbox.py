@@ -1,7 +1,8 @@
 """The worker's side of the control channel: a reader thread and a heartbeat thread.
 
-The worker must not outlive its driver: when the control connection drops there is nobody to
-report to and nothing to train for, so the process exits at once. Two driver messages are
+When the control connection drops without a :class:`~fabric_model.transport.protocol.Stop`, a
+worker that holds the training state gives up its generation and waits, bounded, for the
+driver to come back (worker/reattach.py); any other exits at once. Two driver messages are
 not queued but recorded as flags the training loop polls: :class:`~fabric_model.transport.protocol.JoinPending`
 (read at step boundaries, voted on inside the step's allreduce) and
 :class:`~fabric_model.transport.protocol.Abort` (checked between micro-batches and between the wait
@@ -20,6 +21,7 @@ from typing import Any, TypeVar
 
 from ..transport import protocol as p
 from ..transport.control import Channel
+from .reattach import DriverWait, LossyChannel
 
 M = TypeVar("M")
 
@@ -29,6 +31,10 @@ REFUSED_EXIT, LOST_EXIT = 4, 3
 #: A step report goes out at once when the channel sent nothing for this long (seconds), else
 #: with the next frame: the driver is woken once per ~25 ms of fast steps, not once a step.
 REPORT_WITHIN = 0.025
+#: Above any generation: while the driver is away, every collective gives up.
+ABORT_ALL = 1 << 62
+#: ``expect`` waits in slices this long (seconds), to see whether the driver went away meanwhile.
+EXPECT_SLICE = 0.5
 
 
 class TrainingHalted(Exception):
@@ -60,40 +66,83 @@ def _exit(code: int, reason: str) -> None:
 
 
 class Inbox:
-    """Reads the driver's messages on a thread; a closed link or :class:`~fabric_model.transport.protocol.Stop`
-    ends the process."""
+    """Reads the driver's messages on a thread; :class:`~fabric_model.transport.protocol.Stop`
+    ends the process, and so does a closed link unless :attr:`driver_wait` takes the worker to
+    a driver that comes back."""
 
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
         self._messages: queue.Queue[Any] = queue.Queue()
         self.pending_generation = -1  # written by the reader thread only
         self.abort_generation = -1  # likewise: collectives of this generation and older give up
+        #: Set once the job has arrived: how to wait for a vanished driver (worker/reattach.py).
+        self.driver_wait: DriverWait | None = None
+        self.away = threading.Event()  # the driver vanished and has not come back yet
+        self.parked = threading.Event()  # the training thread waits in expect()
         threading.Thread(target=self._run, name="fabric-inbox", daemon=True).start()
 
     def _run(self) -> None:
-        try:
-            while True:
-                message = self.channel.recv()
-                if isinstance(message, p.Stop):
-                    ended = f"the job ended ({message.ended}); nothing left to train for" if message.ended else ""
-                    _exit(REFUSED_EXIT if message.reason else 0, message.reason or ended)
-                elif isinstance(message, p.JoinPending):
-                    self.pending_generation = max(self.pending_generation, message.generation)
-                elif isinstance(message, p.Abort):
-                    self.abort_generation = max(self.abort_generation, message.generation)
-                else:
-                    self._messages.put(message)
-        except (EOFError, OSError) as exc:
-            _exit(LOST_EXIT, f"lost the connection to the driver ({type(exc).__name__}); nothing left to train for")
+        while True:
+            try:
+                while True:
+                    message = self.channel.recv()
+                    if isinstance(message, p.Stop):
+                        ended = f"the job ended ({message.ended}); nothing left to train for" if message.ended else ""
+                        _exit(REFUSED_EXIT if message.reason else 0, message.reason or ended)
+                    elif isinstance(message, p.JoinPending):
+                        self.pending_generation = max(self.pending_generation, message.generation)
+                    elif isinstance(message, p.Abort):
+                        self.abort_generation = max(self.abort_generation, message.generation)
+                    else:
+                        self._messages.put(message)
+            except (EOFError, OSError) as exc:
+                if not self._wait_for_driver():
+                    why = type(exc).__name__
+                    _exit(LOST_EXIT, f"lost the connection to the driver ({why}); nothing left to train for")
+
+    def _wait_for_driver(self) -> bool:
+        """The driver vanished: give up the generation and wait for it (worker/reattach.py);
+        whether it came back."""
+        wait, channel = self.driver_wait, self.channel
+        if wait is None or wait.wait <= 0 or not isinstance(channel, LossyChannel):
+            return False
+        self.away.set()
+        self.abort_generation = ABORT_ALL  # every collective gives up: the step under way is undone
+        channel.detach()
+        while True:  # what the vanished driver sent and nobody read is void
+            try:
+                self._messages.get_nowait()
+            except queue.Empty:
+                break
+        held = wait(channel, self.parked)
+        if held is None:
+            return False
+        # The generations it was in stay given up; the new driver's next one is above them.
+        self.pending_generation, self.abort_generation = held.generation, held.generation
+        self.away.clear()
+        return True
 
     def expect(self, kind: type[M], timeout: float) -> M:
-        """The driver's next queued message, which must be a ``kind``; ``TimeoutError`` after ``timeout`` s.
-        A :class:`~fabric_model.transport.protocol.SendFinalState` where another message was
+        """The driver's next queued message, which must be a ``kind``; ``TimeoutError`` after
+        ``timeout`` s, not counting time the driver was away. A
+        :class:`~fabric_model.transport.protocol.SendFinalState` where another message was
         expected raises :class:`TrainingHalted`."""
+        deadline = time.monotonic() + timeout
+        self.parked.set()
         try:
-            message = self._messages.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"no {kind.__name__} message from the driver within {timeout:.0f} s") from None
+            while True:
+                try:
+                    message = self._messages.get(timeout=min(EXPECT_SLICE, max(0.0, deadline - time.monotonic())))
+                    break
+                except queue.Empty:
+                    if self.away.is_set():
+                        deadline += EXPECT_SLICE  # waiting for the driver to come back is no timeout
+                    elif time.monotonic() >= deadline:
+                        raise TimeoutError(
+                            f"no {kind.__name__} message from the driver within {timeout:.0f} s"
+                        ) from None
+        finally:
+            self.parked.clear()
         if isinstance(message, p.SendFinalState) and kind is not p.SendFinalState:
             raise TrainingHalted()
         if not isinstance(message, kind):

@@ -16,6 +16,7 @@ agreed unit with that step's micro-batches re-divided among the new members.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterator
@@ -63,6 +64,11 @@ from .notice import LeaveNotice
 log = logging.getLogger(__name__)
 
 
+#: Step reports a worker keeps for a driver that comes back (at most this many steps uncommitted
+#: when the driver vanished are recorded from them; older ones are committed with inferred shares).
+REPORTS_KEPT = 1024
+
+
 class WorkerLeft(Exception):
     """This worker left the job after a step, told to by a preemption signal (worker/notice.py)."""
 
@@ -106,7 +112,11 @@ class TrainingLoop:
         self.recovery_timeout = config.timeouts.recovery
         self.schedule = Schedule(plan, config.epochs, config.validation_freq, self.test_set is not None)
         self.next_unit = 0
+        self.entered_once = False  # it entered a generation: its state is the run's (worker/reattach.py)
         self.iterations = 0  # steps this worker took part in
+        # Its latest step reports: a driver that comes back after vanishing records those the
+        # vanished one did not (docs/elasticity.md, "A lost driver").
+        self.sent_reports: collections.deque[p.StepDone] = collections.deque(maxlen=REPORTS_KEPT)
         self._seeds = MicroBatchSeeds(plan)  # micro_batch_seed, a block of steps at a time
         self.hooks = job.hooks
         # The scheduler, the epoch's sums and the callbacks' state: they travel with the optimizer state.
@@ -202,6 +212,7 @@ class TrainingLoop:
                 optimizer = self.loop_state.unpack(state["optimizer"])
                 self.adapter.load_sent_state(state["model"], optimizer, omitted=state.get("omitted", ()))
         self.next_unit = generation.resume_unit
+        self.entered_once = True
         # What entering took, for the run's start-up record (run/startup.py).
         self.entered_in = {"group formed": formed - started, "state loaded or pulled": time.monotonic() - formed}
         log.info(
@@ -392,6 +403,7 @@ class TrainingLoop:
         return switch
 
     def _report(self, report: p.StepDone) -> None:
+        self.sent_reports.append(report)
         if self.collective.world_size == 1:
             # A lone worker's fast steps share frames (docs/architecture.md, "What a step costs
             # beyond the math"). Held reports go out before any state this worker uploads, so

@@ -29,6 +29,7 @@ from ..setup.job import Job
 from ..setup.settings import (
     GLOO_SOCKET_IFNAME,
     HEARTBEAT_TIMEOUT,
+    JOIN_FILE,
     LAUNCHED,
     PREEMPT_GRACE,
     PREEMPT_SIGNALS,
@@ -50,8 +51,28 @@ from .job_loading import HostUnfit, fit_device, load_job
 from .loop import TrainingLoop, WorkerLeft
 from .native import die_with_parent
 from .notice import LeaveNotice
+from .reattach import DriverWait, LossyChannel
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Stage:
+    """How far this worker's life got, for what it tells a driver that comes back (worker/reattach.py)."""
+
+    loop: TrainingLoop | None = None
+    finished: p.Finished | None = None  # sent at the schedule's end
+    handed_over: bool = False  # the final state went to the driver: nothing left to keep
+    device: str | None = None  # where it trains (a restarted driver gives it the slot of that device)
+
+    def held(self) -> p.Held | None:
+        """What this worker holds; None before it entered a generation or once it handed over."""
+        loop = self.loop
+        if loop is None or self.handed_over or not loop.entered_once:
+            return None
+        generation = loop.collective.generation
+        launched = LAUNCHED.get()
+        return p.Held(generation, loop.next_unit, launched, self.device, self.finished, tuple(loop.sent_reports))
 
 
 def _join(
@@ -121,18 +142,19 @@ def _train(
     inbox: Inbox,
     channel: Channel,
     store: RemoteStore,
-    position: list[TrainingLoop],
+    stage: Stage,
     notice: LeaveNotice,
     own_threads: Callable[[], int] | None = None,
 ) -> Collective | None:
     """Set up, join, train to the schedule's end, report and hand over the final state on request.
-    ``position`` gets the loop, whose ``next_unit`` a failure reports. ``own_threads``: a
+    ``stage`` gets the loop, whose ``next_unit`` a failure reports. ``own_threads``: a
     hand-started worker's own thread count (its host's share), unless the run fixes them."""
     threads = spec.threads if own_threads is None or spec.threads_fixed else own_threads()
     source = "the run's" if own_threads is None or spec.threads_fixed else "this host's share"
     log.info("%d intra-op threads (%s)", threads, source)
     phases: dict[str, float] = {}  # the set-up's parts, for the run's start-up record (run/startup.py)
     job, context, device = _set_up(spec, payload, worker_id, device, inbox, threads, phases)
+    stage.device = device
     config, plan = spec.config, spec.plan
     timeouts: Timeouts = config.timeouts
     began = time.monotonic()
@@ -153,7 +175,7 @@ def _train(
     )
     resize = None if own_threads is None or spec.threads_fixed else own_threads
     loop = TrainingLoop(job, config, plan, channel, inbox, collective, datasets, context, notice, threads, resize)
-    position.append(loop)
+    stage.loop = loop
     if not _join(loop, inbox, channel, timeouts, phases):
         return collective
     if config.keep_freed_memory:  # what set-up and the pull freed, not the steps' memory
@@ -171,9 +193,11 @@ def _train(
         state = {"model": model_state, "optimizer": optimizer_state}
         if omitted:  # the job's frozen parameters: their fingerprints compare them, the digest names them
             state["frozen"] = omitted
-        channel.send(p.Finished(state_digest(state), loop.next_unit, loop.fingerprint()))
+        stage.finished = p.Finished(state_digest(state), loop.next_unit, loop.fingerprint())
+        channel.send(stage.finished)
         collective.shutdown()
         inbox.expect(p.SendFinalState, timeouts.recovery)
+    stage.handed_over = True
     channel.send(p.FinalState(model_state, optimizer_state, loop.next_unit, tuple(omitted)))
     inbox.expect(p.Stop, timeouts.stop)  # the inbox exits the process on Stop
     return collective
@@ -204,7 +228,7 @@ def run(
 ) -> int:
     """The whole life of a worker; returns the process exit code."""
     try:
-        channel = control.connect(address, secret)
+        channel = control.connect(address, secret, kind=LossyChannel)
     except (OSError, EOFError, AuthenticationError) as exc:
         why = "it refused the secret" if isinstance(exc, AuthenticationError) else f"{type(exc).__name__}: {exc}"
         sys.stderr.write(f"fabric_model worker: cannot join the driver at {address[0]}:{address[1]}: {why}\n")
@@ -214,7 +238,7 @@ def run(
     # Until the job brings the driver's bounds, this worker's own environment sets them.
     heartbeat = Heartbeat(channel, heartbeat_interval(HEARTBEAT_TIMEOUT.get()))
     collective: Collective | None = None
-    position: list[TrainingLoop] = []
+    stage = Stage()
     try:
         start = START_TIMEOUT.get()
         if worker_id is None:
@@ -227,13 +251,17 @@ def run(
         notice.install(spec.config.preemption.signals, spec.config.preemption.grace)  # the driver's, as the bounds
         # The store shares the control plane's address and secret (docs/architecture.md, "Processes").
         store = RemoteStore(address, secret, worker_id, timedelta(seconds=spec.config.timeouts.collective))
-        collective = _train(spec, payload, worker_id, device, inbox, channel, store, position, notice, own_threads)
+        # A driver that vanishes is waited for while this worker holds the state (worker/reattach.py).
+        wait = spec.config.timeouts.driver_wait
+        inbox.driver_wait = DriverWait(address, secret, worker_id, wait, stage.held, [store.reopen], JOIN_FILE.get())
+        collective = _train(spec, payload, worker_id, device, inbox, channel, store, stage, notice, own_threads)
         return 0
     except WorkerLeft as exc:  # told to leave: it left after a step, as its generation voted
-        sys.stderr.write(f"fabric_model worker: exiting (0): {exc} after unit {position[0].next_unit}\n")
+        unit = stage.loop.next_unit if stage.loop is not None else -1
+        sys.stderr.write(f"fabric_model worker: exiting (0): {exc} after unit {unit}\n")
         return 0
     except BaseException as exc:  # report everything, KeyboardInterrupt included, then exit
-        _report_failure(channel, exc, position[0].next_unit if position else -1)
+        _report_failure(channel, exc, stage.loop.next_unit if stage.loop is not None else -1)
         return 1
     finally:
         if collective is not None:

@@ -27,11 +27,12 @@ def libc() -> ctypes.CDLL | None:
         return None
 
 
-def die_with_parent() -> None:
-    """SIGKILL this process when its parent dies (Linux); exit at once if it already has."""
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Send this process ``sig`` (SIGKILL: it dies) when its parent dies (Linux); exit at once
+    if it already has."""
     parent = os.getppid()
     library = libc()
     if library is not None:
-        library.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        library.prctl(_PR_SET_PDEATHSIG, int(sig))
     if os.getppid() != parent or parent == 1:  # it died before prctl took effect
         os._exit(1)

@@ -42,14 +42,27 @@ class RemoteStore(dist.Store):
     def __init__(self, address: tuple[str, int], secret: bytes, worker_id: int, timeout: timedelta) -> None:
         super().__init__()
         self.set_timeout(timeout)
-        self._channel = control.connect(address, secret)
-        self._channel.send(p.StoreOpen(worker_id))
+        self._address, self._secret, self._worker_id = address, secret, worker_id
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
         self._next_id = 0
         self._closed: str | None = None
-        self._reader = threading.Thread(target=self._read, name="fabric-store", daemon=True)
+        self._open()
+
+    def _open(self) -> None:
+        self._channel = control.connect(self._address, self._secret, timeout=control.HANDSHAKE_TIMEOUT)
+        self._channel.send(p.StoreOpen(self._worker_id))
+        self._reader = threading.Thread(target=self._read, args=(self._channel,), name="fabric-store", daemon=True)
         self._reader.start()
+
+    def reopen(self) -> None:
+        """Connect again, to a driver that came back at the same address (worker/reattach.py):
+        calls made while it was away failed; later ones go to it."""
+        self._channel.shutdown()
+        self._reader.join(timeout=2.0)
+        self._open()
+        with self._lock:
+            self._closed = None
 
     # -- the Store interface ------------------------------------------------------------------
     def set(self, key: str, value: bytes | str) -> None:
@@ -134,12 +147,12 @@ class RemoteStore(dist.Store):
         except OSError:
             pass
 
-    def _read(self) -> None:
-        """The reader thread: every reply to its caller; on close, every caller fails."""
+    def _read(self, channel: control.Channel) -> None:
+        """The reader thread of ``channel``: every reply to its caller; on close, every caller fails."""
         reason = "closed"
         try:
             while True:
-                code, request, fields = decode(self._channel.recv_bytes())
+                code, request, fields = decode(channel.recv_bytes())
                 with self._lock:
                     pending = self._pending.pop(request, None)
                 if pending is not None:  # else: a reply to a request that timed out

@@ -13,6 +13,10 @@ runs it (examples/clusters/slurm.sh): ``train(..., resume="auto")``, on the addr
 ready to train) while ``FILE`` exists: a recipe uses it to have workers started by hand connect
 before the first generation forms, so that generation takes them in (``FM_RECIPE_JOIN=first``).
 
+``python -m tests.multihost_job RUN_DIR BIND_ADDRESS PACE_FLAG OUT auto`` is the first form with
+``resume="auto"``: run again after its driver was killed, it takes back the workers that wait
+for it (examples/clusters/hand_started.sh).
+
 ``python -m tests.multihost_job RUN_DIR - PACE_FLAG OUT ray`` trains on 2 engines with
 ``cluster="ray"`` on the cluster of ``RAY_ADDRESS`` (tests/test_multihost_ray.py): it waits
 for two nodes with CPUs first, and the driver listens on the node IP Ray reports.
@@ -126,6 +130,8 @@ if __name__ == "__main__":
             ray.shutdown()
     elif sys.argv[5:] == ["resume"]:
         model, result = train(run_dir, None, flag, resume="auto")
+    elif sys.argv[5:] == ["auto"]:  # on BIND_ADDRESS, as run again after its driver was killed
+        model, result = train(run_dir, bind, flag, resume="auto")
     else:
         model, result = train(run_dir, bind, flag)
     torch.save({"state": model.state_dict(), "digests": result.replica_digests}, out)

@@ -448,3 +448,34 @@ def test_the_end_asks_one_finished_replica_for_the_final_state_and_another_if_it
     m.seen(1, late)  # alive, but its final state never comes
     with pytest.raises(JobError, match="no final state from worker 1"):
         m.tick(late)
+
+
+# -- a restarted driver takes back its vanished predecessor's workers (docs/elasticity.md, "A lost driver")
+def test_workers_taken_back_form_a_generation_above_theirs_from_the_furthest_holder():
+    m = machine(3)
+    held = {0: p.Held(4, 37, launched=True), 6: p.Held(4, 38, launched=False)}
+    commands = m.rejoined(held, {0: 0, 6: None}, 0.0)
+    record = formed(commands)
+    assert (record.generation, record.members, record.resume_unit, record.reason) == (
+        5,
+        (0, 6),
+        38,
+        "the driver restarted",
+    )
+    assert Settle(38, 4) in commands  # steps below 38 completed in generation 4's allreduce
+    entered = sent(commands, p.EnterGeneration)
+    assert {w: (g.generation, g.rank, g.resume_unit, g.source_rank) for w, g in entered.items()} == {
+        0: (5, 0, 38, 1),  # worker 6 (rank 1) holds unit 38 and hands it to worker 0
+        6: (5, 1, 38, 1),
+    }
+    # The free local slots are started afresh, under ids that are nobody's yet; they join by the vote.
+    assert m.start(0.0, taken={0}) == [Start(1, 1), Start(2, 2)]
+    assert m.allocate_id() == 7  # above every id taken back
+
+
+def test_workers_taken_back_after_the_schedule_hand_over_the_final_state():
+    m = machine(2)
+    done = p.Finished("digest", 100)
+    commands = m.rejoined({0: p.Held(2, 100, True, finished=done), 1: p.Held(2, 100, True, finished=done)}, {}, 0.0)
+    assert not [c for c in commands if isinstance(c, Formed)]
+    assert list(sent(commands, p.SendFinalState)) == [0] and m.finishing

@@ -56,20 +56,25 @@ def test_workers_started_by_hand_survive_a_crash_a_partition_and_rejoin(tmp_path
     lines = run_recipe("hand_started.sh", tmp_path / "work", f"fmr{os.getpid() % 10000}", "10.233.0", 300.0, join)
     assert re.fullmatch(r"\[fabric-model\] done: 80 steps, every sample once an epoch, 2 replicas agree", lines[-2])
     reasons = [line.strip() for line in lines if line.startswith("           ")]
-    # B's first worker (3) was in the first generation, or joined A's: then a crash, a join, a partition, a join.
+    # B's first worker (3) was in the first generation, or joined A's: then a crash, a join, a
+    # partition, a join, and the driver killed and run again, which takes both workers back.
     first = ["start"] if join == "first" else ["start", "worker 3 joins"]
     assert reasons[: len(first)] == first, reasons
     rest = reasons[len(first) :]
-    assert len(rest) == 4 and "worker 3 lost" in rest[0] and rest[1] == "worker 4 joins", reasons
+    assert len(rest) == 5 and "worker 3 lost" in rest[0] and rest[1] == "worker 4 joins", reasons
     assert "worker 4 lost" in rest[2] and "EDT_HEARTBEAT_TIME_OUT" in rest[2] and rest[3] == "worker 5 joins", reasons
+    assert rest[4] == "the driver restarted", reasons
     generations = [line for line in lines if re.match(r"\+\s*[\d.]+ s gen \d+: ", line)]
     assert "2 on 10.233.0.1, 10.233.0.2" in generations[0 if join == "first" else 1], generations  # hosts by address
     assert "2 on 10.233.0.1, 10.233.0.2" in generations[-1], generations
-    assert "exiting (4): removed from the job" in (tmp_path / "work" / "b.log").read_text()  # fenced at the heal
+    b_log = (tmp_path / "work" / "b.log").read_text()
+    assert "exiting (4): removed from the job" in b_log  # fenced at the heal
+    assert b_log.count("re-attached to the driver") == 1, b_log  # worker 5 waited for the killed driver
     console = (tmp_path / "work" / "driver.out").read_text()  # what the user watched: our lines, hosts by address
     joined = re.findall(r"^now 2 workers \(worker (\d) on 10\.233\.0\.2 joins\)$", console, re.M)
     assert joined == (["4", "5"] if join == "first" else ["3", "4", "5"]), console
     assert "now 1 worker (worker 3 on 10.233.0.2 lost: connection lost)" in console
+    assert "now 2 workers (the driver restarted)" in console
     started = "2 workers training" if join == "first" else "1 worker training"
     assert all(line.startswith(("[fabric-model] ", "epoch ", "now ", started)) for line in console.splitlines())
     assert_same_training(tmp_path / "work", undisturbed)

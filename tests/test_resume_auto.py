@@ -102,6 +102,29 @@ def test_auto_resumes_an_unfinished_run_with_a_checkpoint_only(tmp_path, end, ch
     assert choice.said is not None and said in choice.said and str(run.path) in choice.said
 
 
+@pytest.mark.parametrize(
+    ("end", "checkpoint", "resumes", "said"),
+    [
+        (None, False, True, "the driver of the run in {path} vanished; going on with it"),
+        (
+            None,
+            True,
+            True,
+            "recorded no end (its process was killed); resuming from the workers that wait for it, else",
+        ),
+        ("failed", False, False, "holds no checkpoint to resume from; starting afresh"),
+    ],
+)
+def test_auto_goes_on_with_a_run_whose_driver_vanished(tmp_path, end, checkpoint, resumes, said):
+    """A ``join.json`` left behind (only a driver killed without notice leaves it): its workers
+    may wait to be taken back, with or without a checkpoint; a run that recorded its end has none."""
+    run = _run(tmp_path / "run", end, checkpoint)
+    run.write_join_info(("127.0.0.1", 5), b"\x01" * 32)
+    choice = choose_resume("auto", run.path)
+    assert choice.resume is resumes
+    assert choice.said is not None and said.format(path=run.path) in choice.said, choice.said
+
+
 def test_auto_without_a_run_starts_afresh_and_true_false_are_unchanged(tmp_path, monkeypatch):
     assert (
         choose_resume("auto", tmp_path / "none").said
@@ -250,11 +273,12 @@ train(run_dir, 2, driver_logger=KilledOnceASnapshotIsOnDisk(), resume="auto")
 
 
 @pytest.mark.processes
-def test_a_job_killed_whole_resumes_from_its_snapshot_on_disk(undisturbed, tmp_path):
+def test_a_job_killed_whole_resumes_from_its_snapshot_on_disk(undisturbed, tmp_path, monkeypatch):
     """Driver and workers SIGKILLed mid-epoch, a checkpoint behind: the same call again resumes
     from the newest committed snapshot on disk, not the checkpoint, redoes at most two snapshot
     intervals (the interval, and the write under way: the writes' share is lifted, so each
-    committed snapshot is written once the one before is), and ends with the undisturbed weights."""
+    committed snapshot is written once the one before is), and ends with the undisturbed weights.
+    Its workers died with the driver: the restarted driver waits for them in vain, then resumes."""
     run_dir, at = tmp_path / "run", STEPS + 3  # in epoch 2, after its checkpoint
     env = dict(os.environ, FABRIC_MODEL_SNAPSHOT_STEPS=str(SNAPSHOT_STEPS), FABRIC_MODEL_SNAPSHOT_SHARE="0")
     script = KILLED_JOB.format(repo=str(Path(__file__).resolve().parents[1]), run_dir=str(run_dir), at=at)
@@ -263,7 +287,11 @@ def test_a_job_killed_whole_resumes_from_its_snapshot_on_disk(undisturbed, tmp_p
     killed_at = int(out.split("killed at ")[1].split()[0])
     epoch_checkpoint = list_checkpoints(run_dir / "checkpoints")[-1][0]
 
-    state = train(run_dir, 1, resume="auto")  # the requeued job: the same call
+    # The requeued job: the same call. It looks for workers that wait for the killed driver
+    # (FABRIC_MODEL_DRIVER_WAIT here), finds none (they died with it), and resumes from the disk.
+    monkeypatch.setenv("FABRIC_MODEL_DRIVER_WAIT", "60")
+    state = train(run_dir, 1, resume="auto")
+    assert "took back" not in driver_log(run_dir)
     (resumed,) = records(run_dir, "resume")
     assert resumed["resume_unit"] > epoch_checkpoint, (resumed, epoch_checkpoint)
     schedule = Schedule(Plan(len(DATA), BATCH, GLOBAL // BATCH, SEED), EPOCHS, 1, False)

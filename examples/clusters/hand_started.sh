@@ -3,7 +3,9 @@
 # namespaces on this machine (needs root; no traffic leaves them): host A runs the driver
 # (tests/multihost_job.py) with one local worker; a worker started by hand on host B joins,
 # crashes, comes back, is cut off longer than EDT_HEARTBEAT_TIME_OUT, is told at the heal that
-# it was removed, and joins once more. It ends with what the driver checked, and each change.
+# it was removed, and joins once more. Then the driver is SIGKILLed: both workers wait for it
+# (FABRIC_MODEL_DRIVER_WAIT), and the same command again takes them back. It ends with what the
+# driver checked, and each change.
 #
 #   sudo bash examples/clusters/hand_started.sh [WORK_DIR]
 #
@@ -17,6 +19,7 @@ tag=${FM_RECIPE_TAG:-fmr}                         # namespace names: ${tag}a, ${
 net=${FM_RECIPE_NET:-10.233.0}
 py=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" EDT_HEARTBEAT_TIME_OUT=3 MH_PACE=${MH_PACE:-0.5}
+export FABRIC_MODEL_DRIVER_WAIT=60                # how long workers wait for a vanished driver
 
 source examples/clusters/hosts.sh
 trap remove_hosts EXIT
@@ -31,10 +34,15 @@ a=$net.1 b=$net.2
 hold=
 if [ "${FM_RECIPE_JOIN:-}" = first ]; then hold=$work/hold; touch "$hold"; fi  # A's worker waits in its set-up
 
+start_driver() {  # the job's command on host A, resume="auto"; its console appended to driver.out
+  FABRIC_MODEL_CPU_WORKERS=1 MH_HOLD=$hold ip netns exec "${tag}a" \
+    "$py" -m tests.multihost_job "$work/run" "$a" "$work/pace" "$work/final.pt" auto >> "$work/driver.out" 2>&1 &
+  driver=$!
+}
+restarted() { grep -q '"reason": "the driver restarted"' "$work/run/logs/metrics.jsonl"; }
+
 touch "$work/pace"                                # steps are paced while it exists: time to act
-FABRIC_MODEL_CPU_WORKERS=1 MH_HOLD=$hold ip netns exec "${tag}a" \
-  "$py" -m tests.multihost_job "$work/run" "$a" "$work/pace" "$work/final.pt" > "$work/driver.out" 2>&1 &
-driver=$!
+start_driver
 wait_for join.json 120 test -f "$work/run/join.json"
 if [ "${FM_RECIPE_JOIN:-}" = after ]; then wait_for "training on A" 120 training_on "$a"; fi
 worker_on_b
@@ -53,6 +61,11 @@ ip -n "${tag}br" link set portb master br0        # heal: B's worker is told it 
 wait_for "exit of B's fenced worker" 60 b_is_empty
 worker_on_b                                       # B joins once more
 wait_for "training on A and B once more" 120 training_on "$a" "$b"
+kill -9 "$driver"; wait "$driver" 2>/dev/null || true  # the driver vanishes: its workers wait for it ...
+wait_for "B's worker waiting" 60 grep -q "vanished" "$work/b.log"
+start_driver                                      # ... and the same command again takes them back
+wait_for "the restarted driver's generation" 60 restarted
+wait_for "training on A and B after the restart" 120 training_on "$a" "$b"
 rm "$work/pace"                                   # let the run finish
 wait "$driver"
 "$py" examples/clusters/report.py "$work/run"

@@ -369,10 +369,10 @@ class Driver:
                 free.remove(slot)
             slots[worker_id] = slot
             self._taken_back.add(worker_id)
-        log.warning(
-            "took back %d worker(s) of this run's vanished driver: %s; its last committed step was unit %d",
-            len(came),
-            ", ".join(f"{w} (pid {h.pid}, unit {h.held.next_unit})" for w, h in sorted(came.items()) if h.held),
+        log.warning("took back %d worker(s) that waited for the vanished driver", len(came))
+        log.info(
+            "taken back: %s; the vanished driver's last committed step was unit %d",
+            ", ".join(f"worker {w} (pid {h.pid}, unit {h.held.next_unit})" for w, h in sorted(came.items()) if h.held),
             unit - 1,
         )
         now = time.monotonic()

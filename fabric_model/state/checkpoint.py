@@ -309,7 +309,10 @@ def choose_resume(resume: bool | str, run_dir: str | os.PathLike[str] | None) ->
         what = "no checkpoint to resume from" if run.path.exists() else "no run"
         return ResumeChoice(False, f'resume="auto": {run.path} holds {what}; starting afresh')
     how = f"ended {end['state']}" if end is not None else "recorded no end (its process was killed)"
-    return ResumeChoice(True, f'resume="auto": the run in {run.path} {how}; resuming from {info.path.name}')
+    source = info.path.name
+    if end is None and run.read_join_info() is not None:  # its workers may wait for it (docs/elasticity.md)
+        source = f"the workers that wait for it, else {source}"
+    return ResumeChoice(True, f'resume="auto": the run in {run.path} {how}; resuming from {source}')
 
 
 def find_resume_point(

@@ -137,7 +137,8 @@ def test_a_killed_driver_run_again_takes_its_workers_back(undisturbed, tmp_path,
     assert not differ, f"not bitwise equal: {differ}"
     iterations = sorted(r["iteration"] for r in records(run_dir, "train"))
     assert iterations == list(range(1, TOTAL_STEPS + 1)), iterations  # each step committed once
-    assert len(list(run_dir.glob("pid-*"))) == WORKERS, list(run_dir.glob("pid-*"))  # no worker started anew
+    assert len(list(run_dir.glob("pid-*"))) == WORKERS, list(run_dir.glob("pid-*"))  # the same 2 trained
+    assert sorted(p.name for p in (run_dir / "logs").glob("worker-*.log")) == ["worker-0.log", "worker-1.log"]
     back = [g for g in records(run_dir, "generation") if g["reason"] == "the driver restarted"]
     assert len(back) == 1 and back[0]["members"] == [0, 1], records(run_dir, "generation")
     assert not records(run_dir, "resume")  # it went on from the workers' state, not a checkpoint

@@ -256,8 +256,12 @@ class Driver:
             self.checkpoints.prepare(self.setup.resume, self.progress.iteration, record=not held)
             self.durable.remove()  # an earlier run's, or one older than the state resumed from
             self.setup.startup.mark("run directory and driver")
-            self._execute(self._rejoined(held) if held else self.membership.start(time.monotonic()))
-            self.hooks.on_train_begin()
+            if held:  # the loggers hear of training before the steps recorded from what the workers kept
+                self.hooks.on_train_begin()
+                self._execute(self._rejoined(held))
+            else:
+                self._execute(self.membership.start(time.monotonic()))
+                self.hooks.on_train_begin()
             while self._final is None:
                 self._next_event()
                 if watch.signal_name is not None and self._halt is None:

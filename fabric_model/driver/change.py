@@ -9,6 +9,7 @@ docs/architecture.md, "Elasticity".
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Collection
 
@@ -23,6 +24,9 @@ class Change:
     started: float
     causes: dict[int, str] = dataclasses.field(default_factory=dict)  # worker id -> what it did, in order
     reports: dict[int, int] = dataclasses.field(default_factory=dict)  # worker id -> next_unit
+    #: The generation's members, front first, of whom the front ones may still report: membership
+    #: drops them as they report or go, so its check of the whole is O(1) a message, not O(members).
+    waiting: collections.deque[int] = dataclasses.field(default_factory=collections.deque)
 
     def cause(self, worker_id: int, what: str) -> None:
         """Worker ``worker_id`` joined, left or was lost (``what``: "joins", "lost: ...")."""

@@ -420,9 +420,11 @@ class Driver:
                 self.handle(worker_id, message)
                 urgent = urgent or isinstance(message, MEMBERSHIP_MESSAGES)
         now = time.monotonic()
-        if urgent or now - self._ticked >= TICK_INTERVAL:
+        if now - self._ticked >= TICK_INTERVAL:
             self._ticked = now
             self.tick()
+        elif urgent:  # a change may be complete: checked now, but not every worker's silence again
+            self.tick(heartbeats=False)
 
     def handle(self, worker_id: int, message: Any) -> None:
         """Route one message from ``worker_id``."""
@@ -435,8 +437,9 @@ class Driver:
         if alive or isinstance(message, (p.WorkerFailed, p.ConnectionLost)):
             self._handlers[type(message)](worker_id, message)
 
-    def tick(self) -> None:
-        """Periodic checks: ended processes, then membership's own (heartbeats, deadlines...)."""
+    def tick(self, heartbeats: bool = True) -> None:
+        """Periodic checks: ended processes, then membership's own (heartbeats, deadlines...);
+        ``heartbeats`` False leaves out the check of every worker's silence (membership.tick)."""
         now = time.monotonic()
         if self._halt is not None:
             if self._final is None and self._halt.preempted and now > self._watch.deadline - self._watch.reserve:
@@ -450,7 +453,7 @@ class Driver:
         for worker_id, code in self._launcher.exited().items():
             if self._drained(worker_id, now):
                 self._execute(self.membership.process_exited(worker_id, code, now))
-        self._execute(self.membership.tick(now))
+        self._execute(self.membership.tick(now, heartbeats))
         self.checkpoints.poll()
 
     def _drained(self, worker_id: int, now: float) -> bool:

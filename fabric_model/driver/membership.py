@@ -338,10 +338,12 @@ class Membership:
             commands += self._abort_members()
         return commands
 
-    def tick(self, now: float) -> list[Command]:
-        """Time passed: silent workers, due replacements, a change to complete, the end, deadlines."""
+    def tick(self, now: float, heartbeats: bool = True) -> list[Command]:
+        """Time passed: silent workers, due replacements, a change to complete, the end, deadlines.
+        ``heartbeats`` False skips the silence check, the one part that reads every worker (the
+        driver runs it periodically, and the rest after each message that can complete a change)."""
         commands: list[Command] = []
-        for worker_id in self._in(WorkerState.READY, WorkerState.MEMBER, WorkerState.DONE):
+        for worker_id in self._in(WorkerState.READY, WorkerState.MEMBER, WorkerState.DONE) if heartbeats else ():
             silent = now - self.workers[worker_id].last_seen
             if silent > self.limits.heartbeat:
                 commands += self.lost(worker_id, f"no heartbeat for {silent:.1f} s (EDT_HEARTBEAT_TIME_OUT)", now)
@@ -399,7 +401,7 @@ class Membership:
     def _begin_change(self, reason: str, now: float) -> None:
         if self._change is None:
             log.info("generation %d ending: %s", self.generation, reason)
-            self._change = Change(reason, now)
+            self._change = Change(reason, now, waiting=collections.deque(self.members))
 
     def _cause(self, worker_id: int, what: str, now: float) -> None:
         """Worker ``worker_id`` joined, left or was lost: the change's reason names it (a peer's
@@ -420,8 +422,13 @@ class Membership:
         change = self._change
         assert change is not None
         # Members still heartbeating are busy (a long step, a validation); they report at their
-        # next micro-batch or collective. Silent ones are removed by the heartbeat check.
-        if any(self.workers[m].state is WorkerState.MEMBER and m not in change.reports for m in self.members):
+        # next micro-batch or collective. Silent ones are removed by the heartbeat check. Each
+        # member leaves the front of ``waiting`` once, when it reported or is no longer a member
+        # (neither comes undone), so a change's checks cost O(members) in all, not per message.
+        waiting = change.waiting
+        while waiting and (self.workers[waiting[0]].state is not WorkerState.MEMBER or waiting[0] in change.reports):
+            waiting.popleft()
+        if waiting:
             return []
         reports = {w: u for w, u in change.reports.items() if self.workers[w].state is not WorkerState.GONE}
         reports.update({w: self.workers[w].done_unit for w in self.members if self.state(w) is WorkerState.DONE})

@@ -203,7 +203,7 @@ def test_a_tcpstore_client_and_a_malformed_frame_read_and_write_nothing(store):
     host, port = server.address
     started = time.monotonic()
     with pytest.raises(RuntimeError):  # torch's DistNetworkError: its ping gets the HMAC challenge
-        tcp = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=1), wait_for_workers=False)
+        tcp = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=0.3), wait_for_workers=False)
         tcp.set("generation/0/k", b"evil")
         tcp.get("generation/0/k")
     assert time.monotonic() - started < 10.0

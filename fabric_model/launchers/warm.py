@@ -58,12 +58,16 @@ def exit_code(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-class CallerGone(Exception):
-    """The caller died (``PR_SET_PDEATHSIG``'s SIGHUP)."""
+class _Caller:
+    """Whether the caller died (``PR_SET_PDEATHSIG``'s SIGHUP came)."""
+
+    gone = False
 
 
 def _caller_gone(signum: int, frame: Any) -> None:
-    raise CallerGone()
+    """SIGHUP: only noted (the wakeup fd wakes the server's ``select``). An exception raised here
+    could land anywhere: between the end of input and keeping the workers, it killed them."""
+    _Caller.gone = True
 
 
 #: Seconds the warm process keeps its workers beyond their own wait for a vanished driver.
@@ -90,8 +94,8 @@ class Server:
             data = data[os.write(self.out, data) :]
 
     def serve(self) -> None:
-        """Until stdin ends: handle requests and reap children as they exit."""
-        while True:
+        """Until stdin ends or the caller dies: handle requests and reap children as they exit."""
+        while not _Caller.gone:
             readable, _, _ = select.select([0, self._wake_r], [], [])
             if self._wake_r in readable:
                 os.read(self._wake_r, 4096)
@@ -230,14 +234,10 @@ def serve(framework: str, before_ready: Callable[[int], None] = lambda out: None
     server.send(ev="ready")
     try:
         server.serve()
-    except CallerGone:
-        pass
     finally:
         try:
             if not server.ended and server.linger > 0:
                 server.outlive_caller()
-        except CallerGone:
-            pass
         finally:
             server.kill_all()
     return 0

@@ -106,7 +106,7 @@ def test_a_silent_peer_is_cut_off_after_the_handshake_bound(monkeypatch, tmp_pat
 
 
 def _step(step: int) -> p.StepDone:
-    return p.StepDone(0, 0, step, 0, 1, (0,), (1.0, 8.0))
+    return p.StepDone(0, 0, step, 0, 1, (0,), (1.0, 8.0), 1)
 
 
 def test_held_step_reports_arrive_in_order_before_the_next_message_and_the_end(server):
@@ -153,3 +153,48 @@ def test_the_heartbeat_thread_sends_held_reports_long_before_its_next_beat(serve
     _, message = server.events.get(timeout=5)  # well before the beat
     assert isinstance(message, p.StepDone)
     channel.close()
+
+
+def test_the_reader_cuts_bytes_into_frames_however_they_arrive():
+    """The driver's one reader thread (transport/reader.py) reads whatever a connection has ready:
+    frames split anywhere, several in one read, and the 8-byte length of a frame over 2 GiB's
+    header form, come out whole and in order, as ``Connection.recv_bytes`` would return them."""
+    from fabric_model.transport.reader import Frames
+
+    payloads = [b"", b"a", b"hello" * 1000, bytes(range(256)) * 70]
+    wire = b"".join(struct.pack("!i", len(x)) + x for x in payloads[:3])
+    wire += struct.pack("!i", -1) + struct.pack("!Q", len(payloads[3])) + payloads[3]  # the long form
+    for cut in (1, 3, 7, 4096, len(wire)):
+        frames, out = Frames(), []
+        for i in range(0, len(wire), cut):
+            out += frames.feed(wire[i : i + cut])
+        assert out == payloads
+
+
+def test_a_peer_frozen_mid_frame_holds_up_no_other_connection(tmp_path):
+    """A worker that stopped halfway through a frame: the others' messages still arrive at once."""
+    from fabric_model.transport.reader import ConnectionReader
+
+    reader = ConnectionReader()
+    got: list[tuple[str, bytes]] = []
+    ends: list[str] = []
+    pairs = {name: socket.socketpair() for name in ("frozen", "live")}
+    try:
+        for name, (ours, _) in pairs.items():
+            reader.add(ours.fileno(), lambda f, n=name: got.append((n, f)), lambda e, n=name: ends.append(n))
+        pairs["frozen"][1].sendall(struct.pack("!i", 100) + b"only part")
+        pairs["live"][1].sendall(struct.pack("!i", 3) + b"abc")
+        deadline = time.monotonic() + 5
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert got == [("live", b"abc")]
+        pairs["live"][1].close()
+        while not ends and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ends == ["live"]
+    finally:
+        reader.close()
+        for ours, theirs in pairs.values():
+            ours.close()
+            theirs.close()
+    assert sorted(ends) == ["frozen", "live"]  # closing the reader ends the rest

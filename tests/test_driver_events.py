@@ -123,10 +123,15 @@ class Harness:
         for worker in (0, 1):
             self.driver.handle(worker, p.Ready())
 
-    def step(self, worker: int, step: int, generation: int = 0, world: int = 2) -> None:
+    def report(self, worker: int, step: int, generation: int = 0, world: int = 2, epoch: int = 0) -> p.StepDone:
+        """Worker ``worker``'s copy of a step's report (its rank: its place in generation 0)."""
         rank = 0 if world == 1 else worker
         mbs = tuple(range(rank, PLAN.micro_batches, world))
-        self.driver.handle(worker, p.StepDone(generation, 0, step, rank, world, mbs, (0.5 * 8, 8.0)))
+        return p.StepDone(generation, epoch, step, rank, world, mbs, (0.5 * 8, 8.0), PLAN.micro_batches)
+
+    def step(self, worker: int, step: int, generation: int = 0, world: int = 2, epoch: int = 0) -> None:
+        """Worker ``worker`` sends its report of a step (rank 0 does, for its generation)."""
+        self.driver.handle(worker, self.report(worker, step, generation, world, epoch))
 
     def sent(self, kind: type) -> list[tuple[int, Any]]:
         return [(c.args[0], c.args[1]) for c in self.server.send.call_args_list if isinstance(c.args[1], kind)]
@@ -192,38 +197,35 @@ def test_generation_records_name_a_remote_worker_s_host_by_its_address(harness: 
 
 def test_step_reports_commit_through_the_ledger_and_membership_sees_it(harness: Harness):
     harness.start()
-    harness.step(0, 0)
     assert harness.driver.progress.committed_unit == 0 and harness.recorder.steps == []
-    harness.step(1, 0)
+    harness.step(0, 0)  # rank 0's report counts the step for its generation
     assert harness.driver.progress.committed_unit == harness.driver.membership.committed_unit == 1
     assert harness.recorder.steps == [1]
     harness.step(0, 1, generation=7)  # not the current generation's: settled when its generation ended
-    harness.step(1, 1, generation=7)
     assert harness.driver.progress.committed_unit == 1 and harness.recorder.steps == [1]
     harness.driver.handle(1, p.EvalDone(0, (2.0, 4.0)))
     assert harness.driver.test_history == []  # held: epoch 0's last step is not committed yet
     for step in (1, 2, 3):
         harness.step(0, step)
-        harness.step(1, step)
+    assert harness.recorder.steps == [1, 2, 3, 4]
     assert harness.driver.test_history == [{"epoch": 0, "loss": 0.5}]
 
 
 def test_an_exit_waits_for_the_last_messages_of_an_open_connection_up_to_the_drain_bound(harness: Harness):
-    """Worker 1's process ended; its connection is still being read: its last step report arrives
+    """Worker 0's process ended; its connection is still being read: its last step report arrives
     and counts, and the exit is acted on EXIT_DRAIN after it was seen, not before."""
     harness.start()
-    harness.launcher.exited.return_value = {1: -9}
+    harness.launcher.exited.return_value = {0: -9}
     harness.driver.tick()
-    assert not harness.acted_on_the_exit_of(1)
-    harness.step(0, 0)
-    harness.step(1, 0)  # sent just before it died
+    assert not harness.acted_on_the_exit_of(0)
+    harness.step(0, 0)  # sent just before it died
     assert harness.driver.progress.committed_unit == 1
     harness.clock.now += EXIT_DRAIN * 0.9
     harness.driver.tick()
-    assert not harness.acted_on_the_exit_of(1)
+    assert not harness.acted_on_the_exit_of(0)
     harness.clock.now += EXIT_DRAIN * 0.2
     harness.driver.tick()
-    assert harness.acted_on_the_exit_of(1)
+    assert harness.acted_on_the_exit_of(0)
     (fence,) = harness.server.fence.call_args_list
     assert "process exited with code -9" in fence.args[1]
 
@@ -232,17 +234,16 @@ def test_an_exit_whose_connection_ended_is_acted_on_when_its_end_is_read(harness
     """The connection's end is queued behind everything the worker sent: the exit waits for it,
     however long, and is then acted on at once, with the process's exit code."""
     harness.start()
-    harness.launcher.exited.return_value = {1: -9}
-    harness.server.connection.side_effect = lambda worker: "ended" if worker == 1 else "open"
+    harness.launcher.exited.return_value = {0: -9}
+    harness.server.connection.side_effect = lambda worker: "ended" if worker == 0 else "open"
     harness.driver.tick()
     harness.clock.now += 10 * EXIT_DRAIN
     harness.driver.tick()
-    assert not harness.acted_on_the_exit_of(1)
+    assert not harness.acted_on_the_exit_of(0)
     harness.step(0, 0)
-    harness.step(1, 0)
-    harness.driver.handle(1, p.ConnectionLost("EOFError()"))
+    harness.driver.handle(0, p.ConnectionLost("EOFError()"))
     assert harness.driver.progress.committed_unit == 1
-    assert harness.acted_on_the_exit_of(1)
+    assert harness.acted_on_the_exit_of(0)
     assert "process exited with code -9" in harness.server.fence.call_args.args[1]
 
 
@@ -256,14 +257,16 @@ def test_an_exit_before_connecting_is_acted_on_at_once(harness: Harness):
 
 def test_after_a_loss_the_survivor_s_position_forms_the_next_generation_and_the_slot_is_refilled(harness: Harness):
     harness.start()
-    harness.step(0, 0)
-    harness.step(1, 0)
     harness.driver.handle(1, p.WorkerFailed("Traceback ...\nRuntimeError: gloo", None, collective=True))
     assert harness.acted_on_the_exit_of(1)
     harness.step(1, 1)  # a removed worker is not heard any more: neither its late report
     harness.driver.handle(1, p.Ready())  # nor, were it a zombie back from a partition, its wish to rejoin
-    harness.driver.handle(0, p.LeftGeneration(0, 1, failed=True, reason="peer lost"))
+    # Rank 0 got past step 0, whose report it had not sent: its copy counts the step, below where it got.
+    left = p.LeftGeneration(0, 1, failed=True, reason="peer lost", last=harness.report(0, 0))
+    harness.driver.handle(0, left)
+    assert harness.driver.progress.committed_unit == 0
     harness.driver.tick()
+    assert harness.driver.progress.committed_unit == 1
 
     harness.launcher.start.assert_called_once_with(2, None)  # a first crash is replaced at once, as worker 2
     harness.store.admit.assert_called_with(1, (0,))  # worker 0 alone; worker 2 will join when ready

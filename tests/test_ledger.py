@@ -1,10 +1,11 @@
 """The driver's commit ledger (``driver/ledger.py``), driven in-process with real step reports.
 
-What a user relies on (docs/architecture.md, "Invariants", "Elasticity"): a step counts once every
-member of its generation reported it; when a generation ends, the steps below the resume unit
-count (with the plan's shares for reports that were cut off) and the others are redone; a
-rollback un-counts steps, epoch averages and validations; and a committed step whose
-micro-batches were not computed exactly once fails the run.
+What a user relies on (docs/architecture.md, "Invariants", "Elasticity", "Scale"): rank 0 reports
+each step for its generation, and its report counts the step; when a generation ends, a member's
+copy of a report that rank 0 did not send counts when its step lies below the resume unit, and
+the others are redone; each step counts once, whoever's copy came; a rollback un-counts steps,
+epoch averages and validations; and a step whose micro-batches were not computed exactly once
+fails the run.
 """
 
 from __future__ import annotations
@@ -78,26 +79,25 @@ def report(
     micro_batches: tuple[int, ...] | None = None,
     loss: float = 0.5,
     accuracy: float = 0.75,
+    computed: int | None = None,
 ) -> p.StepDone:
-    """Rank ``rank``'s report of a step: its plan share unless told, and the step's reduced sums."""
+    """Rank ``rank``'s copy of a step's report: its plan share unless told, and the step's
+    reduced sums (the micro-batches computed: the plan's unless told)."""
+    n, count = samples(step), PLAN.num_micro_batches(epoch, step)
     if micro_batches is None:
-        micro_batches = tuple(range(rank, PLAN.num_micro_batches(epoch, step), world))
-    n = samples(step)
-    return p.StepDone(generation, epoch, step, rank, world, micro_batches, (loss * n, accuracy * n, float(n)))
+        micro_batches = tuple(range(rank, count, world))
+    computed = count if computed is None else computed
+    return p.StepDone(generation, epoch, step, rank, world, micro_batches, (loss * n, accuracy * n, float(n)), computed)
 
 
-def test_a_step_commits_once_every_member_reported_it(ledger: Ledger):
+def test_rank_0_s_report_counts_the_step_for_its_generation(ledger: Ledger):
     progress = ledger.progress
-    assert progress.step_done(report(0, 1, 2)) is None  # one of two: nothing counts yet
-    assert (progress.committed_unit, progress.iteration, ledger.recorder.calls) == (0, 0, [])
-    assert progress.step_done(report(0, 0, 2)) == 1  # the second completes it: unit 0 is committed
+    assert progress.step_done(report(0, 0, 2)) == 1
     assert (progress.committed_unit, progress.iteration) == (1, 1)
-    # The short last step has 2 micro-batches: the third member of 3 computed none and still reports.
-    assert progress.step_done(report(1, 0, 2, loss=1.0)) is None
-    assert progress.step_done(report(1, 1, 2, loss=1.0)) == 2
-    for rank in range(3):
-        unit = progress.step_done(report(2, rank, 3, generation=1, loss=2.0))
-    assert unit == 3 and progress.committed_unit == 3
+    assert progress.step_done(report(1, 0, 2, loss=1.0)) == 2
+    # The short last step has 2 micro-batches: a third member computes none.
+    assert progress.step_done(report(2, 0, 3, generation=1, loss=2.0)) == 3
+    assert progress.step_done(report(2, 0, 3, generation=1)) is None  # a report taken back twice
 
     # The epoch's averages are weighted by samples: (16 * 0.5 + 16 * 1.0 + 8 * 2.0) / 40.
     assert progress.train_history == [{"epoch": 0, "loss": pytest.approx(1.0), "accuracy": pytest.approx(0.75)}]
@@ -106,7 +106,7 @@ def test_a_step_commits_once_every_member_reported_it(ledger: Ledger):
     assert train == ("train", 1, 0, 2, {"loss": 0.5, "accuracy": 0.75})
     records = ledger.records("train")
     assert [(r["step"], r["iteration"], r["workers"], r["micro_batches"]) for r in records] == [
-        (0, 1, 2, {"0": [0, 2], "1": [1, 3]}),
+        (0, 1, 2, {"0": [0, 2], "1": [1, 3]}),  # rank 1's share from the plan, the sum checked
         (1, 2, 2, {"0": [0, 2], "1": [1, 3]}),
         (2, 3, 3, {"0": [0], "1": [1], "2": []}),
     ]
@@ -114,47 +114,43 @@ def test_a_step_commits_once_every_member_reported_it(ledger: Ledger):
     assert records[-1]["epoch_metrics"] == {"loss": pytest.approx(1.0), "accuracy": pytest.approx(0.75)}
 
 
-def test_reports_of_the_same_step_from_two_generations_are_never_added_up(ledger: Ledger):
-    """A step a generation started but did not finish is redone by the next one, whose members
-    may divide it differently: only the new generation's reports count."""
+def test_a_member_s_copy_counts_a_step_rank_0_did_not_report_when_its_generation_ends(ledger: Ledger):
+    """Rank 0 died after the allreduce of step 1, before sending its report; rank 1's copy, sent
+    with its position, counts the step once the generation ends at unit 2, after all rank 0 sent
+    was read. Copies of steps counted already change nothing."""
     progress = ledger.progress
-    assert progress.step_done(report(0, 0, 2, generation=0)) is None  # rank 1 died before reporting
-    assert progress.settle(resume_unit=0, upto_generation=0) is None  # the step will be redone
-    assert progress.step_done(report(0, 0, 1, generation=1)) == 1  # alone, all 4 micro-batches
-    assert [r["micro_batches"] for r in ledger.records("train")] == [{"0": [0, 1, 2, 3]}]
-
-
-def test_settle_commits_the_reported_steps_below_the_resume_unit_and_drops_the_rest(ledger: Ledger):
-    """Rank 1 was lost after the allreduce of step 1 (its report cut off) and rank 0 reached step 2
-    before the abort: the next generation resumes at unit 2, so step 1 counts with rank 1's plan
-    share, and step 2's lone report is dropped (the step is redone)."""
-    progress = ledger.progress
-    progress.step_done(report(0, 0, 2))
-    assert progress.step_done(report(0, 1, 2)) == 1
-    assert progress.step_done(report(1, 0, 2, loss=1.0)) is None
-    assert progress.step_done(report(2, 0, 2, loss=9.0)) is None
-
+    assert progress.step_done(report(0, 0, 2)) == 1
+    progress.copy(report(0, 1, 2))  # counted: nothing
+    progress.copy(report(1, 1, 2, loss=1.0))
+    assert progress.committed_unit == 1  # rank 0's report of step 1 may still be on its way
     assert progress.settle(resume_unit=2, upto_generation=0) == 2
-    assert (progress.committed_unit, progress.iteration) == (2, 2)
-    # Step 2 is redone by the next generation (rank 0 and a newcomer): had rank 0's old report
-    # been kept, micro-batch 0 would count twice (ExactlyOnceError).
-    assert progress.step_done(report(2, 0, 2, generation=1, loss=2.0)) is None
-    assert progress.step_done(report(2, 1, 2, generation=1, loss=2.0)) == 3
-    # Settling generation 0 again leaves the reports of generation 1 alone.
-    assert progress.step_done(report(0, 0, 2, epoch=1, generation=1)) is None
-    assert progress.settle(resume_unit=6, upto_generation=0) is None
-    assert progress.step_done(report(0, 1, 2, epoch=1, generation=1)) == 5
+    assert progress.settle(resume_unit=2, upto_generation=0) is None
+    progress.copy(report(2, 0, 2, generation=1, loss=2.0))
+    assert progress.settle(resume_unit=9, upto_generation=0) is None  # generation 1's copy stays
+    assert progress.step_done(report(2, 0, 2, generation=1, loss=2.0)) == 3
+    assert progress.settle(resume_unit=9, upto_generation=1) is None  # its step counted already
     assert progress.train_history == [{"epoch": 0, "loss": pytest.approx(1.0), "accuracy": pytest.approx(0.75)}]
 
     records = ledger.records("train")
-    assert [(r["epoch"], r["step"], r["generation"], r.get("inferred", False)) for r in records] == [
-        (0, 0, 0, False),
-        (0, 1, 0, True),
-        (0, 2, 1, False),
-        (1, 0, 1, False),
+    assert [(r["step"], r["iteration"], r["generation"], r.get("inferred", False)) for r in records] == [
+        (0, 1, 0, False),
+        (1, 2, 0, True),  # from a member's copy, when its generation ended
+        (2, 3, 1, False),
     ]
-    assert records[1]["micro_batches"] == {"0": [0, 2], "1": [1, 3]}  # rank 1's share from the plan
+    assert records[1]["micro_batches"] == {"0": [0, 2], "1": [1, 3]}
     assert records[1]["metrics"] == {"loss": 1.0, "accuracy": 0.75}
+
+
+def test_a_copy_of_a_step_past_the_resume_unit_is_dropped_and_the_step_redone_once(ledger: Ledger):
+    """A member saw the allreduce of step 1 succeed and was lost; the survivor's failed and it
+    undid the step: the next generation resumes at unit 1, and only its report counts."""
+    progress = ledger.progress
+    progress.step_done(report(0, 0, 2))
+    progress.copy(report(1, 1, 2, loss=9.0))
+    assert progress.settle(resume_unit=1, upto_generation=0) is None
+    assert progress.step_done(report(1, 0, 1, generation=1, loss=2.0)) == 2
+    assert [r["micro_batches"] for r in ledger.records("train")] == [{"0": [0, 2], "1": [1, 3]}, {"0": [0, 1, 2, 3]}]
+    assert [r["metrics"]["loss"] for r in ledger.records("train")] == [0.5, 2.0]
 
 
 def commit_epoch_0_and_its_validation(ledger: Ledger) -> None:
@@ -178,8 +174,7 @@ def test_roll_back_uncommits_the_steps_their_epoch_average_and_the_validation(le
     assert (progress.committed_unit, progress.iteration) == (2, 2)
     assert progress.train_history == [] and progress.test_history == []
 
-    assert progress.step_done(report(2, 0, 2, generation=1, micro_batches=(0,), loss=0.0)) is None
-    assert progress.step_done(report(2, 1, 2, generation=1, micro_batches=(1,), loss=0.0)) == 3
+    assert progress.step_done(report(2, 0, 2, generation=1, micro_batches=(0,), loss=0.0)) == 3
     # (16 * 0.5 + 16 * 1.0 + 8 * 0.0) / 40: the first result of step 2 (2.0) is gone.
     assert progress.train_history == [{"epoch": 0, "loss": pytest.approx(0.6), "accuracy": pytest.approx(0.75)}]
     progress.eval_done(p.EvalDone(0, (1.0, 3.0, 4.0)), workers=2)  # the redone validation counts again
@@ -198,34 +193,33 @@ def test_a_roll_back_to_a_new_epoch_restarts_its_average(ledger: Ledger):
     commit_epoch_0_and_its_validation(ledger)
     ledger.progress.roll_back(4)  # epoch 1's first step is redone; epoch 0 stays as it was
     assert ledger.progress.iteration == 3
-    assert ledger.progress.step_done(report(0, 0, 1, epoch=1, loss=3.0)) == 5
+    assert ledger.progress.step_done(report(0, 0, 1, epoch=1, generation=1, loss=3.0)) == 5
     assert ledger.records("train")[-1]["epoch_metrics"] == {"loss": 3.0, "accuracy": 0.75}
     assert len(ledger.progress.train_history) == 1 and len(ledger.progress.test_history) == 1
 
 
 @pytest.mark.parametrize(
-    ("shares", "computed"),
+    ("wrong", "said"),
     [
-        pytest.param({0: (0, 2), 1: (1, 2, 3)}, r"\[0, 1, 2, 2, 3\]", id="computed twice"),
-        pytest.param({0: (0, 2), 1: (1,)}, r"\[0, 1, 2\]", id="one missing"),
+        pytest.param({"computed": 5}, r"the generation 5 micro-batches, expected 4", id="a micro-batch twice"),
+        pytest.param({"computed": 3}, r"the generation 3 micro-batches, expected 4", id="one missing"),
+        pytest.param({"micro_batches": (0, 1)}, r"micro-batches \[0, 1\] \(the plan's: \[0, 2\]\)", id="not its share"),
     ],
 )
 def test_a_step_whose_micro_batches_were_not_each_computed_once_fails_the_run(
-    ledger: Ledger, shares: dict[int, tuple[int, ...]], computed: str
+    ledger: Ledger, wrong: dict[str, Any], said: str
 ):
-    """Invariant 1: the step is not committed, and the error names what was computed."""
+    """Invariant 1: the step is not committed, and the error says what was computed."""
     progress = ledger.progress
-    progress.step_done(report(0, 0, 2, micro_batches=shares[0]))
-    with pytest.raises(ExactlyOnceError, match=rf"step 0 of epoch 0: micro-batches {computed}, expected 0\.\.3"):
-        progress.step_done(report(0, 1, 2, micro_batches=shares[1]))
+    with pytest.raises(ExactlyOnceError, match=rf"step 0 of epoch 0: rank 0 of 2 .*{said}"):
+        progress.step_done(report(0, 0, 2, **wrong))
     assert (progress.committed_unit, progress.iteration) == (0, 0)
     assert ledger.records("train") == []
 
 
-def test_settling_a_report_that_overlaps_the_plan_share_of_a_lost_member_fails_the_run(ledger: Ledger):
-    """A step settled with the plan's share for a member whose report was cut off is checked too."""
-    ledger.progress.step_done(report(0, 0, 2, micro_batches=(0, 1, 2)))  # more than rank 0's share
-    with pytest.raises(ExactlyOnceError, match=r"micro-batches \[0, 1, 1, 2, 3\]"):
+def test_a_step_counted_from_a_member_s_copy_is_checked_too(ledger: Ledger):
+    ledger.progress.copy(report(0, 1, 2, computed=2))  # half the micro-batches
+    with pytest.raises(ExactlyOnceError, match=r"2 micro-batches, expected 4"):
         ledger.progress.settle(resume_unit=1, upto_generation=0)
 
 
@@ -242,8 +236,8 @@ def test_replicas_that_finished_with_different_states_fail_the_run(ledger: Ledge
 
 
 def test_a_validation_that_overtakes_its_epochs_last_step_reaches_the_hooks_after_it(ledger: Ledger):
-    """Rank 0's validation can reach the driver before another worker's report of the epoch's
-    last step (even of the next epoch's): loggers, the screen and metrics.csv see each epoch's
+    """A validation can reach the driver before its epoch's last step counts (a member's copy
+    settled when its generation ended, say): loggers, the screen and metrics.csv see each epoch's
     training averages, then its validation, in epoch order."""
     progress = ledger.progress
     progress.step_done(report(0, 0, 1))

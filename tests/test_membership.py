@@ -479,3 +479,44 @@ def test_workers_taken_back_after_the_schedule_hand_over_the_final_state():
     commands = m.rejoined({0: p.Held(2, 100, True, finished=done), 1: p.Held(2, 100, True, finished=done)}, {}, 0.0)
     assert not [c for c in commands if isinstance(c, Formed)]
     assert list(sent(commands, p.SendFinalState)) == [0] and m.finishing
+
+
+def test_survivors_below_a_step_rank_0_reported_redo_it_as_after_a_rollback():
+    """Rank 0 reported step 4 (unit 5 committed) and died; the survivor's allreduce of that step
+    failed and it undid it, so it holds unit 4: the step is redone, and the ledger is told to
+    un-count it (docs/architecture.md, "Scale")."""
+    from fabric_model.driver.ledger import CommittedUnit
+
+    committed = CommittedUnit()
+    limits = Limits(2, total_units=100, heartbeat=HEARTBEAT, recovery=RECOVERY, start=START, replace_workers=False)
+    m = Membership(limits, FakeCheckpoints(), log_tail=lambda ids: "", committed=committed)
+    m.start(0.0)
+    for w in (0, 1):
+        m.ready(w, 1, 0.0)
+    committed.advance(5)
+    m.lost(0, "process exited with code -9", 1.0)
+    commands = m.left(1, p.LeftGeneration(0, 4, failed=True, reason="peer lost"), 1.0)
+    commands += m.tick(1.0, heartbeats=False)
+    assert [c for c in commands if isinstance(c, (Settle, RollBack))] == [Settle(4, 0), RollBack(4)]
+    record = formed(commands)
+    assert (record.members, record.resume_unit, record.rolled_back_from) == ((1,), 4, 5)
+    assert committed.unit == 4
+
+
+def test_readiness_counts_every_worker_by_state_as_they_come_and_go():
+    """The roster's counts (driver/roster.py) stay those of a scan: 4 slots, 6 workers ready in
+    turn, two refused; one lost makes room for the next."""
+    m = machine(4, replace=False)
+    m.start(0.0)
+    for w in range(4):
+        m.ready(w, 1, 0.0)
+    assert m.members == [0, 1, 2, 3]
+    for w in (10, 11):
+        m.seen(w, 0.0)
+        assert sent(m.ready(w, 1, 0.0), p.Stop)  # every slot taken
+        assert m.state(w) is WorkerState.GONE
+    m.lost(2, "gone", 1.0)
+    m.seen(12, 1.0)
+    assert not sent(m.ready(12, 1, 1.0), p.Stop)
+    assert m.workers.count(WorkerState.READY) == 1 and m.alive() == [0, 1, 3, 12]
+    assert m.workers.in_states(WorkerState.MEMBER) == [0, 1, 3]

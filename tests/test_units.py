@@ -248,5 +248,7 @@ def test_the_step_vote_says_whether_to_switch_and_how_many_members_leave():
         tail[layout.vote] = sum(
             [torch.tensor(1.0)] * joins + [torch.tensor(1.0 + LEAVE_VOTE)] * leaves, torch.tensor(0.0)
         )
+        tail[layout.computed] = joins + leaves  # the micro-batches computed, summed alike
         result = layout.result(tail.tolist())
         assert (result.switch, result.leaving) == (joins + leaves > 0, leaves)
+        assert result.micro_batches == joins + leaves and len(result.stats) == 2  # the loss sum, the count

@@ -164,18 +164,22 @@ def test_a_lone_worker_reports_every_step_with_its_micro_batches_and_holds_the_r
     worker.collective.configure.assert_called_once_with(0, 0, 1)
 
 
-def test_a_member_of_a_larger_group_computes_its_share_and_reports_each_step_at_once():
-    """Rank 1 of 2, 4 micro-batches a step (the last step has 2): micro-batches 1 and 3, then 1."""
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_member_of_a_larger_group_computes_its_share_and_rank_0_reports_each_step_at_once(rank: int):
+    """Rank ``rank`` of 2, 4 micro-batches a step (the last step has 2): its share of each. Rank 0
+    reports each step for the generation as it ends; every member keeps its copy, which it
+    would send with its position when leaving (docs/architecture.md, "Scale")."""
     worker = make_worker(samples=40, micro_batches=4, world_size=2)
-    worker.loop.enter(entering(0, 0, rank=1, world_size=2))
+    worker.loop.enter(entering(0, 0, rank=rank, world_size=2))
     worker.loop.run_joined()
 
-    assert [(r.step, r.rank, r.world_size, r.micro_batches) for r in worker.reports()] == [
-        (0, 1, 2, (1, 3)),
-        (1, 1, 2, (1, 3)),
-        (2, 1, 2, (1,)),
+    kept = list(worker.loop.sent_reports)
+    share = [(0, 2), (0, 2), (0,)] if rank == 0 else [(1, 3), (1, 3), (1,)]
+    assert [(r.step, r.rank, r.world_size, r.micro_batches) for r in kept] == [
+        (step, rank, 2, mbs) for step, mbs in enumerate(share)
     ]
-    assert [r.stats[-1] for r in worker.reports()] == [8.0, 8.0, 4.0]  # this rank's samples (peers add theirs)
+    assert [r.stats[-1] for r in kept] == [8.0, 8.0, 4.0]  # this rank's samples (peers add theirs)
+    assert worker.reports() == (kept if rank == 0 else [])
     worker.channel.send_soon.assert_not_called()
     assert worker.collective.all_reduce_start.called  # the step's sums went through the group
 

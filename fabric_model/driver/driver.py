@@ -210,7 +210,7 @@ class Driver:
             p.EvalDone: lambda w, m: self.progress.eval_done(m, len(self.membership.members)),
             p.StateChunk: self._on_state_chunk,
             p.ProfilePart: self.profiles.part,
-            p.LeftGeneration: lambda w, m: self._execute(self.membership.left(w, m, time.monotonic())),
+            p.LeftGeneration: self._on_left,
             p.Finished: self._on_finished,
             p.FinalState: self._on_final,
             p.WorkerFailed: self._on_failed,
@@ -511,9 +511,13 @@ class Driver:
     def _on_step(self, worker_id: int, message: p.StepDone) -> None:
         if message.generation != self.membership.generation:
             return  # older generations' reports were settled when they ended
-        self.membership.step_reported(worker_id)
         if self.progress.step_done(message) is not None:
             self._moved_on()
+
+    def _on_left(self, worker_id: int, message: p.LeftGeneration) -> None:
+        if message.last is not None and message.last.generation == self.membership.generation:
+            self.progress.copy(message.last)  # its copy of its last step's report: rank 0 may not have sent it
+        self._execute(self.membership.left(worker_id, message, time.monotonic()))
 
     def _on_state_chunk(self, worker_id: int, message: p.StateChunk) -> None:
         # Fenced: only rank 0 of the current generation may upload (state/book.py).
@@ -559,9 +563,14 @@ class Driver:
     def _while_halted(self, worker_id: int, message: Any) -> None:
         halt = self._halt
         assert halt is not None
+        if isinstance(message, p.LeftGeneration) and message.last is not None:
+            self.progress.copy(message.last)  # a step rank 0 did not report, when it was lost
         if worker_id != halt.asked:
             return
         if isinstance(message, p.FinalState):
+            # Its steps below ``unit`` completed in an allreduce: the state handed back holds them.
+            if self.progress.settle(message.unit, self.membership.generation) is not None:
+                self._moved_on()
             rank = "rank 0, " if halt.divergence is not None and halt.divergence.reference == worker_id else ""
             source = f"training stopped; worker {worker_id}'s state ({rank}{self._position(message.unit)})"
             model_state = self.setup.frozen.complete(message.model_state, message.omitted)  # the job's frozen part
@@ -615,8 +624,11 @@ class Driver:
 
     def _held_state(self) -> FinalState:
         """No member sent its state in time: the newest checkpoint or snapshot the driver holds
-        (``_save_preempted`` writes a snapshot), else unit 0, the initial weights."""
-        self._held = restore = self.states.restore_point(self.progress.committed_unit)
+        (``_save_preempted`` writes a snapshot), else unit 0, the initial weights. The newest at any
+        unit: rank 0 uploads a state after reporting its steps, and the last of them counts only
+        at the next report (driver/ledger.py), so a state one step past the committed unit is the
+        furthest any member held, its steps all done."""
+        self._held = restore = self.states.restore_point(self.schedule.total_units)
         if restore is None:
             return FinalState({}, {}, -1, 0, source="the initial weights")
         return FinalState({}, {}, -1, restore.unit, source=f"the {restore.name}")
@@ -626,10 +638,10 @@ class Driver:
         :class:`~fabric_model.driver.preemption.Preempted`; ``run()``'s ``finally`` stops the workers."""
         assert final is not None and watch.signal_name is not None
         unit, generation = final.unit, self.membership.generation
+        # The steps below ``unit`` completed in an allreduce: commit those still waiting (driver/ledger.py).
+        if self.progress.settle(unit, generation) is not None:
+            self._moved_on()
         if final.worker >= 0:
-            # Its steps below ``unit`` completed in an allreduce: commit those whose reports were cut off.
-            if self.progress.settle(unit, generation) is not None:
-                self._moved_on()
             record = state_record(
                 self.schedule,
                 unit,

@@ -1,14 +1,18 @@
 """Progress: committed steps, the exactly-once check, epoch averages, history, replica digests.
 
-A step is committed when every member of its generation has reported it, or, when its
-generation ended, when some member saw its allreduce succeed (it then lies below the next
-generation's resume unit). Every committed step must have had each of its micro-batches
-computed exactly once (invariant 1, docs/architecture.md, "Invariants").
+Rank 0 alone reports each step, for its whole generation (docs/architecture.md, "Scale"), and
+its report commits the step: every member contributed to the step's allreduce. Members that
+leave a generation send their copy of their last step's report with their position, for when
+rank 0 died before sending it; copies wait for the generation's end, when everything rank 0
+sent has been read, and commit the steps below the next generation's resume unit (some member
+holds their result). When a step rank 0 reported was lost with every member that finished it
+(its allreduce failed on the survivors), membership rolls the run back to where they are.
+Every committed step must have had its micro-batches computed exactly once (invariant 1,
+docs/architecture.md, "Invariants"): the reporter computed its plan share, and the count of
+micro-batches computed, summed in the step's allreduce, is the step's.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 from ..run.hooks import Hooks
 from ..run.metrics_log import MetricsLog
@@ -40,13 +44,6 @@ class CommittedUnit:
         self.unit = unit
 
 
-@dataclasses.dataclass
-class _StepReports:
-    world_size: int
-    micro_batches: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # rank -> computed
-    stats: tuple[float, ...] | None = None
-
-
 class Progress:
     """Where training stands, and its record.
 
@@ -69,7 +66,8 @@ class Progress:
         self.replica_digests: dict[int, str] = {}
         self.replica_fingerprints: dict[int, dict[str, int]] = {}  # per tensor, to name what differs
         self.done_units: dict[int, int] = {}  # worker id -> next_unit when it finished
-        self._steps: dict[tuple[int, int, int], _StepReports] = {}
+        # Members' copies of reports, by (generation, unit), until their generation's end (settle).
+        self._pending: dict[tuple[int, int], p.StepDone] = {}
         self._average = EpochAverage(stat_names)
         self._stats: dict[tuple[int, int], tuple[float, ...]] = {}  # (epoch, step) -> committed sums
         # Validations that came before their epoch's last step was committed (rank 0's report
@@ -90,7 +88,7 @@ class Progress:
     ) -> None:
         """A restarted driver took back workers ahead of the state it resumed from: the position,
         history and epoch so far of the vanished driver's last committed step instead."""
-        self._steps.clear()
+        self._pending.clear()
         self._early_evals.clear()
         self._stats.clear()
         self._average = EpochAverage(self.stat_names)
@@ -116,7 +114,7 @@ class Progress:
             [h for h in self.train_history if self.schedule.unit(int(h["epoch"]), steps - 1) < unit],
             [h for h in self.test_history if self.schedule.unit(int(h["epoch"]), steps) < unit],
         )
-        self._steps.clear()
+        self._pending.clear()
         self._early_evals.clear()  # their epochs' last steps were not committed: redone, revalidated
         self._stats = {k: v for k, v in self._stats.items() if self.schedule.unit(*k) < unit}
         # The epoch average goes on from the sums of the epoch's steps that stay committed.
@@ -127,64 +125,66 @@ class Progress:
                 self._average.add(e, sums)
 
     def step_done(self, message: p.StepDone) -> int | None:
-        """One member's report of a step; returns the new committed unit when the step commits."""
-        key = (message.generation, message.epoch, message.step)
-        reports = self._steps.setdefault(key, _StepReports(message.world_size))
-        reports.micro_batches[message.rank] = list(message.micro_batches)
-        reports.stats = message.stats
-        if len(reports.micro_batches) < reports.world_size:
-            return None
-        del self._steps[key]
-        return self._commit(message.epoch, message.step, message.generation, reports, inferred=False)
+        """Rank 0's report of a step (or one a restarted driver took back); returns the new
+        committed unit when the step commits."""
+        if self.schedule.unit(message.epoch, message.step) < self.committed.unit:
+            return None  # counted already: a report taken back twice
+        return self._commit(message, inferred=False)
+
+    def copy(self, message: p.StepDone) -> None:
+        """A member's copy of its last step's report, sent as it left the generation: held until
+        the generation's end (``settle``), when rank 0's report of it, if it sent one, has come."""
+        unit = self.schedule.unit(message.epoch, message.step)
+        if unit >= self.committed.unit:
+            self._pending.setdefault((message.generation, unit), message)
 
     def settle(self, resume_unit: int, upto_generation: int) -> int | None:
-        """Settle the step reports of ended generations; returns the committed unit if it moved.
+        """Settle the copies of ended generations' reports; returns the committed unit if it moved.
 
-        A step below ``resume_unit`` was completed by an allreduce that some member saw
-        succeed, so every member of that generation contributed its share: it is recorded with
-        the shares that the plan assigned to the members that did not report. Steps at or past
-        ``resume_unit`` will be redone, so their partial reports are dropped.
+        A step below ``resume_unit`` whose report rank 0 did not send completed in an allreduce
+        that the member holding the furthest state saw succeed: it is committed. Steps at or past
+        it will be redone, so their copies are dropped.
         """
         moved = None
-        for key in sorted(self._steps):
-            generation, epoch, step = key
+        for key in sorted(self._pending):
+            generation, unit = key
             if generation > upto_generation:
                 continue
-            reports = self._steps.pop(key)
-            if self.schedule.unit(epoch, step) < resume_unit and reports.stats is not None:
-                n = self.plan.num_micro_batches(epoch, step)
-                for rank in range(reports.world_size):
-                    reports.micro_batches.setdefault(rank, list(assigned_micro_batches(n, rank, reports.world_size)))
-                moved = self._commit(epoch, step, generation, reports, inferred=True)
+            report = self._pending.pop(key)
+            if self.committed.unit <= unit < resume_unit:
+                moved = self._commit(report, inferred=True)
         return moved
 
-    def _commit(self, epoch: int, step: int, generation: int, reports: _StepReports, inferred: bool) -> int:
-        expected = self.plan.num_micro_batches(epoch, step)
-        computed = sorted(j for mbs in reports.micro_batches.values() for j in mbs)
-        if computed != list(range(expected)):
+    def _commit(self, report: p.StepDone, inferred: bool) -> int:
+        epoch, step, world = report.epoch, report.step, report.world_size
+        n = self.plan.num_micro_batches(epoch, step)
+        shares = {rank: list(assigned_micro_batches(n, rank, world)) for rank in range(world)}
+        if list(report.micro_batches) != shares.get(report.rank) or report.computed != n:
             raise ExactlyOnceError(
-                f"step {step} of epoch {epoch}: micro-batches {computed}, expected 0..{expected - 1}"
+                f"step {step} of epoch {epoch}: rank {report.rank} of {world} computed micro-batches "
+                f"{list(report.micro_batches)} (the plan's: {shares.get(report.rank)}) and the generation "
+                f"{report.computed} micro-batches, expected {n}"
             )
-        assert reports.stats is not None
+        stats = report.stats
         self.iteration += 1
         self.committed.advance(self.schedule.unit(epoch, step) + 1)
-        self._stats[(epoch, step)] = reports.stats
-        averages = self._average.add(epoch, reports.stats)
+        self._stats[(epoch, step)] = stats
+        averages = self._average.add(epoch, stats)
         if step == self.plan.steps_per_epoch - 1:
             self.train_history.append({"epoch": epoch, **averages})
         self.metrics.train(
             epoch=epoch,
             step=step,
             iteration=self.iteration,
-            generation=generation,
-            workers=reports.world_size,
-            metrics=(step_metrics := stat_means(self.stat_names, reports.stats)),
+            generation=report.generation,
+            workers=world,
+            metrics=(step_metrics := stat_means(self.stat_names, stats)),
             epoch_metrics=averages,
-            micro_batches=reports.micro_batches,
+            micro_batches=shares,
             inferred=inferred,
         )
-        self.hooks.record_step(step_metrics, self.iteration, epoch, reports.world_size)
-        self.hooks.log_train_metrics(averages, self.iteration, epoch, reports.world_size)
+        self.hooks.record_step(step_metrics, self.iteration, epoch, world)
+        self.hooks.log_train_metrics(averages, self.iteration, epoch, world)
         if step == self.plan.steps_per_epoch - 1 and epoch in self._early_evals:
             self.eval_done(*self._early_evals.pop(epoch))
         return self.committed.unit

@@ -41,6 +41,7 @@ from .commands import (
     Start,
 )
 from .ledger import CommittedUnit
+from .roster import Indexed, Roster
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +65,13 @@ class WorkerState(enum.Enum):
 
 
 @dataclasses.dataclass
-class WorkerRecord:
-    """What membership knows of one worker."""
+class WorkerRecord(Indexed):
+    """What membership knows of one worker (its ``state`` indexed by the :class:`Roster`)."""
 
     slot: int | None  # local device slot, None for a worker started by hand
     last_seen: float
     state: WorkerState = WorkerState.STARTING
-    steps: int = 0  # steps reported while a member
+    steps: int = 0  # steps committed in the generations it was a member of, before the current one
     attempt: int = 1  # its latest Ready's attempt number
     done_unit: int = -1  # next_unit when it finished
     placed: float | None = None  # when its process got a place to run; None while pending
@@ -88,7 +89,7 @@ class Membership:
         committed: CommittedUnit | None = None,
     ) -> None:
         self.limits, self.checkpoints, self._log_tail = limits, checkpoints, log_tail
-        self.workers: dict[int, WorkerRecord] = {}
+        self.workers: Roster = Roster()  # worker id -> WorkerRecord
         self.generation = -1
         self.members: list[int] = []
         self._committed = committed or CommittedUnit()  # the driver's ledger's, shared
@@ -104,6 +105,8 @@ class Membership:
         self._start_crashes = 0  # processes that died before being ready, before the first generation
         self._replacements: list[tuple[float, int]] = []  # (when, slot)
         self._next_id = limits.max_workers
+        self._generation_steps = 0  # steps committed in the current generation
+        self._silence_checked = 0.0  # when tick() last read every worker's heartbeat
         self._id_lock = threading.Lock()  # the control server's reader threads assign ids too
 
     # -- queries ----------------------------------------------------------------------------
@@ -111,11 +114,11 @@ class Membership:
         return self.workers[worker_id].state
 
     def alive(self) -> list[int]:
-        return [w for w, r in self.workers.items() if r.state is not WorkerState.GONE]
+        return self._in(WorkerState.STARTING, WorkerState.READY, WorkerState.MEMBER, WorkerState.DONE)
 
-    def _placed_starting(self) -> list[int]:
-        """Starting workers that have a place to run (a pending one holds nothing back)."""
-        return [w for w in self._in(WorkerState.STARTING) if self.workers[w].placed is not None]
+    def _placed_starting(self) -> bool:
+        """Whether a starting worker has a place to run (a pending one holds nothing back)."""
+        return any(self.workers[w].placed is not None for w in self.workers.iter_in(WorkerState.STARTING))
 
     def allocate_id(self) -> int:
         """A fresh worker id (thread-safe: hand-started workers get theirs on connecting)."""
@@ -123,8 +126,12 @@ class Membership:
             self._next_id += 1
             return self._next_id - 1
 
+    def _first_placed(self) -> float:
+        """When the longest-starting worker that has a place to run got it."""
+        return min(t for w in self.workers.iter_in(WorkerState.STARTING) if (t := self.workers[w].placed) is not None)
+
     def _in(self, *states: WorkerState) -> list[int]:
-        return [w for w, r in self.workers.items() if r.state in states]
+        return self.workers.in_states(*states)
 
     # -- events -----------------------------------------------------------------------------
     def start(self, now: float, taken: Collection[int] = ()) -> list[Command]:
@@ -186,8 +193,9 @@ class Membership:
             # Its pull failed: the members may be blocked waiting for it in this generation.
             self._cause(worker_id, f"failed to enter generation {self.generation}", now)
             commands += self._abort_members()
-        taken = [w for w in self._in(WorkerState.MEMBER, WorkerState.READY, WorkerState.DONE) if w != worker_id]
-        if len(taken) >= self.limits.max_workers or self.finishing:
+        taken = self.workers.count(WorkerState.MEMBER, WorkerState.READY, WorkerState.DONE)
+        taken -= record.state in (WorkerState.MEMBER, WorkerState.READY, WorkerState.DONE)
+        if taken >= self.limits.max_workers or self.finishing:
             why = "the job is finishing" if self.finishing else f"all {self.limits.max_workers} slots are taken"
             reason = f"join refused: {why} (engines_number={self.limits.max_workers})"
             log.info("worker %d %s", worker_id, reason)
@@ -215,9 +223,6 @@ class Membership:
             elif record.placed is None:
                 record.placed = now
 
-    def step_reported(self, worker_id: int) -> None:
-        self.workers[worker_id].steps += 1
-
     @property
     def committed_unit(self) -> int:
         """Every unit below this is committed."""
@@ -227,9 +232,12 @@ class Membership:
         """Progress committed every unit below ``unit``: training moved on."""
         self._committed.advance(unit)
         self._last_user_error = None  # an earlier error is not this run's cause any more
+        self._generation_steps += 1
+        if self._generation_steps > STEADY_STEPS:
+            return  # every member's slot was reset by now: O(1) a step from here
         for member in self.members:
             record = self.workers[member]
-            if record.slot is not None and record.steps >= STEADY_STEPS:
+            if record.slot is not None and record.steps + self._generation_steps >= STEADY_STEPS:
                 self._slot_failures[record.slot] = 0  # a slot that trains steadily starts its backoff afresh
 
     def left(self, worker_id: int, message: p.LeftGeneration, now: float) -> list[Command]:
@@ -343,26 +351,32 @@ class Membership:
         ``heartbeats`` False skips the silence check, the one part that reads every worker (the
         driver runs it periodically, and the rest after each message that can complete a change)."""
         commands: list[Command] = []
-        for worker_id in self._in(WorkerState.READY, WorkerState.MEMBER, WorkerState.DONE) if heartbeats else ():
-            silent = now - self.workers[worker_id].last_seen
-            if silent > self.limits.heartbeat:
-                commands += self.lost(worker_id, f"no heartbeat for {silent:.1f} s (EDT_HEARTBEAT_TIME_OUT)", now)
+        # Every worker's silence (and start bound), read at most ten times in a heartbeat bound and
+        # once a second: with thousands of workers, reading them all at every tick costs a core.
+        read_all = heartbeats and now - self._silence_checked >= min(1.0, self.limits.heartbeat / 10)
+        if read_all:
+            self._silence_checked = now
+            for worker_id in self._in(WorkerState.READY, WorkerState.MEMBER, WorkerState.DONE):
+                silent = now - self.workers[worker_id].last_seen
+                if silent > self.limits.heartbeat:
+                    commands += self.lost(worker_id, f"no heartbeat for {silent:.1f} s (EDT_HEARTBEAT_TIME_OUT)", now)
         commands += self._start_replacements(now)
         if self._change is not None:
             commands += self._try_complete_change(now)
         members_done = self.members and all(self.workers[m].state is WorkerState.DONE for m in self.members)
         if not self.finishing and self.generation >= 0 and members_done:
             self.finishing, self._finish_started = True, now
-            commands += self._request_final()
+            commands += [Settle(self.limits.total_units, self.generation), *self._request_final()]
         if self.finishing and now - self._finish_started > self.limits.recovery:
             raise JobError(f"no final state from worker {self.final_from} within {self.limits.recovery:.0f} s")
         if self.generation < 0:
-            placed = [t for w in self._in(WorkerState.STARTING) if (t := self.workers[w].placed) is not None]
-            if self._in(WorkerState.READY) and not placed:
+            placed = self._placed_starting()
+            ready = self.workers.count(WorkerState.READY)
+            if ready and not placed:
                 commands += self._form_generation(None)  # the others failed or wait for room: go without them
-            elif placed and now - min(placed) > self.limits.start:
+            elif placed and read_all and now - self._first_placed() > self.limits.start:
                 commands += self._start_deadline()
-            elif not placed and not self._in(WorkerState.READY) and now - self._started > self.limits.start:
+            elif not placed and not ready and now - self._started > self.limits.start:
                 self._started = now  # say it once per start bound: nothing failed, the cluster is full
                 if self.limits.local_slots == 0:  # FABRIC_MODEL_LOCAL_WORKERS=0
                     log.warning("no worker has joined yet: waiting for workers started by hand (join.json)")
@@ -391,7 +405,7 @@ class Membership:
     def _start_deadline(self) -> list[Command]:
         """The start bound passed: go with the ready workers, or fail naming the missing ones."""
         if not self._in(WorkerState.READY):
-            missing = self._placed_starting()
+            missing = [w for w in self._in(WorkerState.STARTING) if self.workers[w].placed is not None]
             raise JobError(
                 f"no worker became ready within {self.limits.start:.0f} s (EDT_START_TIME_OUT). "
                 f"Their logs:\n" + self._log_tail(missing)
@@ -467,17 +481,34 @@ class Membership:
         members = survivors + newcomers
         needs_state = bool(survivors) and (bool(newcomers) or len(holders) < len(survivors))
         source = members.index(holders[0]) if needs_state else -1
-        restore, rolled_back_from = self._restore_point(resume) if not survivors and resume > 0 else (None, None)
+        restore: RestorePoint | None = None
+        rolled_back_from: int | None = None
+        if not survivors and (resume > 0 or change is not None):
+            restore, rolled_back_from = self._restore_point(resume, newest=change is not None)
+            if rolled_back_from is not None:
+                resume = restore.unit if restore is not None else 0
+            elif restore is not None and restore.unit > resume:
+                resume = restore.unit  # its steps not yet counted are, by the Settle below
+        elif survivors and resume < self.committed_unit:
+            # A step rank 0 reported was lost with every member that finished it (its allreduce
+            # failed on the survivors, who undid it): it is redone, as after any rollback.
+            log.warning(
+                "the members left hold unit %d, below the committed unit %d: redoing the steps from there",
+                resume,
+                self.committed_unit,
+            )
+            rolled_back_from = self.committed_unit
         if rolled_back_from is not None:
-            resume = restore.unit if restore is not None else 0
             self._committed.roll_back(resume)
         commands: list[Command] = [Settle(resume, self.generation)]
         if rolled_back_from is not None:
             commands.append(RollBack(resume))
         settings = self.checkpoints.settings(restore.name if restore is not None else None)
         data = restore.data if restore is not None else None
+        for worker_id in self.members:  # the ended generation's steps count for its members
+            self.workers[worker_id].steps += self._generation_steps
         self.generation += 1
-        self.members, self._change = members, None
+        self.members, self._change, self._generation_steps = members, None, 0
         reason, subjects = (change.reason(members), change.subjects(members)) if change else ("start", ())
         checkpoint = restore.name if restore is not None and restore.kind == "checkpoint" else None
         kind = restore.kind if restore is not None else None
@@ -496,12 +527,15 @@ class Membership:
             commands.append(Send(worker_id, message))
         return commands
 
-    def _restore_point(self, resume: int) -> tuple[RestorePoint | None, int | None]:
+    def _restore_point(self, resume: int, newest: bool = False) -> tuple[RestorePoint | None, int | None]:
         """Nobody holds the state of ``resume`` (a resumed run, or every holder lost): every
         member loads the newest saved state at or below it, or keeps the job's initial weights
         (unit 0, which every worker has). Returns it, and ``resume`` when that means rolling back.
-        See docs/architecture.md, "Elasticity", "No holder left"."""
-        restore = self.checkpoints.restore_point(resume)
+        ``newest``: every member was lost, so the newest state saved is the furthest any holds,
+        even past the committed unit (rank 0 uploads a state after reporting the steps in it, and
+        its last step waits for the next report: driver/ledger.py). See docs/architecture.md,
+        "Elasticity", "No holder left"."""
+        restore = self.checkpoints.restore_point(self.limits.total_units if newest else resume)
         unit = restore.unit if restore is not None else 0
         if unit >= resume:
             return restore, None

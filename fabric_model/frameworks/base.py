@@ -94,6 +94,11 @@ class FrameworkAdapter(abc.ABC):
     def step_layout(self) -> StepLayout:
         """The layout of the current ``step_buffer``."""
 
+    def count_micro_batches(self, count: int) -> None:
+        """Say, inside this step's allreduce, how many micro-batches this member computed (the
+        driver checks the sum: driver/ledger.py)."""
+        self.step_buffer[self.step_layout.computed] = float(count)
+
     def vote_switch(self, leaving: bool = False) -> None:
         """Vote, inside this step's allreduce, to end the generation after the step (and, when
         ``leaving``, to leave the job then: step/layout.py, ``LEAVE_VOTE``)."""

@@ -24,11 +24,14 @@ class StepResult:
             count, summed over the group: what the driver averages.
         switch: whether some member voted to end the generation after this step.
         leaving: how many members voted to leave after it (a preemption notice).
+        micro_batches: how many micro-batches the members computed, summed over the group: the
+            driver's exactly-once check (driver/ledger.py).
     """
 
     stats: list[float]
     switch: bool
     leaving: int = 0
+    micro_batches: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,12 +39,13 @@ class StepLayout:
     """The offsets of the step buffer, laid out as::
 
         [ gradients | forward-updated buffer deltas | got-gradient flags |
-          stat sums (loss, metrics...) | sample count | switch vote ]
+          stat sums (loss, metrics...) | sample count | micro-batches computed | switch vote ]
 
     Gradients and buffer deltas are already weighted by each micro-batch's share of the step;
-    a flag is 1 where some micro-batch produced the parameter's gradient; the vote is 1 where a
-    member asks to switch generation, and ``1 + LEAVE_VOTE`` where it leaves after the step.
-    Everything is summed by one allreduce.
+    a flag is 1 where some micro-batch produced the parameter's gradient; each member writes
+    how many micro-batches it computed; the vote is 1 where a member asks to switch
+    generation, and ``1 + LEAVE_VOTE`` where it leaves after the step. Everything is summed by
+    one allreduce.
 
     Attributes:
         n_gradients: elements of all trainable parameters.
@@ -58,7 +62,7 @@ class StepLayout:
     @property
     def size(self) -> int:
         """Elements of the whole buffer."""
-        return self.n_gradients + self.n_buffers + self.n_flags + self.n_stats + 2
+        return self.n_gradients + self.n_buffers + self.n_flags + self.n_stats + 3
 
     @property
     def gradients(self) -> slice:
@@ -84,13 +88,18 @@ class StepLayout:
         return self.stat_sums.stop
 
     @property
-    def vote(self) -> int:
-        """Index of the switch vote (the last element)."""
+    def computed(self) -> int:
+        """Index of the count of micro-batches computed."""
         return self.count + 1
 
     @property
+    def vote(self) -> int:
+        """Index of the switch vote (the last element)."""
+        return self.count + 2
+
+    @property
     def tail(self) -> slice:
-        """Stat sums, sample count and vote: what the step reports."""
+        """Stat sums, sample count, micro-batches and vote: what the step reports."""
         return slice(self.stat_sums.start, self.size)
 
     @property
@@ -105,7 +114,7 @@ class StepLayout:
     def result(self, tail: Sequence[float]) -> StepResult:
         """The step's result from the values of ``tail`` (as a list of floats)."""
         values = list(tail)
-        if len(values) != self.n_stats + 2:
-            raise ValueError(f"expected {self.n_stats + 2} tail values, got {len(values)}")
-        vote = values[-1]
-        return StepResult(stats=values[:-1], switch=vote > 0, leaving=int(vote // LEAVE_VOTE))
+        if len(values) != self.n_stats + 3:
+            raise ValueError(f"expected {self.n_stats + 3} tail values, got {len(values)}")
+        vote, computed = values[-1], values[-2]
+        return StepResult(values[:-2], vote > 0, int(vote // LEAVE_VOTE), int(round(computed)))

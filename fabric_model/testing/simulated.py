@@ -2,7 +2,7 @@
 at scale (benchmarks/bench_scale.py; docs/architecture.md, "Scale").
 
 A simulated worker is no model and no collective: a connection that speaks the real control
-protocol (the HMAC handshake, ``Hello``, ``Ready``, ``Entered``, heartbeats, ``StepDone``
+protocol (the HMAC handshake, ``Hello``, ``Ready``, ``Entered``, heartbeats, rank 0's ``StepDone``
 reports with the plan's micro-batches, ``LeftGeneration`` after an abort or a vote, leaving on a
 notice). Many live in one process, read by one thread (a selector over their connections), so a
 few processes hold thousands. The driver is the real one (:class:`~fabric_model.driver.driver.Driver`)
@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-import resource
 import selectors
 import socket
 import subprocess
@@ -32,16 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from ..transport import protocol as p
+from ..transport.descriptors import allow_many_descriptors
 
 #: Units in the simulated schedule: one epoch of this many steps, never reached.
 STEPS = 1_000_000
-
-
-def _raise_file_limit() -> None:
-    """Thousands of connections need as many descriptors: the soft limit raised to the hard one."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 # -- the driver ------------------------------------------------------------------------------------
@@ -76,7 +69,6 @@ def run_driver(run_dir: str, max_workers: int) -> None:
         def log_tail(self, worker_id: int, lines: int = 30) -> str:
             return ""
 
-    _raise_file_limit()
     plan = Plan(num_samples=STEPS * max_workers, batch_size=1, micro_batches=max_workers, seed=0)
     config = TrainConfig(
         epochs=1,
@@ -118,6 +110,7 @@ class SimWorker:
     unit: int = 0  # next_unit
     member: bool = False  # in ``generation``, stepping
     pending: int = -1  # a JoinPending's generation
+    last: p.StepDone | None = None  # its copy of its last step's report (rank 0 sends it)
     ready_sent: bool = False
     has_job: bool = False
 
@@ -207,9 +200,16 @@ class SimulatedWorkers:
         elif isinstance(message, p.Abort):
             if worker.member and message.generation >= worker.generation:  # its collective fails: the step undone
                 worker.member = False
-                self._send(worker, p.LeftGeneration(worker.generation, worker.unit, True, "aborted"))
+                self._send(
+                    worker, p.LeftGeneration(worker.generation, worker.unit, True, "aborted", last=self._last(worker))
+                )
         elif isinstance(message, p.Stop):
             worker.member = False
+
+    @staticmethod
+    def _last(worker: SimWorker) -> p.StepDone | None:
+        last = worker.last
+        return last if last is not None and last.generation == worker.generation else None
 
     def _beat(self) -> None:
         """Every worker's heartbeat, once a second (worker/inbox.py's interval)."""
@@ -221,20 +221,26 @@ class SimulatedWorkers:
 
     def step(self, switch: bool = False, leaving: int = 0) -> float:
         """Every member reports the step at its unit; with ``switch``, then leaves its generation
-        as after a vote (the first ``leaving`` members for good, on a notice). Returns when the
-        last report went out (``time.time()``)."""
+        as after a vote (the first ``leaving`` members for good, on a notice). Returns when rank
+        0's report went out (``time.time()``; 0 where no member here is rank 0)."""
         with self._lock:
             members = [w for w in self.workers if w.member]
-            for worker in members:
+            samples = float(self.micro_batches)  # one sample a micro-batch
+            sent = 0.0
+            for worker in members:  # rank 0 reports for its generation; every member keeps its copy
                 mbs = tuple(range(worker.rank, self.micro_batches, worker.world))
-                report = p.StepDone(worker.generation, 0, worker.unit, worker.rank, worker.world, mbs, (0.5, 1.0))
-                self._send(worker, report)
+                stats, computed = (0.5 * samples, samples), self.micro_batches
+                report = p.StepDone(worker.generation, 0, worker.unit, worker.rank, worker.world, mbs, stats, computed)
+                worker.last = report
+                if worker.rank == 0:
+                    self._send(worker, report)
+                    sent = time.time()
                 worker.unit += 1
-            sent = time.time()
             if switch:
                 for i, worker in enumerate(members):
                     worker.member = False
-                    left = p.LeftGeneration(worker.generation, worker.unit, False, "switch", leaving=i < leaving)
+                    last = self._last(worker)
+                    left = p.LeftGeneration(worker.generation, worker.unit, False, "switch", i < leaving, last)
                     self._send(worker, left)
         if switch:
             for worker in members[:leaving]:
@@ -270,7 +276,7 @@ class SimulatedWorkers:
 def serve_workers(pipe: Connection, address: tuple[str, int], secret: bytes, micro_batches: int) -> None:
     """A process of simulated workers, doing what the orchestrator's pipe asks: ``(name, args)``
     calls of :class:`SimulatedWorkers`' methods, each answered with its result."""
-    _raise_file_limit()
+    allow_many_descriptors()  # thousands of connections in one process
     workers = SimulatedWorkers(address, secret, micro_batches)
     try:
         while True:
@@ -372,7 +378,7 @@ class Simulation:
         return time.monotonic() - started
 
     def step(self, switch: bool = False, leaving: list[tuple[Any, ...]] | None = None) -> float:
-        """One step of every member (the last report's ``time.time()``)."""
+        """One step of every member (``time.time()`` when rank 0's report went out)."""
         if leaving is not None:
             return max(self.call("step", per_process=[(switch, n) for (n,) in leaving]))
         return max(self.call("step", switch, 0))

@@ -21,6 +21,8 @@ from multiprocessing.connection import Client, Connection, Listener, answer_chal
 from typing import Any, Literal, Protocol
 
 from . import protocol as p
+from .descriptors import allow_many_descriptors
+from .reader import ConnectionReader
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +100,9 @@ class Channel:
         """Next raw frame; ``EOFError`` on close."""
         return self._conn.recv_bytes()
 
+    def fileno(self) -> int:
+        return self._conn.fileno()
+
     def fence(self, message: Any) -> None:
         """Send ``message``, then end our half of the stream (the peer reads it, then EOF)."""
         try:
@@ -120,6 +125,19 @@ class Channel:
                 self._conn.close()
             except OSError:
                 pass
+
+    def close_soon(self) -> None:
+        """Close now if no send is under way, else on a thread once it ends (the caller, the
+        reader of every connection, must not wait on a send to a peer that stopped reading)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._conn.close()
+            except OSError:
+                pass
+            finally:
+                self._lock.release()
+        else:
+            threading.Thread(target=self.close, name="fabric-close", daemon=True).start()
 
     def shutdown(self) -> None:
         """Close, waking a thread blocked reading this channel (closing alone does not)."""
@@ -180,6 +198,7 @@ class ControlServer:
         allocate_id: Callable[[], int] | None = None,
         store: StoreHandler | None = None,
     ) -> None:
+        allow_many_descriptors()  # two connections a worker: thousands of them (transport/descriptors.py)
         self._allocate_id = allocate_id
         self._store = store
         self._secret = secret
@@ -197,6 +216,8 @@ class ControlServer:
         self._peers: dict[int, str] = {}  # worker id -> the address its connection came from
         self._closed = threading.Event()
         self._lock = threading.Lock()
+        # One thread reads every worker's connection once it said Hello (transport/reader.py).
+        self._reader = ConnectionReader()
         self._thread = threading.Thread(target=self._accept_loop, name="fabric-accept", daemon=True)
         self._thread.start()
 
@@ -224,7 +245,8 @@ class ControlServer:
             threading.Thread(target=self._serve, args=(conn, host), name="fabric-conn", daemon=True).start()
 
     def _serve(self, conn: Connection, host: str | None = None) -> None:
-        """One connection's life, on its own thread: the handshake, then its messages."""
+        """A new connection, on a thread of its own: the handshake and its first message; then
+        the reader thread reads it (a store connection keeps this thread)."""
         if self._authenticate(conn):
             self._read_loop(Channel(conn), host)
 
@@ -250,7 +272,10 @@ class ControlServer:
         try:
             hello = channel.recv(timeout=60.0)
             if isinstance(hello, p.StoreOpen) and self._store is not None:
-                self._store.serve(channel, int(hello.worker_id))
+                try:
+                    self._store.serve(channel, int(hello.worker_id))
+                finally:
+                    channel.close()
                 return
             if not isinstance(hello, p.Hello):
                 raise ValueError(f"expected Hello first, got {type(hello).__name__}")
@@ -267,19 +292,35 @@ class ControlServer:
                 if host is not None:
                     self._peers[worker_id] = host
             self.events.put((worker_id, hello))
-            while True:
-                message = channel.recv()
-                for one in message.messages if isinstance(message, p.Batch) else (message,):
-                    self.events.put((worker_id, one))
+            self._reader.add(channel.fileno(), self._on_frame(worker_id), self._on_end(worker_id, channel))
         except (EOFError, OSError, TimeoutError, ValueError, KeyError, TypeError) as exc:
             if worker_id >= 0:
-                self.events.put((worker_id, p.ConnectionLost(repr(exc))))
-        finally:
-            channel.close()
+                self._on_end(worker_id, channel)(exc)
+            else:
+                channel.close()
+
+    def _on_frame(self, worker_id: int) -> Callable[[bytes], None]:
+        """What the reader thread does with each of ``worker_id``'s frames: its messages, queued."""
+        put = self.events.put
+
+        def on_frame(frame: bytes) -> None:
+            message = pickle.loads(frame)
+            for one in message.messages if isinstance(message, p.Batch) else (message,):
+                put((worker_id, one))
+
+        return on_frame
+
+    def _on_end(self, worker_id: int, channel: Channel) -> Callable[[BaseException], None]:
+        """What ends ``worker_id``'s connection: a ``ConnectionLost`` after all it sent."""
+
+        def on_end(exc: BaseException) -> None:
+            self.events.put((worker_id, p.ConnectionLost(repr(exc))))
+            channel.close_soon()
             with self._lock:
                 self._reading.discard(worker_id)
-                if worker_id >= 0:
-                    self._ended.add(worker_id)
+                self._ended.add(worker_id)
+
+        return on_end
 
     def peer(self, worker_id: int) -> str | None:
         """The address ``worker_id``'s control connection came from (None before its Hello)."""
@@ -330,6 +371,7 @@ class ControlServer:
             self._listener.close()
         except OSError:
             pass
+        self._reader.close()
         with self._lock:
             for channel in self.channels.values():
                 channel.close()

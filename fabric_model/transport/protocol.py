@@ -93,13 +93,15 @@ class LeftGeneration:
     ``failed`` False: it stopped after the step its generation voted to switch at;
     True: a collective failed (a peer died or the driver aborted) and the step was undone.
     ``leaving``: it leaves the job now (a preemption signal) and exits; it holds nothing for the
-    next generation."""
+    next generation. ``last``: its copy of the report of the last step it finished in
+    ``generation``, which rank 0 may have died before sending (driver/ledger.py)."""
 
     generation: int
     next_unit: int
     failed: bool
     reason: str = ""
     leaving: bool = False
+    last: StepDone | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +111,11 @@ class Heartbeat:
 
 @dataclasses.dataclass(frozen=True)
 class StepDone:
-    """Rank ``rank`` of ``world_size`` finished step ``step`` of ``epoch`` having computed
-    ``micro_batches``; ``stats`` are the step's reduced stat sums (loss, metrics..., count)."""
+    """Step ``step`` of ``epoch`` finished in a generation of ``world_size``: ``stats`` are the
+    step's stat sums (loss, metrics..., sample count) and ``computed`` the micro-batches computed,
+    both reduced over every member; ``micro_batches`` those rank ``rank`` computed. Rank 0 alone
+    sends it, for the whole generation; every member keeps its own copy (docs/architecture.md,
+    "Scale")."""
 
     generation: int
     epoch: int
@@ -119,6 +124,7 @@ class StepDone:
     world_size: int
     micro_batches: tuple[int, ...]
     stats: tuple[float, ...]
+    computed: int
 
 
 @dataclasses.dataclass(frozen=True)

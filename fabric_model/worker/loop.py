@@ -114,8 +114,9 @@ class TrainingLoop:
         self.next_unit = 0
         self.entered_once = False  # it entered a generation: its state is the run's (worker/reattach.py)
         self.iterations = 0  # steps this worker took part in
-        # Its latest step reports: a driver that comes back after vanishing records those the
-        # vanished one did not (docs/elasticity.md, "A lost driver").
+        # Its latest step reports, rank 0's sent, every member's kept: sent with its position when
+        # it leaves a generation (rank 0 may have died before sending the last), and to a driver
+        # that comes back after vanishing (docs/elasticity.md, "A lost driver").
         self.sent_reports: collections.deque[p.StepDone] = collections.deque(maxlen=REPORTS_KEPT)
         self._seeds = MicroBatchSeeds(plan)  # micro_batch_seed, a block of steps at a time
         self.hooks = job.hooks
@@ -177,12 +178,18 @@ class TrainingLoop:
             self.uploads.flush(self.notice.grace)
         collective.shutdown()
         reason = f"leaves ({self.notice.signal_name})"
-        self.channel.send(p.LeftGeneration(collective.generation, self.next_unit, False, reason, leaving=True))
+        left = p.LeftGeneration(collective.generation, self.next_unit, False, reason, True, self._last_report())
+        self.channel.send(left)
         raise WorkerLeft(reason)
 
     def position(self, failed: bool, reason: str = "") -> p.LeftGeneration:
         """How far this worker got in the generation it leaves."""
-        return p.LeftGeneration(self.collective.generation, self.next_unit, failed, reason)
+        return p.LeftGeneration(self.collective.generation, self.next_unit, failed, reason, last=self._last_report())
+
+    def _last_report(self) -> p.StepDone | None:
+        """This member's copy of the report of the last step it finished in its generation."""
+        last = self.sent_reports[-1] if self.sent_reports else None
+        return last if last is not None and last.generation == self.collective.generation else None
 
     def enter(self, generation: p.EnterGeneration) -> None:
         """Join ``generation``; take the agreed state from its source member when told to."""
@@ -376,7 +383,9 @@ class TrainingLoop:
                 assert key == (epoch, step, j), f"loader out of order: {key} != {(epoch, step, j)}"
                 seed = self._seeds(epoch, step, j)
                 adapter.train_micro_batch(batch, len(indices), step_samples, seed, last=position == len(mine) - 1)
-            # The switch vote rides in the same allreduce, so every member reads the same sum.
+            # The micro-batch count and the switch vote ride in the same allreduce, so every
+            # member reads the same sums.
+            adapter.count_micro_batches(len(mine))
             leaving = self.voted_leave = self.notice.requested
             if leaving or self.inbox.pending_generation > collective.generation:
                 adapter.vote_switch(leaving)
@@ -392,7 +401,14 @@ class TrainingLoop:
         self.loop_state.step_done(epoch, stats)
         self.iterations += 1
         report = p.StepDone(
-            collective.generation, epoch, step, collective.rank, collective.world_size, tuple(mine), tuple(stats)
+            collective.generation,
+            epoch,
+            step,
+            collective.rank,
+            collective.world_size,
+            tuple(mine),
+            tuple(stats),
+            result.micro_batches,
         )
         with self.phases(ph.REPORT):
             self._report(report)
@@ -403,7 +419,11 @@ class TrainingLoop:
         return switch
 
     def _report(self, report: p.StepDone) -> None:
+        """Rank 0 reports the step for its generation, every member keeps its copy: one message a
+        step, not one a member (docs/architecture.md, "Scale")."""
         self.sent_reports.append(report)
+        if self.collective.rank != 0:
+            return
         if self.collective.world_size == 1:
             # A lone worker's fast steps share frames (docs/architecture.md, "What a step costs
             # beyond the math"). Held reports go out before any state this worker uploads, so

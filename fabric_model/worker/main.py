@@ -41,6 +41,7 @@ from ..transport import control
 from ..transport import protocol as p
 from ..transport.collective import Collective, CollectiveError
 from ..transport.control import Channel
+from ..transport.descriptors import allow_many_descriptors
 from ..transport.network import select_interfaces
 from ..transport.store.client import RemoteStore
 from . import cli
@@ -283,6 +284,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="[worker] %(asctime)s %(levelname)s %(name)s: %(message)s")
     # Collectives go out on the interface that routes to the driver (docs/architecture.md, "Processes").
     interface = select_interfaces(args.address[0])
+    allow_many_descriptors()  # a gloo rank holds a socket a peer (docs/architecture.md, "The collective group")
     log.info("driver %s:%d, collectives on interface %s", *args.address, GLOO_SOCKET_IFNAME.get() or interface)
     # Started by hand: sized from this host, not the driver's (worker/host_share.py).
     share = None if LAUNCHED.get() or args.threads is not None else HostShare(f"{args.address[0]}-{args.address[1]}")

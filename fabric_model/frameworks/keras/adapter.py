@@ -359,7 +359,8 @@ class KerasAdapter(FrameworkAdapter):
         weighted = tf.concat(parts, 0) if parts else tf.zeros([0])
         if weight is not None:  # None: the step's only micro-batch, weight 1 (saves a pass over the buffer)
             weighted = weighted * weight
-        tail = tf.stack(stats + count + [tf.constant(0.0)])  # stat sums, count, vote: the layout's tail
+        # stat sums, count, micro-batches computed and vote (the loop writes those two): the layout's tail
+        tail = tf.stack(stats + count + [tf.constant(0.0), tf.constant(0.0)])
         flat = tf.concat([weighted] + flags + [tail], 0)
         return flat if acc is None else acc + flat
 
@@ -442,7 +443,7 @@ class KerasAdapter(FrameworkAdapter):
                 # Alone with one micro-batch: run the whole step in finish_step, in one function.
                 # Until then nothing has changed, so an aborted step has nothing to undo.
                 self._solo = (x, y, seed_t)
-                self._view = torch.zeros(self._layout.tail_only().size)  # stat sums, count, vote
+                self._view = torch.zeros(self._layout.tail_only().size)  # stat sums, count, micro-batches, vote
                 return
             weight = None if num_samples == step_samples else tf.constant(num_samples / step_samples, tf.float32)
             with self.phases(ph.FORWARD):  # one TensorFlow function: forward, loss and backward
@@ -467,9 +468,9 @@ class KerasAdapter(FrameworkAdapter):
 
             with tf.device(self._tf_device), self.phases(ph.FORWARD):  # the whole step in one function
                 stats = self._tf_solo(*self._solo).numpy().tolist()
-            vote = float(buffer[layout.vote])
+            computed, vote = float(buffer[layout.computed]), float(buffer[layout.vote])
             self._solo, self._view, self._in_step = None, None, False
-            return layout.result(stats + [vote])
+            return layout.result(stats + [computed, vote])
         used = tuple(bool(f > 0) for f in buffer[layout.flags].tolist())
         with self.phases(ph.OPTIMIZER):
             self._tf_apply(self._acc, used)

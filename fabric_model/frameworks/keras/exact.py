@@ -93,12 +93,14 @@ class ExactKerasAdapter(ExactGrid, KerasAdapter):
     def _redo(self) -> None:
         """Every replica decided alike (from agreed maxima): run this step's micro-batches again."""
         tail = self.step_buffer[self._region_size :]
-        vote = float(self.step_buffer[self.step_layout.vote])  # reduced: > 0 exactly when some member voted
+        layout = self.step_layout
+        vote = float(self.step_buffer[layout.vote])  # reduced: > 0 exactly when some member voted
+        computed = float(self.step_buffer[layout.computed])  # reduced: the same sum again
         tail.zero_()
         self.exact_sum.zero()
         for batch, num_samples, step_samples, seed in self._replay:
             self._exact_micro_batch(batch, num_samples, step_samples, seed)  # each starts from the step's variables
-        self.step_buffer[self.step_layout.vote] = vote
+        self.step_buffer[layout.vote], self.step_buffer[layout.computed] = vote, computed
 
     def finish_step(self) -> StepResult:
         self._replay, self._step_exponents = [], None

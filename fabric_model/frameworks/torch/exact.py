@@ -113,13 +113,14 @@ class ExactTorchAdapter(ExactGrid, TorchAdapter):
         assert self._exact is not None
         # The reduced vote, summed again on the redo, is still > 0 exactly when some member voted.
         vote = float(self._flat[self._layout.vote])
+        computed = float(self._flat[self._layout.computed])  # reduced: the same sum again
         self._flat.zero_()
         self._exact.zero()
         with torch.no_grad():
             self._restore_buffers(self._buf_start)
         for batch, num_samples, step_samples, seed in self._replay:
             self._exact_micro_batch(batch, num_samples, step_samples, seed, alone=len(self._replay) == 1)
-        self._flat[self._layout.vote] = vote
+        self._flat[self._layout.vote], self._flat[self._layout.computed] = vote, computed
 
     def finish_step(self) -> StepResult:
         self._replay, self._step_exponents = [], None

@@ -1,7 +1,7 @@
 """The control plane with many workers, by simulation (docs/architecture.md, "Scale").
 
-    python benchmarks/bench_scale.py                          # N = 64, 256, 1024
-    python benchmarks/bench_scale.py --workers 64 256 1024 4096 --processes 8
+    python benchmarks/bench_scale.py                          # N = 64, 256, 1024, 3 rounds
+    python benchmarks/bench_scale.py --workers 64 256 1024 4096 --rounds 3
 
 N simulated workers (fabric_model/testing/simulated.py: real sockets, the real handshake and
 messages, no model) against the real driver in a process of its own. For each N it measures:
@@ -10,12 +10,13 @@ messages, no model) against the real driver in a process of its own. For each N 
 - crash: one member's connection closes, to the next generation entered by the rest;
 - join storm: N/4 connect at once, to the generation that takes them (after the vote's step);
 - preemption: a quarter of the members leave after the next step, to the generation of the rest;
-- per committed step, while every member steps 10 times a second (20 steps): the driver's CPU
+- per committed step, while every member steps 10 times a second (50 steps): the driver's CPU
   time (heartbeats included, one a second a worker, as real workers send them) and the latency
-  from the last report sent to the step's record;
+  from rank 0's report to the step's record (median of the steps);
 - the driver's memory (RSS) at the end;
 
-and prints each figure per N, and its growth exponent between successive N (1: linear).
+and prints each figure per N (the median of the rounds, N interleaved within each), and its
+growth exponent between successive N (1: linear).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -34,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fabric_model.testing.simulated import Simulation  # noqa: E402
 
-STEPS, RATE = 20, 10.0
+STEPS, RATE = 50, 10.0
 
 
 def measure(workers: int, processes: int) -> dict[str, float]:
@@ -77,11 +79,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--processes", type=int, default=4, help="processes the simulated workers are spread over")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     load = os.getloadavg()[0]
-    results = {n: measure(n, args.processes) for n in args.workers}
-    names = list(next(iter(results.values())))
-    print(f"load {load:.2f} before, {os.getloadavg()[0]:.2f} after; {STEPS} steps at {RATE:.0f}/s; medians of steps")
+    runs: dict[int, list[dict[str, float]]] = {n: [] for n in args.workers}
+    for _ in range(args.rounds):
+        for n in args.workers:
+            runs[n].append(measure(n, args.processes))
+    names = list(runs[args.workers[0]][0])
+    results = {n: {name: statistics.median(r[name] for r in runs[n]) for name in names} for n in runs}
+    print(
+        f"load {load:.2f} before, {os.getloadavg()[0]:.2f} after (the simulation's own threads count); "
+        f"{STEPS} steps at {RATE:.0f}/s; medians of {args.rounds} rounds"
+    )
     print(f"{'':22}" + "".join(f"{f'N={n}':>12}" for n in results))
     for name in names:
         row = "".join(f"{results[n][name]:12.3f}" for n in results)

@@ -91,7 +91,8 @@ class Membership:
         self.limits, self.checkpoints, self._log_tail = limits, checkpoints, log_tail
         self.workers: Roster = Roster()  # worker id -> WorkerRecord
         self.generation = -1
-        self.members: list[int] = []
+        self._members: list[int] = []
+        self._member_set: frozenset[int] = frozenset()  # the same, for O(1) "is it a member?"
         self._committed = committed or CommittedUnit()  # the driver's ledger's, shared
         self.finishing = False
         self.final_from = -1
@@ -110,6 +111,18 @@ class Membership:
         self._id_lock = threading.Lock()  # the control server's reader threads assign ids too
 
     # -- queries ----------------------------------------------------------------------------
+    @property
+    def members(self) -> list[int]:
+        """The current generation's members, by rank (a copy must be made to change it: assign)."""
+        return self._members
+
+    @members.setter
+    def members(self, members: list[int]) -> None:
+        self._members, self._member_set = list(members), frozenset(members)
+
+    def is_member(self, worker_id: int) -> bool:
+        return worker_id in self._member_set
+
     def state(self, worker_id: int) -> WorkerState:
         return self.workers[worker_id].state
 
@@ -189,7 +202,7 @@ class Membership:
         record = self.workers[worker_id]
         record.attempt = attempt
         commands: list[Command] = []
-        if record.state is WorkerState.MEMBER and worker_id in self.members:
+        if record.state is WorkerState.MEMBER and self.is_member(worker_id):
             # Its pull failed: the members may be blocked waiting for it in this generation.
             self._cause(worker_id, f"failed to enter generation {self.generation}", now)
             commands += self._abort_members()
@@ -244,7 +257,7 @@ class Membership:
         """A member left its generation (a voted switch, or a failed collective)."""
         if message.leaving:
             return self._leaves(worker_id, message, now)
-        if message.generation != self.generation or worker_id not in self.members:
+        if message.generation != self.generation or not self.is_member(worker_id):
             return []
         commands: list[Command] = []
         reason = message.reason or ("failed" if message.failed else "switch")
@@ -268,7 +281,7 @@ class Membership:
         log.warning("worker %d %s at unit %d", worker_id, message.reason, message.next_unit)
         if record.slot is not None and self.limits.replace_workers and not self.finishing:
             self._replacements.append((now + self._backoff(record.slot, True, crashed=False), record.slot))
-        if message.generation == self.generation and worker_id in self.members and not self.finishing:
+        if message.generation == self.generation and self.is_member(worker_id) and not self.finishing:
             self._cause(worker_id, message.reason, now)
         return []
 
@@ -291,7 +304,7 @@ class Membership:
         last step (the worker was at ``unit`` past it, every step is committed, or a peer finished the
         schedule). Otherwise the worker is lost, as a one-off (a flaky read on one host). A worker
         failing while setting up has no unit; then the same error on every slot is the user's."""
-        member = worker_id in self.members and self.workers[worker_id].state is WorkerState.MEMBER
+        member = self.is_member(worker_id) and self.workers[worker_id].state is WorkerState.MEMBER
         last = self.limits.total_units - 1  # the final validation slot: every step is behind it
         past_steps = unit >= last or self.committed_unit >= last
         if past_steps or (member and any(self.workers[m].state is WorkerState.DONE for m in self.members)):
@@ -322,7 +335,7 @@ class Membership:
         record = self.workers[worker_id]
         if record.state is WorkerState.GONE:
             return []
-        was_member = record.state in (WorkerState.MEMBER, WorkerState.DONE) and worker_id in self.members
+        was_member = record.state in (WorkerState.MEMBER, WorkerState.DONE) and self.is_member(worker_id)
         if crashed and self.generation < 0 and record.state is WorkerState.STARTING:
             self._start_crashes += 1
             if self._start_crashes >= START_CRASH_LIMIT * self.limits.max_workers and not self._in(WorkerState.READY):
@@ -429,7 +442,7 @@ class Membership:
         if self._aborted_generation == self.generation:
             return []
         self._aborted_generation = self.generation
-        members = tuple(m for m in self._in(WorkerState.MEMBER) if m in self.members)
+        members = tuple(m for m in self._in(WorkerState.MEMBER) if self.is_member(m))
         return [AbortGeneration(self.generation, members)]
 
     def _try_complete_change(self, now: float) -> list[Command]:
@@ -475,7 +488,8 @@ class Membership:
         reports = reports or {}
         survivors = [m for m in self.members if m in reports]
         room = self.limits.max_workers - len(survivors)
-        newcomers = [w for w in self._in(WorkerState.READY) if w not in survivors][: max(0, room)]
+        kept = set(survivors)
+        newcomers = [w for w in self._in(WorkerState.READY) if w not in kept][: max(0, room)]
         resume = max(reports.values()) if reports else self.committed_unit
         holders = [m for m in survivors if reports[m] == resume]
         members = survivors + newcomers
@@ -509,7 +523,8 @@ class Membership:
             self.workers[worker_id].steps += self._generation_steps
         self.generation += 1
         self.members, self._change, self._generation_steps = members, None, 0
-        reason, subjects = (change.reason(members), change.subjects(members)) if change else ("start", ())
+        taken = set(members)
+        reason, subjects = (change.reason(taken), change.subjects(taken)) if change else ("start", ())
         checkpoint = restore.name if restore is not None and restore.kind == "checkpoint" else None
         kind = restore.kind if restore is not None else None
         # Formed before the Sends: the driver's store admits the members before they are told.

@@ -74,6 +74,9 @@ class ExactKerasAdapter(ExactGrid, KerasAdapter):
     def all_reduce(self, collective: Any) -> None:
         """Sum the fixed-point totals and the float tail, max the exponents; redo the step on a new grid if asked."""
         buffer = self.step_buffer
+        # This member's own micro-batch count and vote, for a redo to sum again (not the sums).
+        layout = self.step_layout
+        own = buffer[layout.computed : layout.vote + 1].clone()
         while True:
             if collective.world_size > 1:
                 works = [
@@ -88,19 +91,18 @@ class ExactKerasAdapter(ExactGrid, KerasAdapter):
                 if buffer.is_cuda:  # TensorFlow reads the buffer on its own stream next
                     torch.cuda.current_stream(buffer.device).synchronize()
                 return
-            self._redo()
+            self._redo(own)
 
-    def _redo(self) -> None:
-        """Every replica decided alike (from agreed maxima): run this step's micro-batches again."""
+    def _redo(self, own: torch.Tensor) -> None:
+        """Every replica decided alike (from agreed maxima): run this step's micro-batches again;
+        ``own``: this member's micro-batch count and vote, as it wrote them before the allreduce."""
         tail = self.step_buffer[self._region_size :]
         layout = self.step_layout
-        vote = float(self.step_buffer[layout.vote])  # reduced: > 0 exactly when some member voted
-        computed = float(self.step_buffer[layout.computed])  # reduced: the same sum again
         tail.zero_()
         self.exact_sum.zero()
         for batch, num_samples, step_samples, seed in self._replay:
             self._exact_micro_batch(batch, num_samples, step_samples, seed)  # each starts from the step's variables
-        self.step_buffer[layout.vote], self.step_buffer[layout.computed] = vote, computed
+        self.step_buffer[layout.computed : layout.vote + 1] = own
 
     def finish_step(self) -> StepResult:
         self._replay, self._step_exponents = [], None

@@ -94,6 +94,9 @@ class ExactTorchAdapter(ExactGrid, TorchAdapter):
     def all_reduce(self, collective: Any) -> None:
         """Sum the fixed-point totals and the float tail, max the exponents; redo the step on a new grid if asked."""
         assert self._exact is not None
+        # This member's own micro-batch count and vote, for a redo to sum again (not the sums).
+        layout = self._layout
+        own = self._flat[layout.computed : layout.vote + 1].clone()
         while True:
             if collective.world_size > 1:
                 works = [
@@ -106,21 +109,19 @@ class ExactTorchAdapter(ExactGrid, TorchAdapter):
             if self._exact.settle():
                 self._exact.write(self._region)
                 return
-            self._redo()
+            self._redo(own)
 
-    def _redo(self) -> None:
-        """Every replica decided alike (from agreed maxima): run this step's micro-batches again."""
+    def _redo(self, own: torch.Tensor) -> None:
+        """Every replica decided alike (from agreed maxima): run this step's micro-batches again;
+        ``own``: this member's micro-batch count and vote, as it wrote them before the allreduce."""
         assert self._exact is not None
-        # The reduced vote, summed again on the redo, is still > 0 exactly when some member voted.
-        vote = float(self._flat[self._layout.vote])
-        computed = float(self._flat[self._layout.computed])  # reduced: the same sum again
         self._flat.zero_()
         self._exact.zero()
         with torch.no_grad():
             self._restore_buffers(self._buf_start)
         for batch, num_samples, step_samples, seed in self._replay:
             self._exact_micro_batch(batch, num_samples, step_samples, seed, alone=len(self._replay) == 1)
-        self._flat[self._layout.vote], self._flat[self._layout.computed] = vote, computed
+        self._flat[self._layout.computed : self._layout.vote + 1] = own
 
     def finish_step(self) -> StepResult:
         self._replay, self._step_exponents = [], None

@@ -384,8 +384,10 @@ class TrainingLoop:
                 seed = self._seeds(epoch, step, j)
                 adapter.train_micro_batch(batch, len(indices), step_samples, seed, last=position == len(mine) - 1)
             # The micro-batch count and the switch vote ride in the same allreduce, so every
-            # member reads the same sums.
-            adapter.count_micro_batches(len(mine))
+            # member reads the same sums. A lone worker sums nothing: its count is its own
+            # (``_step_done``), and a tensor write a step is a tenth of a null step's overhead.
+            if collective.world_size > 1:
+                adapter.count_micro_batches(len(mine))
             leaving = self.voted_leave = self.notice.requested
             if leaving or self.inbox.pending_generation > collective.generation:
                 adapter.vote_switch(leaving)
@@ -408,7 +410,7 @@ class TrainingLoop:
             collective.world_size,
             tuple(mine),
             tuple(stats),
-            result.micro_batches,
+            result.micro_batches if collective.world_size > 1 else len(mine),
         )
         with self.phases(ph.REPORT):
             self._report(report)

@@ -155,6 +155,22 @@ def test_the_heartbeat_thread_sends_held_reports_long_before_its_next_beat(serve
     channel.close()
 
 
+def test_heartbeats_end_at_the_server_which_notes_when_it_heard_each_worker(server):
+    """A heartbeat is most of what thousands of workers send: the reader thread notes the time and
+    queues nothing for it, alone or in a batch; every other message still arrives, in order."""
+    channel, _ = _register(server)
+    before = time.monotonic()
+    channel.send(p.Heartbeat())
+    channel.send(p.Batch((_step(0), p.Heartbeat(), _step(1))))
+    channel.send(p.Heartbeat())
+    channel.send(_step(2))
+    got = [server.events.get(timeout=5)[1] for _ in range(3)]
+    assert [m.step for m in got if isinstance(m, p.StepDone)] == [0, 1, 2]
+    assert server.heard[7] >= before
+    channel.close()
+    assert isinstance(server.events.get(timeout=5)[1], p.ConnectionLost)  # nothing else came before it
+
+
 def test_the_reader_cuts_bytes_into_frames_however_they_arrive():
     """The driver's one reader thread (transport/reader.py) reads whatever a connection has ready:
     frames split anywhere, several in one read, and the 8-byte length of a frame over 2 GiB's

@@ -134,7 +134,10 @@ class Harness:
         self.driver.handle(worker, self.report(worker, step, generation, world, epoch))
 
     def sent(self, kind: type) -> list[tuple[int, Any]]:
-        return [(c.args[0], c.args[1]) for c in self.server.send.call_args_list if isinstance(c.args[1], kind)]
+        """Every ``kind`` message sent, to one worker or to many at once, as (worker, message)."""
+        one = [(c.args[0], c.args[1]) for c in self.server.send.call_args_list]
+        many = [(w, c.args[1]) for c in self.server.send_all.call_args_list for w in c.args[0]]
+        return [(w, m) for w, m in one + many if isinstance(m, kind)]
 
     def acted_on_the_exit_of(self, worker: int) -> bool:
         """Worker ``worker`` was removed: fenced, killed, and its generation's collectives aborted."""

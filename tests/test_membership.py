@@ -224,11 +224,14 @@ def test_a_driver_without_local_workers_trains_from_the_first_joiner_on(caplog):
 
 
 def test_a_frozen_member_is_removed_after_the_heartbeat_bound():
-    m = started(2)
-    m.seen(0, 9.0)  # worker 0 keeps talking, worker 1 went silent at t=0
+    """Silence is judged from the messages handled (``seen``) and from what the control server
+    heard (``heard``: heartbeats end there), whichever came last."""
+    m = started(3)
+    m.seen(0, 9.0)  # worker 0 keeps talking, worker 1's heartbeats reach the server only,
+    m.heard = {1: 9.0, 2: 0.0}  # worker 2 went silent at t=0
     commands = m.tick(HEARTBEAT + 0.5)
-    assert Kill(1) in commands and sent(commands, p.Abort) == {0: p.Abort(0)}
-    assert m.state(1) is WorkerState.GONE and m.state(0) is WorkerState.MEMBER
+    assert Kill(2) in commands and sent(commands, p.Abort) == {0: p.Abort(0), 1: p.Abort(0)}
+    assert m.state(2) is WorkerState.GONE and m.state(0) is m.state(1) is WorkerState.MEMBER
 
 
 def test_a_join_is_voted_and_the_newcomer_pulls_the_state():

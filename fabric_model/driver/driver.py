@@ -41,6 +41,7 @@ from ..transport.network import DEFAULT_BIND_ADDRESS, advertised_address
 from ..transport.store.server import StoreService
 from .commands import AbortGeneration, Command, Formed, Kill, Limits, RestorePoint, RollBack, Send, Settle, Start
 from .halt import Halt
+from .heap import long_lived_frozen
 from .ledger import Progress
 from .membership import Membership, WorkerState
 from .preemption import Preempted, SignalWatch
@@ -231,6 +232,11 @@ class Driver:
 
     # -- the run ----------------------------------------------------------------------------
     def run(self) -> FinalState:
+        """Run the job to its end; returns the final state."""
+        with long_lived_frozen():  # what exists now outlives the run: no full GC pass reads it (heap.py)
+            return self._run()
+
+    def _run(self) -> FinalState:
         # One chosen address for everything that listens (docs/architecture.md, "Processes"):
         # the rendezvous store is served on the control plane's port; workers are told a
         # routable address when the bind address is a wildcard.
@@ -242,6 +248,7 @@ class Driver:
             rejoin, server = None, self._listen(host, None)
         assert server is not None
         self._server = server
+        self.membership.heard = server.heard  # heartbeats end at the server (transport/control.py)
         secret = server.secret
         address = (advertised_address(host), self._server.address[1])
         config = self.setup.config
@@ -713,8 +720,7 @@ class Driver:
                 self._server.send(command.worker_id, command.message)
             elif isinstance(command, AbortGeneration):
                 self._store.abort(command.generation)  # ranks still forming its group fail now
-                for member in command.members:
-                    self._server.send(member, p.Abort(command.generation))
+                self._server.send_all(command.members, p.Abort(command.generation))
             elif isinstance(command, Kill):
                 self._server.fence(command.worker_id, command.reason)  # a worker we cannot kill learns why
                 self._launcher.kill(command.worker_id)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from ..run.hooks import Hooks
 from ..run.metrics_log import MetricsLog
 from ..step.metrics import EpochAverage, stat_means, validation_means
-from ..step.plan import Plan, Schedule, assigned_micro_batches
+from ..step.plan import Plan, Schedule, plan_shares
 from ..transport import protocol as p
 from .replicas import Divergence, ReplicaDivergenceError, compare
 
@@ -158,11 +158,12 @@ class Progress:
     def _commit(self, report: p.StepDone, inferred: bool) -> int:
         epoch, step, world = report.epoch, report.step, report.world_size
         n = self.plan.num_micro_batches(epoch, step)
-        shares = {rank: list(assigned_micro_batches(n, rank, world)) for rank in range(world)}
-        if list(report.micro_batches) != shares.get(report.rank) or report.computed != n:
+        shares = plan_shares(n, world)
+        if tuple(report.micro_batches) != shares.get(report.rank) or report.computed != n:
+            share = list(shares[report.rank]) if report.rank in shares else None
             raise ExactlyOnceError(
                 f"step {step} of epoch {epoch}: rank {report.rank} of {world} computed micro-batches "
-                f"{list(report.micro_batches)} (the plan's: {shares.get(report.rank)}) and the generation "
+                f"{list(report.micro_batches)} (the plan's: {share}) and the generation "
                 f"{report.computed} micro-batches, expected {n}"
             )
         stats = report.stats

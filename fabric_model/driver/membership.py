@@ -21,8 +21,9 @@ import collections
 import dataclasses
 import enum
 import logging
+import math
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 
 from ..errors import JobError
 from ..transport import protocol as p
@@ -108,6 +109,9 @@ class Membership:
         self._next_id = limits.max_workers
         self._generation_steps = 0  # steps committed in the current generation
         self._silence_checked = 0.0  # when tick() last read every worker's heartbeat
+        # worker id -> when the control server last heard from it (time.monotonic()); heartbeats
+        # stop there (transport/control.py), so silence is judged from this and ``last_seen``.
+        self.heard: Mapping[int, float] = {}
         self._id_lock = threading.Lock()  # the control server's reader threads assign ids too
 
     # -- queries ----------------------------------------------------------------------------
@@ -370,7 +374,7 @@ class Membership:
         if read_all:
             self._silence_checked = now
             for worker_id in self._in(WorkerState.READY, WorkerState.MEMBER, WorkerState.DONE):
-                silent = now - self.workers[worker_id].last_seen
+                silent = now - max(self.workers[worker_id].last_seen, self.heard.get(worker_id, -math.inf))
                 if silent > self.limits.heartbeat:
                     commands += self.lost(worker_id, f"no heartbeat for {silent:.1f} s (EDT_HEARTBEAT_TIME_OUT)", now)
         commands += self._start_replacements(now)

@@ -36,6 +36,10 @@ class MetricsLog:
         # without notice (SIGKILL, the OOM killer) leaves every committed step's record in the file.
         # One system call a record (a few microseconds of the driver's CPU, none of a step's).
         self._file = open(path, "ab" if append else "wb", buffering=0)
+        # The last ``micro_batches`` written and its JSON: the driver passes the same mapping for a
+        # generation's steps (step/plan.py, plan_shares), so a step with thousands of ranks does
+        # not encode them again (docs/architecture.md, "Scale").
+        self._shares: tuple[Mapping[int, Sequence[int]], str] | None = None
 
     def __enter__(self) -> MetricsLog:
         return self
@@ -46,8 +50,10 @@ class MetricsLog:
     def close(self) -> None:
         self._file.close()
 
-    def _write(self, record: dict[str, Any]) -> None:
-        line = (json.dumps(record) + "\n").encode()
+    def _write(self, record: dict[str, Any], tail: str = "") -> None:
+        """``record`` as a line; ``tail``: more of the object, already in JSON (``, "key": value``)."""
+        text = json.dumps(record)
+        line = (text[:-1] + tail + "}\n" if tail else text + "\n").encode()
         written = self._file.write(line)
         while written is not None and written < len(line):  # a short write (a full disk, a signal): the rest
             line = line[written:]
@@ -67,7 +73,8 @@ class MetricsLog:
         micro_batches: Mapping[int, Sequence[int]],
         inferred: bool = False,
     ) -> None:
-        """A committed step: its metrics, the epoch's averages so far, who computed which micro-batch
+        """A committed step: its metrics, the epoch's averages so far, who computed which micro-batch (a
+        mapping never changed after: the same one again reuses its JSON)
         (``inferred``: settled from the plan for members that did not report)."""
         record: dict[str, Any] = {
             "type": "train",
@@ -79,11 +86,13 @@ class MetricsLog:
             "workers": workers,
             "metrics": dict(metrics),
             "epoch_metrics": dict(epoch_metrics),
-            "micro_batches": {str(r): list(m) for r, m in sorted(micro_batches.items())},
         }
         if inferred:
             record["inferred"] = True
-        self._write(record)
+        if self._shares is None or self._shares[0] is not micro_batches:
+            encoded = json.dumps({str(r): list(m) for r, m in sorted(micro_batches.items())})
+            self._shares = (micro_batches, f', "micro_batches": {encoded}')
+        self._write(record, self._shares[1])
 
     def test(self, *, epoch: int, iteration: int, workers: int, metrics: Mapping[str, float]) -> None:
         """A validation after ``epoch``."""

@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import types
 import zlib
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -108,6 +110,17 @@ def micro_batch_seeds(seed: int, epoch: int, steps: np.ndarray, micro_batches: i
 def assigned_micro_batches(num_micro_batches: int, rank: int, world_size: int) -> range:
     """The micro-batches of a step that worker ``rank`` of ``world_size`` computes (round-robin)."""
     return range(rank, num_micro_batches, world_size)
+
+
+@functools.lru_cache(maxsize=8)
+def plan_shares(num_micro_batches: int, world_size: int) -> Mapping[int, tuple[int, ...]]:
+    """Every rank's micro-batches of a step of ``num_micro_batches``, the same object for the same
+    arguments: the driver records them every step, and a generation's steps (but an epoch's short
+    last) share them, so building them once a generation keeps the record O(1) a step
+    (docs/architecture.md, "Scale")."""
+    return types.MappingProxyType(
+        {rank: tuple(assigned_micro_batches(num_micro_batches, rank, world_size)) for rank in range(world_size)}
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,9 @@ process's members in lockstep and tells them when to switch.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import json
 import os
 import pickle
 import selectors
@@ -125,9 +127,28 @@ class SimulatedWorkers:
         self._selector = selectors.DefaultSelector()
         self._closed = False
         self.auto_ready = False  # joiners say Ready as soon as they have the job
+        # The counts status() returns, kept as the workers change (``_change``): the orchestrator
+        # polls every few ms, and reading thousands of workers each time would take the cores
+        # the driver is being measured on.
+        self._at: collections.Counter[int] = collections.Counter()  # generation -> members in it
+        self._pending = 0  # members told of a generation past theirs
+        self._ready = 0  # workers that said Ready
         self._thread = threading.Thread(target=self._read, name="sim-reader", daemon=True)
         self._thread.start()
         threading.Thread(target=self._beat, name="sim-heartbeat", daemon=True).start()
+
+    def _tally(self, worker: SimWorker, sign: int) -> None:
+        if worker.member:
+            self._at[worker.generation] += sign
+            self._pending += sign * (worker.pending > worker.generation)
+        self._ready += sign * worker.ready_sent
+
+    def _change(self, worker: SimWorker, **fields: Any) -> None:
+        """Set ``worker``'s fields, keeping the counts (call with the lock held)."""
+        self._tally(worker, -1)
+        for name, value in fields.items():
+            setattr(worker, name, value)
+        self._tally(worker, 1)
 
     def _send(self, worker: SimWorker, message: Any) -> None:
         try:
@@ -153,7 +174,7 @@ class SimulatedWorkers:
             self.auto_ready = True
             for worker in self.workers:
                 if worker.has_job and not worker.ready_sent:
-                    worker.ready_sent = True
+                    self._change(worker, ready_sent=True)
                     self._send(worker, p.Ready(1))
 
     def _read(self) -> None:
@@ -179,9 +200,10 @@ class SimulatedWorkers:
             except (KeyError, ValueError, OSError):
                 pass
             worker.conn.close()
-            worker.member = False
             if worker in self.workers:
+                self._tally(worker, -1)
                 self.workers.remove(worker)
+            worker.member = False
 
     def _handle(self, worker: SimWorker, message: Any) -> None:
         if isinstance(message, p.Assigned):
@@ -189,22 +211,22 @@ class SimulatedWorkers:
         elif isinstance(message, p.JobSpec):
             worker.has_job = True
             if self.auto_ready:
-                worker.ready_sent = True
+                self._change(worker, ready_sent=True)
                 self._send(worker, p.Ready(1))
         elif isinstance(message, p.EnterGeneration):
-            worker.generation, worker.rank, worker.world = message.generation, message.rank, message.world_size
-            worker.unit, worker.member = message.resume_unit, True
+            worker.rank, worker.world = message.rank, message.world_size
+            self._change(worker, generation=message.generation, unit=message.resume_unit, member=True)
             self._send(worker, p.Entered(message.generation))
         elif isinstance(message, p.JoinPending):
-            worker.pending = message.generation
+            self._change(worker, pending=message.generation)
         elif isinstance(message, p.Abort):
             if worker.member and message.generation >= worker.generation:  # its collective fails: the step undone
-                worker.member = False
+                self._change(worker, member=False)
                 self._send(
                     worker, p.LeftGeneration(worker.generation, worker.unit, True, "aborted", last=self._last(worker))
                 )
         elif isinstance(message, p.Stop):
-            worker.member = False
+            self._change(worker, member=False)
 
     @staticmethod
     def _last(worker: SimWorker) -> p.StepDone | None:
@@ -238,7 +260,7 @@ class SimulatedWorkers:
                 worker.unit += 1
             if switch:
                 for i, worker in enumerate(members):
-                    worker.member = False
+                    self._change(worker, member=False)
                     last = self._last(worker)
                     left = p.LeftGeneration(worker.generation, worker.unit, False, "switch", i < leaving, last)
                     self._send(worker, left)
@@ -256,14 +278,14 @@ class SimulatedWorkers:
 
     def status(self) -> dict[str, Any]:
         with self._lock:
-            generations = [w.generation for w in self.workers if w.member]
+            newest = max((g for g, n in self._at.items() if n > 0), default=-1)
             return {
                 "connected": len(self.workers),
-                "members": len(generations),
-                "generation": max(generations, default=-1),
-                "at": sum(1 for w in self.workers if w.member and w.generation == max(generations, default=-1)),
-                "pending": sum(1 for w in self.workers if w.member and w.pending > w.generation),
-                "ready": sum(1 for w in self.workers if w.ready_sent),
+                "members": sum(self._at.values()),
+                "generation": newest,
+                "at": self._at[newest] if newest >= 0 else 0,
+                "pending": self._pending,
+                "ready": self._ready,
             }
 
     def close(self) -> None:
@@ -302,6 +324,7 @@ class Simulation:
         from ..run.rundir import RunDirectory
 
         self.run_dir, self.max_workers = Path(run_dir), max_workers
+        self._read_to = 0  # how far formed_after read the driver's metrics.jsonl
         command = [sys.executable, "-m", "fabric_model.testing.simulated", "driver", str(run_dir), str(max_workers)]
         environment = dict(os.environ, **(env or {}))
         package_root = str(Path(__file__).resolve().parents[2])  # this copy of the package, wherever it is
@@ -395,19 +418,47 @@ class Simulation:
         return time.monotonic() - started
 
     def join_storm(self, count: int, timeout: float = 120) -> float:
-        """``count`` workers join at once: seconds to the generation that takes them, the members
-        switching after the step that follows the driver's JoinPending."""
+        """``count`` workers join at once: seconds to the generation that takes them all, the
+        members switching after the step that follows the driver's JoinPending."""
         before = self.totals()
         started = time.monotonic()
         self.call("connect", per_process=[(n, True) for (n,) in self.spread(count)])
-        # Every joiner ready before the vote: a real generation votes at its next step after the
-        # first JoinPending, and the joiners not ready by then wait for the next vote.
+        # Every joiner says Ready before the vote. A real generation votes at its next step after
+        # the first JoinPending, and joiners whose Ready the driver read after the change wait
+        # for the next vote: so do these, until a generation takes them all.
         every = before["connected"] + count
         self.wait_until(lambda t: t["ready"] == every and t["pending"] == before["members"], timeout, "joiners ready")
-        self.step(switch=True)
         expected = min(self.max_workers, before["members"] + count)
-        self.wait_until(lambda t: t["at"] == expected and t["generation"] > before["generation"], timeout, "join")
-        return time.monotonic() - started
+        generation = before["generation"]
+        while True:
+            self.step(switch=True)
+            formed = self.formed_after(generation, timeout - (time.monotonic() - started))
+            generation, size = formed["generation"], len(formed["members"])
+            self.wait_until(lambda t, g=generation, n=size: t["generation"] == g and t["at"] == n, timeout, "join")
+            if size >= expected:
+                return time.monotonic() - started
+            self.wait_until(lambda t, n=size: t["pending"] == n, timeout, "the next vote")  # the rest are ready
+
+    def formed_after(self, generation: int, timeout: float) -> dict[str, Any]:
+        """The driver's record of the first generation formed after ``generation``. Read on from
+        where the last call stopped: a step's record of thousands of ranks is tens of kB, and
+        parsing the whole file every few ms would take the cores being measured."""
+        deadline = time.monotonic() + timeout
+        with open(self.run_dir / "logs" / "metrics.jsonl", "rb") as log:
+            log.seek(self._read_to)
+            pending = b""
+            while True:
+                pending += log.read()
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    self._read_to += len(line) + 1
+                    if b'"type": "generation"' in line:
+                        record = json.loads(line)
+                        if record["generation"] > generation:
+                            return record
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no generation after {generation} within {timeout:.0f} s")
+                time.sleep(0.005)
 
     def preempt(self, count: int, timeout: float = 120) -> float:
         """``count`` members get a notice: they leave after the next step, as the others switch;

@@ -15,7 +15,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
 from typing import Any, Literal, Protocol
@@ -36,6 +36,10 @@ def _dumps(message: Any) -> bytes:
     return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
 
+#: A heartbeat as it arrives from a worker of this version (any other encoding is unpickled).
+HEARTBEAT_FRAME = _dumps(p.Heartbeat())
+
+
 class Channel:
     """One end of a driver/worker connection; ``send`` may be called from several threads.
 
@@ -48,9 +52,11 @@ class Channel:
         self.holding = threading.Event()  # set while _held is not empty (the heartbeat thread waits on it)
         self._written = 0.0  # time.monotonic() of the last frame sent
 
-    def send(self, message: Any) -> None:
-        """Send one message of :mod:`fabric_model.transport.protocol`, after any held ones."""
-        data = _dumps(message)  # outside the lock: a 4 MiB state chunk does not hold up the others
+    def send(self, message: Any, data: bytes | None = None) -> None:
+        """Send one message of :mod:`fabric_model.transport.protocol`, after any held ones
+        (``data``: the message already pickled, for one sent to many)."""
+        if data is None:
+            data = _dumps(message)  # outside the lock: a 4 MiB state chunk does not hold up the others
         with self._lock:
             self._write_held()
             self._conn.send_bytes(data)
@@ -207,13 +213,19 @@ class ControlServer:
         # A deep backlog: with the default of 1, a burst of connections (honest or not) waits
         # for SYN retransmits while the accept thread is busy.
         self._listener = Listener((host, port), family="AF_INET", backlog=64)
-        self.events: queue.Queue[tuple[int, Any]] = queue.Queue()
+        # A SimpleQueue: its put and get are C, with no Python-level lock the reader thread and the
+        # driver's loop would contend for at thousands of messages a second (docs/architecture.md, "Scale").
+        self.events: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
         self.channels: dict[int, Channel] = {}
         # Workers whose reader is still reading (their every message may not be queued yet),
         # and those whose connection ended (its ConnectionLost follows all they sent).
         self._reading: set[int] = set()
         self._ended: set[int] = set()
         self._peers: dict[int, str] = {}  # worker id -> the address its connection came from
+        # worker id -> when its last frame arrived (time.monotonic()), written by the reader thread.
+        # Heartbeats end here, never queued: with thousands of workers they are most of the
+        # messages, and all a heartbeat says is this (docs/architecture.md, "Scale").
+        self.heard: dict[int, float] = {}
         self._closed = threading.Event()
         self._lock = threading.Lock()
         # One thread reads every worker's connection once it said Hello (transport/reader.py).
@@ -300,13 +312,18 @@ class ControlServer:
                 channel.close()
 
     def _on_frame(self, worker_id: int) -> Callable[[bytes], None]:
-        """What the reader thread does with each of ``worker_id``'s frames: its messages, queued."""
-        put = self.events.put
+        """What the reader thread does with each of ``worker_id``'s frames: the time heard, and its
+        messages but heartbeats, queued."""
+        put, heard, clock = self.events.put, self.heard, time.monotonic
 
         def on_frame(frame: bytes) -> None:
+            heard[worker_id] = clock()
+            if frame == HEARTBEAT_FRAME:
+                return
             message = pickle.loads(frame)
             for one in message.messages if isinstance(message, p.Batch) else (message,):
-                put((worker_id, one))
+                if type(one) is not p.Heartbeat:
+                    put((worker_id, one))
 
         return on_frame
 
@@ -336,17 +353,23 @@ class ControlServer:
                 return "open"
             return "ended" if worker_id in self._ended else "none"
 
-    def send(self, worker_id: int, message: Any) -> bool:
-        """Send a message to a worker; False when it is gone."""
+    def send(self, worker_id: int, message: Any, data: bytes | None = None) -> bool:
+        """Send a message to a worker (``data``: it pickled already); False when it is gone."""
         with self._lock:
             channel = self.channels.get(worker_id)
         if channel is None:
             return False
         try:
-            channel.send(message)
+            channel.send(message, data)
             return True
         except (OSError, EOFError):
             return False
+
+    def send_all(self, worker_ids: Iterable[int], message: Any) -> None:
+        """Send one message to many workers, pickled once (an abort goes to thousands)."""
+        data = _dumps(message)
+        for worker_id in worker_ids:
+            self.send(worker_id, message, data)
 
     def fence(self, worker_id: int, reason: str) -> None:
         """Tell a removed worker why (:class:`~fabric_model.transport.protocol.Stop`) and close our side.

@@ -44,9 +44,9 @@ class LossyChannel(Channel):
     instead of raising, so the training loop runs on to its next abort check, and
     :meth:`attach` puts a new driver's connection in its place."""
 
-    def send(self, message: Any) -> None:
+    def send(self, message: Any, data: bytes | None = None) -> None:
         try:
-            super().send(message)
+            super().send(message, data)
         except (OSError, EOFError, ValueError):
             pass  # the driver is gone: the inbox thread knows, and waits for it to come back
 

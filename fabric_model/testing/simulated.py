@@ -325,6 +325,7 @@ class Simulation:
 
         self.run_dir, self.max_workers = Path(run_dir), max_workers
         self._read_to = 0  # how far formed_after read the driver's metrics.jsonl
+        self.join_sizes: list[int] = []  # the last join storm's generations (more than one vote: the late joiners')
         command = [sys.executable, "-m", "fabric_model.testing.simulated", "driver", str(run_dir), str(max_workers)]
         environment = dict(os.environ, **(env or {}))
         package_root = str(Path(__file__).resolve().parents[2])  # this copy of the package, wherever it is
@@ -430,13 +431,17 @@ class Simulation:
         self.wait_until(lambda t: t["ready"] == every and t["pending"] == before["members"], timeout, "joiners ready")
         expected = min(self.max_workers, before["members"] + count)
         generation = before["generation"]
+        self.join_sizes = []
         while True:
             self.step(switch=True)
             formed = self.formed_after(generation, timeout - (time.monotonic() - started))
             generation, size = formed["generation"], len(formed["members"])
+            self.join_sizes.append(size)
             self.wait_until(lambda t, g=generation, n=size: t["generation"] == g and t["at"] == n, timeout, "join")
             if size >= expected:
                 return time.monotonic() - started
+            if time.monotonic() - started > timeout:
+                raise TimeoutError(f"no generation of {expected} within {timeout:.0f} s (the last: {size})")
             self.wait_until(lambda t, n=size: t["pending"] == n, timeout, "the next vote")  # the rest are ready
 
     def formed_after(self, generation: int, timeout: float) -> dict[str, Any]:

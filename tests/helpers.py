@@ -179,6 +179,20 @@ def need(module: str) -> Any:
     return pytest.importorskip(module)
 
 
+class Lazily:
+    """The optional package ``module``, imported (or the test skipped, as by :func:`need`) at its
+    first use in a test, not when the test module is collected: a module of the processes tier
+    then costs the fast tier nothing (transformers and peft take about 2 s to import)."""
+
+    def __init__(self, module: str) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name == "pytestmark":  # what collection asks of every module attribute
+            raise AttributeError(name)
+        return getattr(need(self._module), name)
+
+
 def interruptible() -> None:
     """``preexec_fn`` of a process a test sends SIGINT: the disposition a terminal's shell gives it
     (default, unblocked), whatever this test process inherited or set; Python then turns it into

@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ..helpers import need
+from ..helpers import Lazily
 from .harness import Case, by_hand, differing, loss_fell, train
 
-transformers = need("transformers")
-peft = need("peft")
+transformers = Lazily("transformers")
+peft = Lazily("peft")
 
 pytestmark = pytest.mark.processes
 

@@ -117,7 +117,9 @@ def test_a_slurm_job_ended_by_its_time_limit_goes_on_from_its_checkpoint_on_othe
     lines = run_recipe("slurm.sh", work, f"fms{os.getpid() % 10000}", "10.235.0", 300.0, join)
     assert re.fullmatch(r"allocation: every process ended [\d.]+ s after SIGTERM", lines[0]), lines  # no SIGKILL
     assert lines[1] == "allocation 1: tasks exited 143 0 0 (A's driver: 143 is SIGTERM)", lines
-    assert re.fullmatch(r"SIGTERM: preempted at epoch \d, step \d+/10; resume with train\(.*resume=True\)", lines[2])
+    # Where the time limit lands: within an epoch's steps, or in its validation (both as said on screen).
+    where = r"(step \d+/10|its validation)"
+    assert re.fullmatch(rf"SIGTERM: preempted at epoch \d, {where}; resume with train\(.*resume=True\)", lines[2])
     assert lines[3] == "allocation 2: tasks exited 0 0", lines
     for task in (1, 2):  # told by the driver, or (its SIGTERM first) left after its step: Slurm's order is none
         said = (work / f"task-1-{task}.log").read_text()

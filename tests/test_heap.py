@@ -38,9 +38,9 @@ def test_objects_of_before_the_run_wait_for_its_end_and_are_collected_then():
 def test_a_process_that_froze_objects_itself_is_left_as_it_is():
     gc.freeze()
     try:
-        count = gc.get_freeze_count()
+        count = gc.get_freeze_count()  # it goes down as frozen objects are freed: never to 0 here
         with long_lived_frozen() as frozen:
-            assert not frozen and gc.get_freeze_count() == count
-        assert gc.get_freeze_count() == count  # its freeze is not undone
+            assert not frozen and count // 2 < gc.get_freeze_count() <= count
+        assert count // 2 < gc.get_freeze_count() <= count  # its freeze is not undone (that would make it 0)
     finally:
         gc.unfreeze()

@@ -3,6 +3,14 @@
     PYTHONPATH=. python benchmarks/bench_memory.py               # MLP 256->512->512->10, 3 rounds
     PYTHONPATH=. python benchmarks/bench_memory.py --wide        # the 8.4M-parameter MLP of bench_elastic
     PYTHONPATH=. python benchmarks/bench_memory.py --cnn         # bench_peers' small CNN (8 MiB activations)
+    PYTHONPATH=. python benchmarks/bench_memory.py --sharded     # optimizer state per worker, sharded or not
+    PYTHONPATH=. python benchmarks/bench_memory.py --sharded --cnn   # the same on the small CNN
+
+``--sharded`` trains the MLP (or the CNN) with Adam on 1, 2 and 4 workers, with and without
+``shard_optimizer_state=True``, interleaved, and prints each worker's optimizer-state bytes
+(``worker_context().optimizer_state_bytes``) against the unsharded run's, with the target of
+the buddy copy (2/N; 1/N is the owner's slice alone), and the median step time (steps 10 to 40,
+the workers' own clocks) as the unsharded step's time over the sharded one's (1.0: as fast).
 
 Each round runs, in turn, 2 FabricModel workers forked from the warm process (itself a fork of
 the job script), 2 FabricModel workers as fresh interpreters (``FABRIC_MODEL_WARM_START=0``),
@@ -79,6 +87,26 @@ FabricModel(model, lambda: (Data(), None), F.cross_entropy, opt, worker_logger_c
     1, 64, 2, seed=0, run_dir=os.path.join(OUT, "run"))
 """
 
+SHARDED = """
+import time
+from fabric_model import FabricModel, worker_context
+class Measure:
+    def __init__(self, out):
+        self.out, self.times = out, []
+    def log_train_metrics(self, metrics, iteration, epoch, workers):
+        self.times.append(time.perf_counter())
+        if iteration == LAST:
+            gaps = sorted(b - a for a, b in zip(self.times[9:], self.times[10:]))
+            with open(os.path.join(self.out, f"{os.getpid()}.json"), "w") as f:
+                json.dump({"bytes": worker_context().optimizer_state_bytes, "step": gaps[len(gaps) // 2]}, f)
+model = make_model()
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+per_epoch = len(Data()) // (64 * WORKERS)
+FabricModel(model, lambda: (Data(), None), F.cross_entropy, opt, worker_logger_callback=Measure(OUT)).train(
+    -(-LAST // per_epoch), 64, WORKERS, seed=0, run_dir=os.path.join(OUT, "run"), verbose=0,
+    shard_optimizer_state=SHARD, validation_freq=1000, checkpoint_freq=0)
+"""
+
 DDP = """
 import torch.distributed as dist, torch.multiprocessing as mp
 def rank(r):
@@ -118,13 +146,57 @@ def _run(kind: str, out: Path, wide: bool, cnn: bool, port: int) -> list[dict[st
     return [json.loads(p.read_text()) for p in out.glob("*.json")] + [{**w, "warm": 1} for w in warm]
 
 
+def _run_sharded(out: Path, workers: int, shard: bool, cnn: bool) -> list[dict[str, float]]:
+    out.mkdir(parents=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env["FABRIC_MODEL_CPU_WORKERS"] = str(workers)
+    header = f"WIDE=False\nCNN={cnn}\nLAST=40\nWORKERS={workers}\nSHARD={shard}\nOUT={str(out)!r}\n" + COMMON
+    script = out / "job.py"
+    script.write_text(header + SHARDED)
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"sharded={shard} on {workers} failed:\n{done.stderr[-3000:]}")
+    return [json.loads(p.read_text()) for p in out.glob("*.json")]
+
+
+def sharded_table(rounds: int, cnn: bool) -> None:
+    """Optimizer-state bytes a worker and step time, sharded against unsharded, for 1, 2 and 4 workers."""
+    samples: dict[tuple[int, bool], list[dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            for workers in (1, 2, 4):
+                for shard in (False, True):
+                    runs = _run_sharded(Path(tmp) / f"{workers}-{shard}-{r}", workers, shard, cnn)
+                    samples.setdefault((workers, shard), []).extend(runs)
+            print(f"round {r + 1}/{rounds} done", file=sys.stderr)
+    model = "small CNN 3x32x32" if cnn else "MLP 256->512->512->10"
+    print(f"{model} with Adam; medians over {rounds} rounds x N workers")
+    print("workers   state/worker unsharded   sharded   ratio   target (buddy)   step unsharded/sharded")
+    for workers in (1, 2, 4):
+        plain, sharded = samples[(workers, False)], samples[(workers, True)]
+        plain_bytes = statistics.median(s["bytes"] for s in plain)
+        sharded_bytes = statistics.median(s["bytes"] for s in sharded)
+        speed = statistics.median(s["step"] for s in plain) / statistics.median(s["step"] for s in sharded)
+        target = min(1.0, 2 / workers)
+        print(
+            f"{workers:>7}   {plain_bytes / 2**20:>17.2f} MiB   {sharded_bytes / 2**20:>5.2f} MiB"
+            f"   {sharded_bytes / plain_bytes:>5.2f}   <= {target:.2f} (1/N {1 / workers:.2f})   {speed:>12.2f}"
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--wide", action="store_true")
     which.add_argument("--cnn", action="store_true")
+    parser.add_argument("--sharded", action="store_true")
     args = parser.parse_args()
+    if args.sharded:
+        if args.wide:
+            parser.error("--sharded takes the MLP or --cnn")
+        sharded_table(args.rounds, args.cnn)
+        return 0
     kinds = {
         "warm": "fabric_model, forked from the warm process",
         "fresh": "fabric_model, fresh interpreters",

@@ -164,6 +164,7 @@ class FabricModel(InferenceMixin):
         tensorboard: bool = True,
         deterministic: bool = False,
         profile: bool | int | tuple[int, int] | range | None = None,
+        shard_optimizer_state: bool = False,
     ) -> TrainResult:
         """Train for ``epoch_number`` epochs; the user's ``model`` then holds the trained weights.
 
@@ -210,6 +211,11 @@ class FabricModel(InferenceMixin):
                 trace (Perfetto, Chrome, TensorBoard) and a summary of where a step's time went, your
                 code against fabric_model's, go to ``<run_dir>/profile/``; the summary is also shown at
                 the end (docs/training.md, "Profiling"). Default ``$FABRIC_MODEL_PROFILE``, else off.
+            shard_optimizer_state: each worker holds the optimizer state of its slices of the
+                parameters and of one other worker's (its buddy copy), about 2/N of the whole, and
+                updates only those; the weights are those of an unsharded run, a killed worker loses
+                nothing, checkpoints hold the whole state (torch, elementwise optimizers:
+                docs/elasticity.md, "Sharded optimizer state"). Default: off.
         """
         from .run.display import check_verbose
         from .run.startup import StartUp
@@ -223,7 +229,13 @@ class FabricModel(InferenceMixin):
             host = chosen_bind_address(bind_address)  # checked before anything starts
             ray_cluster = open_cluster(check_cluster(cluster))  # a bad value fails here, before anything starts
             loop = LoopOptions(
-                num_dataloader_threads, validation_freq, checkpoint_freq, keep_checkpoints, deterministic, profile
+                num_dataloader_threads,
+                validation_freq,
+                checkpoint_freq,
+                keep_checkpoints,
+                deterministic,
+                profile,
+                shard_optimizer_state,
             )
             ignored = {"worker_memory": worker_memory, "driver_memory": driver_memory}
             sizes = pipeline.RunSizes(epoch_number, batch_size, engines_number, effective_batch_size)

@@ -24,11 +24,19 @@ class WorkerContext:
     global_step: int = 0  # epoch * steps_per_epoch + step
     #: Set by the worker: whether a worker is waiting to join this generation.
     pending_join: Callable[[], bool] = dataclasses.field(default=lambda: False, repr=False)
+    #: Set by the worker: bytes of optimizer state it holds (its slices' with ``shard_optimizer_state``).
+    state_bytes: Callable[[], int] = dataclasses.field(default=lambda: 0, repr=False)
 
     @property
     def join_pending(self) -> bool:
         """True while a worker waits to join: the members switch after their next step."""
         return self.pending_join()
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state this worker holds now: all of it, or with
+        ``train(shard_optimizer_state=True)`` its own slices' and its buddy copy's."""
+        return self.state_bytes()
 
 
 _current: WorkerContext | None = None

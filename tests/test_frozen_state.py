@@ -83,7 +83,11 @@ def test_a_frozen_parameter_stays_unchanged_until_something_writes_it():
 def _uploaded(adapter: TorchAdapter, kind: str, unit: int, schedule: Schedule) -> list:
     sent: list = []
     channel = type("Channel", (), {"send": lambda self, message: sent.append(message)})()
-    config = type("Config", (), {"checkpoint_freq": 1, "batch_size": BATCH, "snapshots": SnapshotCadence()})()
+    config = type(
+        "Config",
+        (),
+        {"checkpoint_freq": 1, "batch_size": BATCH, "snapshots": SnapshotCadence(), "shard_optimizer_state": False},
+    )()
     uploader = StateUploader(channel, schedule, config)
     uploader.framework = "torch"
     model, optimizer, omitted = adapter.state_to_send()

@@ -191,7 +191,9 @@ def test_the_newest_state_at_or_below_the_committed_unit_is_restored(tmp_path):
 
 def test_rank_0_uploads_due_checkpoints_and_snapshots_every_n_steps():
     snapshots = SnapshotCadence(steps=4, seconds=0, share=0)
-    config = types.SimpleNamespace(checkpoint_freq=1, batch_size=BATCH, snapshots=snapshots)
+    config = types.SimpleNamespace(
+        checkpoint_freq=1, batch_size=BATCH, snapshots=snapshots, shard_optimizer_state=False
+    )
     uploads = StateUploader(channel=None, schedule=SCHEDULE, config=config)  # type: ignore[arg-type]
     uploads.entered(p.CheckpointSettings("", "torch", written=-1), resume_unit=0)
     due = {}
@@ -222,7 +224,9 @@ def test_the_cheap_answer_of_kind_due_is_its_full_rule_s(monkeypatch, freq, step
     clock = [100.0]
     monkeypatch.setattr("fabric_model.state.uploader.time.monotonic", lambda: clock[0])
     snapshots = SnapshotCadence(steps=steps, seconds=seconds, share=share)
-    config = types.SimpleNamespace(checkpoint_freq=freq, batch_size=BATCH, snapshots=snapshots)
+    config = types.SimpleNamespace(
+        checkpoint_freq=freq, batch_size=BATCH, snapshots=snapshots, shard_optimizer_state=False
+    )
     uploads = StateUploader(channel=None, schedule=SCHEDULE, config=config)  # type: ignore[arg-type]
     uploads.entered(p.CheckpointSettings("", "torch", written=-1), resume_unit=0)
     due = 0
@@ -239,7 +243,9 @@ def test_the_cheap_answer_of_kind_due_is_its_full_rule_s(monkeypatch, freq, step
 
 def test_snapshots_by_steps_wait_while_they_would_cost_more_than_their_share():
     snapshots = SnapshotCadence(steps=4, seconds=0, share=0.01)
-    config = types.SimpleNamespace(checkpoint_freq=1, batch_size=BATCH, snapshots=snapshots)
+    config = types.SimpleNamespace(
+        checkpoint_freq=1, batch_size=BATCH, snapshots=snapshots, shard_optimizer_state=False
+    )
     uploads = StateUploader(channel=None, schedule=SCHEDULE, config=config)  # type: ignore[arg-type]
     uploads.entered(p.CheckpointSettings("", "torch", written=-1), resume_unit=0)
     uploads.cost = 10.0  # the last upload took 10 s: at 1%, the next waits 1000 s

@@ -108,6 +108,18 @@ class FrameworkAdapter(abc.ABC):
     def finish_step(self) -> StepResult:
         """Apply the reduced buffer (set buffers, step the optimizer); return the step's stats and vote."""
 
+    def failure_after_step(self) -> Exception | None:
+        """A collective failure that came after this member applied the step (its update is kept:
+        the step is done here), once; None for none. Only a sharded optimizer state has one."""
+        return None
+
+    #: The sharded optimizer state (``train(shard_optimizer_state=True)``), where the adapter has one.
+    sharded: Any = None
+
+    def shard_optimizer_state(self) -> None:
+        """Hold and update only this member's slices of the optimizer state from now on."""
+        raise ValueError(f"shard_optimizer_state=True is not available for {type(self).__name__}")
+
     @abc.abstractmethod
     def abort_step(self) -> None:
         """Undo what an unfinished step changed (forward-updated buffers), so it can be redone."""
@@ -221,6 +233,14 @@ class Framework(abc.ABC):
     @abc.abstractmethod
     def check_optimizer(self, model: Any, optimizer: Any) -> None:
         """Raise when ``optimizer`` is no optimizer for ``model``."""
+
+    def check_shardable(self, optimizer: Any) -> None:
+        """Raise unless ``optimizer``'s state can be sharded by elements (``train(shard_optimizer_state=True)``)."""
+        raise ValueError(
+            "Expected `shard_optimizer_state` to be False for a "
+            f"{self.name} model: only a torch optimizer's state can be sharded so far. "
+            "Received: shard_optimizer_state=True."
+        )
 
     @abc.abstractmethod
     def make_adapter(self, user: UserObjects) -> FrameworkAdapter:

@@ -73,6 +73,7 @@ ARGUMENT_CHECKS: dict[str, dict[str, str]] = {
         "verbose": "fabric_model.run.display:check_verbose",
         "tensorboard": f"{_SELF}:check_bool",
         "deterministic": f"{_SELF}:check_bool",
+        "shard_optimizer_state": f"{_SELF}:check_bool",
         "profile": "fabric_model.profiling.window:profile_window",
     },
 }
@@ -303,6 +304,7 @@ def check_train_arguments(
     check_resume("resume", resume)
     check_positive_int("keep_checkpoints", loop.keep_checkpoints)
     check_bool("deterministic", loop.deterministic)
+    check_bool("shard_optimizer_state", loop.shard_optimizer_state)
     profile_window(loop.profile)  # a bad value fails here; the window is fitted to the run once it is sized
     check_effective_batch(effective_batch_size, batch_size)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):

@@ -173,3 +173,6 @@ class TrainConfig:
     #: The model's parameters that need no gradient and hold the job's values (the driver fills them
     #: in): what travels leaves them out (docs/architecture.md, "State that does not change").
     frozen: tuple[str, ...] = ()
+    #: Each member holds and updates its slices of the optimizer state only (docs/elasticity.md,
+    #: "Sharded optimizer state").
+    shard_optimizer_state: bool = False

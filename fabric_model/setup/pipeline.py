@@ -68,6 +68,8 @@ def prepare(
         epochs, batch_size, sizes.engines_number, sizes.effective_batch_size, loop, seed, resume, ignored
     )
     framework = fm._framework
+    if loop.shard_optimizer_state:
+        framework.check_shardable(fm.optimizer)
     if fm.save_to_onnx:
         from ..frameworks.export import check_onnx_available
 

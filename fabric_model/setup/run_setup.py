@@ -47,6 +47,7 @@ class LoopOptions(NamedTuple):
     keep_checkpoints: Any
     deterministic: Any = False
     profile: Any = None
+    shard_optimizer_state: Any = False
 
 
 def size_run(
@@ -121,6 +122,7 @@ def train_config(epoch_number: int, batch_size: int, sizing: EngineSizing, loop:
         on_gpus=gpus > 0,
         keep_freed_memory=keep_freed_memory_setting(),
         replica_check_steps=DIVERGENCE_CHECK_STEPS.get(),
+        shard_optimizer_state=bool(loop.shard_optimizer_state),
     )
 
 

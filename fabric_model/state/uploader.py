@@ -15,6 +15,10 @@ lost (docs/architecture.md, "Elasticity").
 
 One upload at a time: a snapshot due while one is in flight waits for the next boundary; a
 due checkpoint waits for the one in flight to finish.
+
+With a sharded optimizer state (``train(shard_optimizer_state=True)``) every member takes part
+in gathering it, so every member must decide alike when an upload is due (``agreed``): only
+the rules of steps and epochs apply then, and a snapshot due while one is in flight waits for it.
 """
 
 from __future__ import annotations
@@ -55,6 +59,9 @@ class StateUploader:
             float(cadence.seconds),
             float(cadence.share),
         )
+        self.agreed = config.shard_optimizer_state  # every member decides (and gathers) alike
+        if self.agreed:
+            self.every_seconds, self.share = 0.0, 0.0  # time differs between members: steps and epochs only
         self.cost = 0.0  # seconds the last upload took: its copy, then its thread's serializing and sending
         self.framework = ""
         self.written = -1  # the newest checkpoint the driver has
@@ -101,7 +108,7 @@ class StateUploader:
         """``kind_due``'s rule in full."""
         if unit > self.written and checkpoint_due(self.schedule, self.freq, unit):
             return "checkpoint"
-        if self._thread is not None and self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive() and not self.agreed:
             return None  # the last one is still on its way: try at the next boundary
         steps = self.schedule.steps_before(unit) - self._last_steps
         if steps <= 0:

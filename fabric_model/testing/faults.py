@@ -20,7 +20,8 @@ from ..run.hooks import Hooks
 @dataclasses.dataclass(frozen=True)
 class Kill:
     """SIGKILL worker ``worker`` in step ``step``: inside the step, just before its allreduce
-    (``before_allreduce``), or once the step has committed (``after_step``)."""
+    (``before_allreduce``), once the step has committed (``after_step``), or, with a sharded
+    optimizer state, after its update, before the updated slices are gathered (``before_spread``)."""
 
     worker: int
     step: int
@@ -50,7 +51,9 @@ class Preempt:
 
 @dataclasses.dataclass(frozen=True)
 class FailCollective:
-    """Make worker ``worker``'s allreduce in step ``step`` raise, as a broken link would."""
+    """Make worker ``worker``'s allreduce in step ``step`` raise, as a broken link would: before
+    it starts (``before_allreduce``), or once its first part is through on this worker
+    (``in_allreduce``), so that its peers may finish it while this worker gives it up."""
 
     worker: int
     step: int
@@ -209,24 +212,33 @@ class _FaultyCollective:
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._inner, name, value)  # state lives in the real collective
 
-    def all_reduce_start(self, tensor: Any) -> Any:
+    def _fire(self, when: str) -> None:
+        """The injector's faults of ``when``; an injected failure as the collective's own error."""
         from ..transport.collective import CollectiveError  # imports torch.distributed: only in a worker
 
         try:
-            self._injector._fire("before_allreduce")
+            self._injector._fire(when)
         except _InjectedFailure as exc:
             raise CollectiveError(str(exc)) from exc
+
+    def all_reduce_start(self, tensor: Any) -> Any:
+        self._fire("before_allreduce")
         return self._inner.all_reduce_start(tensor)
 
     def all_gather_start(self, output: Any, tensor: Any) -> Any:
         """The step's first exchange when the ordered sum gathers (deterministic mode)."""
-        from ..transport.collective import CollectiveError
-
-        try:
-            self._injector._fire("before_allreduce")
-        except _InjectedFailure as exc:
-            raise CollectiveError(str(exc)) from exc
+        self._fire("before_allreduce")
         return self._inner.all_gather_start(output, tensor)
+
+    def wait(self, work: Any) -> None:
+        """The real wait, then the ``in_allreduce`` faults (at a step's first wait only: they fire once)."""
+        self._inner.wait(work)
+        self._fire("in_allreduce")
+
+    def spread_start(self, output: Any, tensor: Any) -> Any:
+        """The gather of a sharded state's updated slices, after this member's update (``before_spread``)."""
+        self._fire("before_spread")
+        return self._inner.spread_start(output, tensor)
 
 
 class _FaultyStream:

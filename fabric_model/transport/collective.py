@@ -147,6 +147,11 @@ class Collective:
             return self._group._allgather_base(output.view(-1), tensor.view(-1))
         return _Works([self._group.broadcast(output[root], root) for root in range(self.world_size)])
 
+    def spread_start(self, output: torch.Tensor, tensor: torch.Tensor) -> Any:
+        """``all_gather_start`` for the updated slices of a sharded optimizer state, after the step's
+        update (frameworks/torch/sharded.py): a seam of its own for tests' faults."""
+        return self.all_gather_start(output, tensor)
+
     def wait(self, work: Any) -> None:
         """Wait for an operation from ``all_reduce_start`` (abortable, bounded)."""
         if work is not None:

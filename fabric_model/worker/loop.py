@@ -17,12 +17,14 @@ agreed unit with that step's micro-batches re-divided among the new members.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..context import WorkerContext
 from ..profiling import phases as ph
@@ -31,6 +33,7 @@ from ..profiling.session import StepProfiler
 from ..setup.config import TrainConfig, threads_per_worker
 from ..setup.job import Job
 from ..state.checkpoint import decode_state
+from ..state.slices import Holding, StateLost, host_key
 from ..state.transfer import broadcast_state
 from ..state.uploader import StateUploader
 from ..step.data import (
@@ -67,6 +70,18 @@ log = logging.getLogger(__name__)
 #: Step reports a worker keeps for a driver that comes back (at most this many steps uncommitted
 #: when the driver vanished are recorded from them; older ones are committed with inferred shares).
 REPORTS_KEPT = 1024
+
+
+def _leaves(tree: Any) -> Iterator[Any]:
+    """The values of a nest of dicts, lists and tuples."""
+    if isinstance(tree, dict):
+        for value in tree.values():
+            yield from _leaves(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _leaves(value)
+    else:
+        yield tree
 
 
 class WorkerLeft(Exception):
@@ -131,6 +146,13 @@ class TrainingLoop:
         self.phases = self.adapter.phases = Phases()
         device = str(getattr(collective, "device", "cpu"))
         self.profiler = StepProfiler(config.profile, self.phases, channel, device, context.worker_id)
+        # train(shard_optimizer_state=True): each member holds its slices of the optimizer state
+        # (docs/elasticity.md, "Sharded optimizer state").
+        self.sharded = config.shard_optimizer_state
+        if self.sharded:
+            self.adapter.shard_optimizer_state()
+        context.state_bytes = self._state_bytes
+        self.applied_unit = -1  # the step whose reduced gradient the step buffer still holds, applied
 
     # -- generations ----------------------------------------------------------------------
     def run_joined(self) -> None:
@@ -142,6 +164,8 @@ class TrainingLoop:
             try:
                 self._run_generation()
                 if self.next_unit >= self.schedule.total_units:
+                    if self.sharded:  # every member's slices into the user's optimizer, as unsharded
+                        self.adapter.gather_final(self.collective)
                     break
                 if self.voted_leave:
                     self._leave()  # does not return
@@ -173,8 +197,8 @@ class TrainingLoop:
         "Preemption"): when every member leaves, rank 0 first hands the driver the state, so no
         committed step is lost; then the position, marked as leaving, and exit 0."""
         collective = self.collective
-        if self.leavers >= collective.world_size and collective.rank == 0:
-            self._upload("snapshot")
+        if self.leavers >= collective.world_size and (collective.rank == 0 or self.sharded):
+            self._upload("snapshot")  # a sharded state: every member hands its slices to rank 0's
             self.uploads.flush(self.notice.grace)
         collective.shutdown()
         reason = f"leaves ({self.notice.signal_name})"
@@ -210,9 +234,16 @@ class TrainingLoop:
             # Complete, from the driver; "base": its frozen parameters that hold the job's values.
             optimizer = self.loop_state.unpack(state["optimizer"])
             self.adapter.load_sent_state(state["model"], optimizer, base=state.get("base", ()))
+            if self.sharded:  # the whole state, held whole until divided below
+                self.adapter.sharded.adopt_whole(generation.resume_unit)
         self.uploads.entered(generation.checkpoint, generation.resume_unit)
         self.notice.holds_state = True  # from here a notice to leave waits for a step boundary
-        if source >= 0:  # the members that lack the agreed state take it from the one that holds it
+        if self.sharded:
+            try:
+                self._enter_sharded(generation, loaded=generation.state is not None)
+            except StateLost as exc:
+                self._leave_incomplete(exc)
+        elif source >= 0:  # the members that lack the agreed state take it from the one that holds it
             mine = self._state() if self.collective.rank == source else None
             state = broadcast_state(self.collective, mine, source)
             if self.collective.rank != source:
@@ -233,15 +264,80 @@ class TrainingLoop:
             time.monotonic() - formed,
         )
 
+    def _leave_incomplete(self, exc: StateLost) -> None:
+        """No member holds part of the sharded state (an owner and its buddy were lost together):
+        this worker's state is of no use. It leaves the job as a preempted worker does; its slot
+        is filled by a fresh worker, and with every member gone the driver goes on from its newest
+        saved state, as when every holder is lost (docs/elasticity.md, "Sharded optimizer state")."""
+        log.warning("%s; leaving, for a fresh worker to take this slot", exc)
+        self.collective.shutdown()
+        reason = "leaves (the sharded optimizer state is incomplete)"
+        self.channel.send(p.LeftGeneration(self.collective.generation, -1, False, reason, True))
+        raise WorkerLeft(f"{reason}: {exc}") from exc
+
+    def _state_bytes(self) -> int:
+        """Bytes of optimizer state this worker holds (``WorkerContext.optimizer_state_bytes``)."""
+        if self.adapter.sharded is not None:
+            return int(self.adapter.sharded.state_bytes())
+        _, optimizer, _ = self.adapter.state_to_send()
+        tensors = [v for v in _leaves(optimizer) if isinstance(v, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _enter_sharded(self, generation: p.EnterGeneration, loaded: bool) -> None:
+        """Enter with a sharded optimizer state (docs/elasticity.md, "Sharded optimizer state").
+
+        The members first say what they hold. Members one step behind the agreed unit redo that
+        step on their slices, from the step buffer of a member that finished its allreduce (they
+        lost it). The source hands on the rest of the state (buffers, the loop's state, the
+        optimizer's hyperparameters) as without sharding, and the members divide the slices of
+        this generation among them, each taking what it lacks from a holder; where no member
+        holds a stretch (an owner and its buddy were lost together), :class:`StateLost`."""
+        collective, adapter, resume = self.collective, self.adapter, generation.resume_unit
+        sharded = adapter.sharded
+        # What this member holds: a state just loaded, its own from the generations it was in,
+        # or, fresh, the job's initial state: the state of unit 0, and of no later unit.
+        unit = resume if loaded else (self.next_unit if self.entered_once else (0 if resume == 0 else -1))
+        mine = Holding(unit, sharded.position, sharded.world, self.applied_unit, sharded.whole, host_key())
+        table = torch.zeros(collective.world_size, len(mine.row()), dtype=torch.int64, device=collective.device)
+        collective.wait(collective.all_gather_start(table, torch.tensor(mine.row(), device=collective.device)))
+        holdings = [Holding.of_row(row) for row in table.cpu().tolist()]
+        behind = resume - 1
+        if behind >= 0 and self.schedule.locate(behind)[1] is not None and any(h.unit == behind for h in holdings):
+            source = next((r for r, h in enumerate(holdings) if h.unit == resume and h.grad_unit == behind), -1)
+            if source >= 0:
+                collective.broadcast(adapter.step_buffer, source)
+                if holdings[collective.rank].unit == behind:
+                    adapter.replay_reduced(adapter.step_buffer)
+                    log.info("redid step unit %d on this member's slices, from rank %d's reduced step", behind, source)
+                redone = dataclasses.replace
+                holdings = [redone(h, unit=resume, whole=False) if h.unit == behind else h for h in holdings]
+        if generation.source_rank >= 0:
+            mine_state = self._state() if collective.rank == generation.source_rank else None
+            state = broadcast_state(collective, mine_state, generation.source_rank)
+            if collective.rank != generation.source_rank:
+                optimizer = self.loop_state.unpack(state["optimizer"])
+                adapter.load_sent_state(state["model"], optimizer, omitted=state.get("omitted", ()))
+        sharded.redivide(collective, holdings, resume)
+
     def _state(self) -> dict[str, Any]:
         """What a join hands over: what a step can change (the live tensors: the broadcast copies
-        them), without the frozen parameters every worker has from the job."""
+        them), without the frozen parameters every worker has from the job, nor the parameters
+        whose slices the members hold (a sharded optimizer state: they travel by slices)."""
         model, optimizer, omitted = self.adapter.state_to_send()
+        if self.sharded:
+            sliced = self.adapter.sharded_names()
+            model = {k: v for k, v in model.items() if k not in sliced}
         return {"model": model, "optimizer": self.loop_state.pack(optimizer), "omitted": omitted}
 
     def _upload(self, kind: str) -> None:
-        """Rank 0's ``kind`` of the state before ``next_unit`` to the driver (state/uploader.py)."""
+        """Rank 0's ``kind`` of the state before ``next_unit`` to the driver (state/uploader.py).
+        A sharded optimizer state is gathered from every member first (each calls this)."""
         model, optimizer, omitted = self.adapter.state_to_send()
+        if self.sharded:
+            optimizer = self.adapter.gathered_optimizer_state(self.collective)
+            if self.collective.rank != 0:
+                self.uploads.mark(kind, self.next_unit)
+                return
         self.uploads.upload(
             kind, self.next_unit, self.collective.generation, model, self.loop_state.pack(optimizer), omitted
         )
@@ -268,7 +364,8 @@ class TrainingLoop:
 
     def _upload_if_due(self) -> None:
         """Rank 0 uploads the checkpoint or snapshot due before ``next_unit`` (all replicas are identical)."""
-        kind = self.uploads.kind_due(self.next_unit, self.collective.rank)
+        # A sharded state is gathered by every member: all decide alike (uploader.py, ``agreed``).
+        kind = self.uploads.kind_due(self.next_unit, 0 if self.sharded else self.collective.rank)
         if kind is not None:
             with self.phases(ph.CHECKPOINT if kind == "checkpoint" else ph.SNAPSHOT):
                 self._upload(kind)
@@ -298,10 +395,16 @@ class TrainingLoop:
                     if step == 0:
                         self.hooks.on_epoch_begin(epoch)
                     self.hooks.on_batch_begin(step)
+                self.applied_unit = -1  # the step buffer is about to be zeroed
                 switch = self._step(epoch, step, batches)
+                # A lone worker's backward may write fresh gradients, not the buffer: it has no peer behind anyway.
+                self.applied_unit = self.next_unit if self.collective.world_size > 1 else -1
                 self.next_unit += 1
                 with phases(ph.CALLBACKS):
                     self.hooks.on_batch_end(step)
+                failure = self.adapter.failure_after_step()
+                if failure is not None:  # the step is done here; the generation is not (worker/loop.py docstring)
+                    raise failure
                 self._send_fingerprint(step)
                 profiler.step_ends(epoch * per_epoch + step)
                 if switch or self._stopping():

@@ -27,6 +27,7 @@ from .gather import tensor_reader
 from .generators import OwnedGenerators
 from .ibm import Eva, accuracy, forbidden_step
 from .precision import GradientStep
+from .sharded import ShardedOptimizer
 
 LossFn = Callable[[Any, Any], torch.Tensor] | None  # None: the model computes its loss (calling.model_loss)
 MetricFn = Callable[[Any, Any], Any]
@@ -77,6 +78,12 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         self._in_step = False
         self._on_cpu = True
         self._py_sums: list[np.float32] | None = None
+
+    #: The optimizer over this member's slices of the state (``train(shard_optimizer_state=True)``), or None.
+    sharded: ShardedOptimizer | None = None
+    #: A collective failure after this member's update was applied (the gather of updated slices):
+    #: the step counts as done here, the loop raises it after (``failure_after_step``).
+    _failed_after_update: Exception | None = None
 
     def _name_stats(self) -> None:
         taken: set[str] = set()
@@ -203,7 +210,12 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         self._scratch: torch.Tensor | None = None
         for p, view in zip(self._params, self._grad_views):
             p.grad = view
+        if self.sharded is not None:  # a fresh buffer (after an abort): the slices read their gradients here
+            self.sharded.bind(self._grad_view_of())
         self._build_buckets(layout.n_gradients)
+
+    def _grad_view_of(self) -> dict[int, torch.Tensor]:
+        return {id(p): view for p, view in zip(self._params, self._grad_views)}
 
     def _build_buckets(self, n_grad: int) -> None:
         """Cut the gradient part of the buffer into buckets, last parameters first (backward
@@ -499,14 +511,73 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
             unused = self._settle_buffers()
         # float16's unscale and overflow check, then clipping, then the optimizer's step
         with self.phases(ph.OPTIMIZER):
-            self.grad_step.apply(self.optimizer, self._params)
+            self._apply_gradients()
         for i in unused:
             self._params[i].grad = self._grad_views[i]
         self._in_step = False
+        if self.sharded is not None and self._collective is not None:
+            try:  # the update is applied to this member's slices: a failure from here leaves the step done
+                with self.phases(ph.REDUCE):
+                    self.sharded.spread(self._collective)
+            except Exception as exc:  # CollectiveError (imported with torch.distributed in a worker only)
+                self._failed_after_update = exc
         tail = self._tail.tolist()
         if self._py_sums is not None:
             tail[: len(self._py_sums)] = [float(s) for s in self._py_sums]
         return self._layout.result(tail)
+
+    def _apply_gradients(self) -> None:
+        """float16's unscale and overflow check, clipping, then the optimizer's step: over this
+        member's slices when the state is sharded (clipping still sees the whole gradient)."""
+        if self.sharded is None:
+            self.grad_step.apply(self.optimizer, self._params)
+        else:
+            self.sharded.step(lambda: self.grad_step.apply(self.optimizer, self._params))
+
+    def failure_after_step(self) -> Exception | None:
+        failure, self._failed_after_update = self._failed_after_update, None
+        return failure
+
+    # -- sharded optimizer state (frameworks/torch/sharded.py) ------------------------------
+    def shard_optimizer_state(self) -> None:
+        self.sharded = ShardedOptimizer(self.optimizer, self._grad_view_of())
+
+    def sharded_names(self) -> set[str]:
+        """The model state's names of the parameters whose slices members hold (they travel by slices)."""
+        if self.sharded is None:
+            return set()
+        ids = {id(p) for p in self.sharded.params}
+        return {name for name, v in self.model.state_dict(keep_vars=True).items() if id(v) in ids}
+
+    def replay_reduced(self, reduced: torch.Tensor) -> None:
+        """Apply a step another member reduced (its whole step buffer) to this member's slices: it
+        lost that step's allreduce, which the other finished (worker/loop.py, ``_enter_sharded``)."""
+        assert self.sharded is not None
+        self._flat.copy_(reduced)
+        for p, view in zip(self._params, self._grad_views):
+            p.grad = view
+        unused = [i for i, got in enumerate(self._got_grad.tolist()) if got == 0.0]
+        for i in unused:
+            self._params[i].grad = None
+        self._apply_gradients()
+        for i in unused:
+            self._params[i].grad = self._grad_views[i]
+        self.sharded.whole = False  # its other parameters are a step behind
+
+    def gathered_optimizer_state(self, collective: Any) -> dict[str, Any]:
+        """The whole optimizer state (``state_dict``'s form), gathered from every member's slices."""
+        assert self.sharded is not None
+        state = self.sharded.full_state(collective)
+        groups = self.optimizer.state_dict()["param_groups"]  # the user's holds no state: the groups only
+        return self.grad_step.pack({"state": state, "param_groups": groups})
+
+    def gather_final(self, collective: Any) -> None:
+        """At the end: the user's optimizer holds the whole state again, as after an unsharded run."""
+        assert self.sharded is not None
+        state = self.sharded.full_state(collective)
+        for i, values in state.items():
+            self.optimizer.state[self.sharded.params[i]] = values
+        self.sharded = None
 
     def _settle_buffers(self) -> list[int]:
         """The buffers' step values in place; ``.grad`` None where no worker produced a gradient
@@ -593,7 +664,9 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         skip = set(base) & unchanged  # the driver's copy of the job's values: this worker holds them already
         if skip:
             model_state = {k: v for k, v in model_state.items() if k not in skip}
-        self._may_lack = frozenset(omitted) | frozenset(skip)
+        # A peer's state without the sharded parameters: they come by slices (sharded.py).
+        sliced = self.sharded_names() - set(model_state)
+        self._may_lack = frozenset(omitted) | frozenset(skip) | frozenset(sliced)
         try:
             self.load_state(model_state, optimizer_state)
         finally:

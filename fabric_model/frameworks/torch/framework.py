@@ -34,6 +34,11 @@ class TorchFramework(Framework):
         """Metrics are callables ``metric(output, target)``; None keeps IBM's default accuracy, [] shows none."""
         return None if metrics is None else v.check_metrics(metrics)
 
+    def check_shardable(self, optimizer: Any) -> None:
+        from .sharded import check_shardable
+
+        check_shardable(optimizer)
+
     def check_optimizer(self, model: Any, optimizer: Any) -> None:
         """A ``torch.optim.Optimizer`` over the model's own parameters."""
         import torch

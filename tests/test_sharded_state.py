@@ -204,10 +204,15 @@ def _scalar_bytes(sharded: ShardedOptimizer) -> int:
     return sum(v.nbytes for s in sharded.state.values() for v in s.values() if torch.is_tensor(v) and not v.dim())
 
 
-def test_members_in_threads_divide_join_and_gather_the_state_as_the_whole_optimizer_steps():
+@pytest.mark.parametrize("rounds", ["one", "several"])
+def test_members_in_threads_divide_join_and_gather_the_state_as_the_whole_optimizer_steps(rounds, monkeypatch):
     """Real gloo groups between threads: 2 members step, a third joins and takes its slices
     from them, all three step and gather; every member's weights, and the whole state
-    gathered from the slices, are bitwise the unsharded optimizer's."""
+    gathered from the slices, are bitwise the unsharded optimizer's. With "several", the
+    updated slices are gathered in rounds of 30 elements in all (10 rounds, cut through tensors),
+    as a large model's are, through scratch of that size."""
+    if rounds == "several":
+        monkeypatch.setattr(ShardedOptimizer, "SPREAD_ELEMENTS", 30)
     store = dist.HashStore()
     plain_model, plain = fresh()
     members = [fresh() for _ in range(3)]
@@ -247,6 +252,8 @@ def test_members_in_threads_divide_join_and_gather_the_state_as_the_whole_optimi
     for model, _ in members:
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain_model.parameters()))
     assert sharded[2].state_bytes() < sharded[0].total * 4 * 2  # the joiner holds 2 of 3 slices, not all
+    scratch = [b.numel() for b in sharded[0]._spread_out]
+    assert scratch == ([3 * 97] if rounds == "one" else [30, 30])  # 291 elements: slices of 97
     whole = plain.state_dict()["state"]
     for state in gathered.values():
         assert state.keys() == whole.keys()

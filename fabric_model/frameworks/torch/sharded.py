@@ -16,6 +16,7 @@ See docs/elasticity.md, "Sharded optimizer state".
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import inspect
@@ -111,6 +112,10 @@ class Kinds:
 class ShardedOptimizer:
     """The user's optimizer, stepping over the held pieces of the flat parameter space."""
 
+    #: The most elements one round of the gather of updated slices moves, all members' together
+    #: (16 MiB of float32; two such buffers are kept).
+    SPREAD_ELEMENTS = 1 << 22
+
     def __init__(self, optimizer: torch.optim.Optimizer, grad_views: dict[int, torch.Tensor]) -> None:
         self.optimizer = optimizer
         self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
@@ -133,7 +138,7 @@ class ShardedOptimizer:
         optimizer.state = collections.defaultdict(dict)
         self._kinds: dict[int, Kinds] = {}
         self._arrange(slices.held_intervals(0, 1, total))
-        self._gather_out: torch.Tensor | None = None
+        self._spread_out: list[torch.Tensor] = []
         self.whole = True  # every parameter holds the current step's values
 
     def bind(self, grad_views: dict[int, torch.Tensor]) -> None:
@@ -198,27 +203,62 @@ class ShardedOptimizer:
 
     def spread(self, collective: Any) -> None:
         """Every member's owned slice of the updated weights to every member. With one or two
-        members there is nothing to gather: each holds, and has updated, every slice."""
-        if self.world <= 2:
+        members there is nothing to gather: each holds, and has updated, every slice.
+
+        The gather goes in rounds of at most :attr:`SPREAD_ELEMENTS` elements in all, through two
+        buffers in turn (a round's gather runs while the previous round's rows are copied into
+        the weights): a worker's scratch for it is bounded, not the size of the parameters,
+        which would give back much of what sharding the state saves."""
+        if self.world <= 2 or self.total == 0:
             return
-        cuts = slices.bounds(self.total, self.world)
-        width = max(end - start for start, end in cuts)
-        out = self._gather_out
-        if out is None or out.shape != (self.world, width) or out.device != self.params[0].device:
-            out = self._gather_out = torch.zeros(self.world, width, dtype=torch.float32, device=self.params[0].device)
-        start, end = self._own
-        row = out[collective.rank]  # rows by rank: each holds its member's own slice
-        self._copy(start, end, row, to_params=False)
+        world, rank = self.world, collective.rank
+        width = max(end - start for start, end in slices.bounds(self.total, world))
+        chunk = min(width, max(1, self.SPREAD_ELEMENTS // world))
+        rounds = -(-width // chunk)
+        buffers = self._spread_buffers(world, chunk, min(rounds, 2))
+        own_start, own_end = self._own
+
+        def launch(k: int) -> Any:
+            out = buffers[k % len(buffers)]
+            lo = own_start + k * chunk
+            self._copy(lo, min(own_end, lo + chunk), out[rank], to_params=False)
+            return collective.spread_start(out, out[rank])
+
         self.whole = False  # until the gather is through
-        collective.wait(collective.spread_start(out, row))
-        for rank, (start, end) in self._others:
-            self._copy(start, end, out[rank], to_params=True)
+        try:
+            pending = launch(0)
+            for k in range(rounds):
+                following = launch(k + 1) if k + 1 < rounds else None
+                collective.wait(pending)
+                out = buffers[k % len(buffers)]
+                for other, (start, end) in self._others:
+                    lo = start + k * chunk
+                    self._copy(lo, min(end, lo + chunk), out[other], to_params=True)
+                pending = following
+        except BaseException:
+            self._spread_out = []  # an abandoned gather may still write into them
+            raise
         self.whole = True
+
+    def _spread_buffers(self, world: int, chunk: int, count: int) -> list[torch.Tensor]:
+        """``count`` buffers of one row of ``chunk`` elements per member, kept across steps."""
+        device = self.params[0].device
+        kept = self._spread_out
+        if len(kept) != count or kept[0].shape != (world, chunk) or kept[0].device != device:
+            kept = self._spread_out = [
+                torch.zeros(world, chunk, dtype=torch.float32, device=device) for _ in range(count)
+            ]
+        return kept
 
     def _copy(self, start: int, end: int, flat: torch.Tensor, to_params: bool) -> None:
         """Copy elements ``[start, end)`` of the flat space between the parameters and ``flat``."""
+        if end <= start:
+            return
         with torch.no_grad():
-            for p, off in zip(self.params, self.offsets):
+            for i in range(max(0, bisect.bisect_right(self.offsets, start) - 1), len(self.params)):
+                p, off = self.params[i], self.offsets[i]
+                if off >= end:
+                    break
                 lo, hi = max(start, off), min(end, off + p.numel())
                 if hi <= lo or not p.requires_grad:  # one that needs no gradient never changes (nor is written)
                     continue

@@ -125,7 +125,7 @@ import torch
 import torch.nn.functional as F
 from fabric_model import FabricModel
 
-run_dir, out, marker, resume = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
+run_dir, out, marker, resume, shard = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1", sys.argv[5] == "1"
 g = torch.Generator().manual_seed(0)
 x = torch.randn(240, 12, generator=g)
 y = (x @ torch.randn(12, 3, generator=g)).argmax(1)
@@ -149,15 +149,19 @@ class Pace:  # the workers' logger: slow steps, so the signal lands mid-epoch
 
 fm = FabricModel(model, lambda: (data, None), F.cross_entropy, opt, driver_logger_callback=Mark(),
                  worker_logger_callback=Pace())
-fm.train(3, 8, 2, effective_batch_size=24, seed=3, run_dir=run_dir, deterministic=True, resume=resume)
+fm.train(3, 8, 3 if shard else 2, effective_batch_size=24, seed=3, run_dir=run_dir, deterministic=True, resume=resume,
+         shard_optimizer_state=shard)
 torch.save(model.state_dict(), out)
 """
 
 
-def run_script(script: Path, run_dir: Path, out: Path, marker: str = "-", resume: bool = False) -> subprocess.Popen:
-    """The script in a session of its own: its process group is the job's processes only."""
+def run_script(
+    script: Path, run_dir: Path, out: Path, marker: str = "-", resume: bool = False, shard: bool = False
+) -> subprocess.Popen:
+    """The script in a session of its own: its process group is the job's processes only. ``shard``:
+    on 3 workers with sharded optimizer state (the same weights: deterministic=True)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    argv = [sys.executable, str(script), str(run_dir), str(out), marker, "1" if resume else "0"]
+    argv = [sys.executable, str(script), str(run_dir), str(out), marker, "1" if resume else "0", "1" if shard else "0"]
     return subprocess.Popen(
         argv, env=env, cwd=script.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
     )
@@ -184,15 +188,20 @@ def script_and_weights(tmp_path_factory):
     return script, torch.load(folder / "whole.pt")
 
 
-@pytest.mark.parametrize("to", ["the driver", "every process of the job"])
-def test_a_driver_told_to_go_saves_stops_everything_and_resumes_to_the_same_weights(script_and_weights, tmp_path, to):
+@pytest.mark.parametrize(
+    ("to", "shard"), [("the driver", False), ("the driver", True), ("every process of the job", False)]
+)
+def test_a_driver_told_to_go_saves_stops_everything_and_resumes_to_the_same_weights(
+    script_and_weights, tmp_path, to, shard
+):
     """SIGTERM to the script's process (Kubernetes signals a container's first process), or to
     every process of the job (Slurm signals them all, workers and the warm process included):
     either way exit 143 with every committed step saved, and a resume ends bitwise as the
-    undisturbed run (deterministic=True)."""
+    undisturbed run (deterministic=True). ``shard``: 3 workers holding slices of the optimizer
+    state, which the checkpoint written holds whole."""
     script, whole = script_and_weights
     run_dir, marker = tmp_path / "run", tmp_path / "marker"
-    proc = run_script(script, run_dir, tmp_path / "resumed.pt", str(marker))
+    proc = run_script(script, run_dir, tmp_path / "resumed.pt", str(marker), shard=shard)
     deadline = time.monotonic() + scaled(120)
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -211,15 +220,22 @@ def test_a_driver_told_to_go_saves_stops_everything_and_resumes_to_the_same_weig
     assert code == 143, err[-3000:]
     assert took < 20 + 5, took  # within the grace (FABRIC_MODEL_PREEMPT_GRACE, 20 s), with slack for exiting
     last = err.strip().splitlines()[-1]
-    assert last.startswith("SIGTERM: preempted at epoch 2, step ") and last.endswith(", resume=True)"), err[-2000:]
-    assert "Traceback" not in err and "warning" not in err
+    at = "SIGTERM: preempted at epoch " if shard else "SIGTERM: preempted at epoch 2, step "
+    assert last.startswith(at) and last.endswith(", resume=True)"), err[-2000:]
+    assert "Traceback" not in err
+    warned = ["warning: sharded optimizer state: the newest saved is kept"] if shard else []
+    assert [line.split("] ", 1)[-1] for line in err.splitlines() if "warning" in line] == warned, err[-2000:]
     assert not (run_dir / "join.json").exists()  # the secret is gone
     assert not [pid for pid in workers if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
     # The checkpoint holds every step committed before the signal, and none after it.
     (unit, path), *_ = reversed(list_checkpoints(run_dir / "checkpoints"))
     assert load_checkpoint(path)["unit"] == unit
     units_done = {r["epoch"] * 11 + r["step"] for r in records(run_dir, "train")}  # 10 steps + a validation slot
-    assert len(units_done) >= 13 and unit == max(units_done) + 1, (unit, sorted(units_done))
+    if shard:  # no member holds the whole optimizer state: the newest saved (epoch 1's checkpoint at least: unit 10)
+        assert len(units_done) >= 13 and 10 <= unit <= max(units_done) + 1, (unit, sorted(units_done))
+        assert load_checkpoint(path)["optimizer"]["state"], "the checkpoint lacks the optimizer state"
+    else:
+        assert len(units_done) >= 13 and unit == max(units_done) + 1, (unit, sorted(units_done))
     end = json.loads((run_dir / "run.json").read_text())["end"]
     assert end["state"] == "preempted" and end["checkpoint"] == path.name
 

@@ -562,6 +562,11 @@ class Driver:
     def _ask_for_state(self) -> None:
         halt = self._halt
         assert halt is not None
+        if self.setup.config.shard_optimizer_state and halt.asked < 0:
+            # No member holds the whole optimizer state (docs/elasticity.md, "Sharded optimizer
+            # state"): the newest whole state saved, never a member's slices as if they were all.
+            log.warning("sharded optimizer state: the newest saved is kept")
+            halt.candidates.clear()
         while (worker := halt.next(time.monotonic())) is not None:
             if self.membership.state(worker) is not WorkerState.GONE and self._server.send(worker, p.SendFinalState()):
                 return

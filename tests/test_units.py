@@ -252,3 +252,23 @@ def test_the_step_vote_says_whether_to_switch_and_how_many_members_leave():
         result = layout.result(tail.tolist())
         assert (result.switch, result.leaving) == (joins + leaves > 0, leaves)
         assert result.micro_batches == joins + leaves and len(result.stats) == 2  # the loss sum, the count
+
+
+def test_one_vote_to_stop_makes_every_member_leave_whatever_the_others_voted():
+    """A member told that the job stops (a sharded state's preemption) votes 1 + LEAVE_VOTE +
+    STOP_VOTE: with any other votes, of up to 8,000 members, every member leaves."""
+    import torch
+
+    from fabric_model.step.layout import EVERYONE, LEAVE_VOTE, STOP_VOTE, StepLayout
+
+    layout = StepLayout(0, 0, 0, 1)
+    stop = 1.0 + LEAVE_VOTE + STOP_VOTE
+    for joins, leaves, stops in [(0, 0, 1), (5, 2, 1), (0, 0, 3), (0, 7999, 1), (1, 0, 7999)]:
+        tail = torch.zeros(layout.size, dtype=torch.float32)
+        votes = torch.tensor([1.0] * joins + [1.0 + LEAVE_VOTE] * leaves + [stop] * stops, dtype=torch.float32)
+        tail[layout.vote] = votes.sum()
+        result = layout.result(tail.tolist())
+        assert result.switch and result.leaving == EVERYONE > 8000
+    tail = torch.zeros(layout.size, dtype=torch.float32)
+    tail[layout.vote] = torch.full((8000,), 1.0 + LEAVE_VOTE).sum()  # leave votes alone never read as a stop
+    assert layout.result(tail.tolist()).leaving < EVERYONE

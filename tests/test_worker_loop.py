@@ -117,6 +117,7 @@ def make_worker(
     channel = mock.create_autospec(Channel, instance=True)
     inbox = mock.create_autospec(Inbox, instance=True)
     inbox.pending_generation = inbox.abort_generation = -1  # what the reader thread sets
+    inbox.stop_together = None
     collective = fake_collective(world_size)
     loop = TrainingLoop(job, config, plan, channel, inbox, collective, (data, None), WorkerContext(0))
     return Worker(loop, model, channel, inbox, collective)

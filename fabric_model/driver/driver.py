@@ -577,6 +577,15 @@ class Driver:
         assert halt is not None
         if isinstance(message, p.LeftGeneration) and message.last is not None:
             self.progress.copy(message.last)  # a step rank 0 did not report, when it was lost
+        if worker_id in halt.stopping:
+            if isinstance(message, p.LeftGeneration) and message.leaving:
+                halt.stopping.discard(worker_id)  # rank 0's upload came before its LeftGeneration
+            elif isinstance(message, (p.LeftGeneration, p.WorkerFailed, p.ConnectionLost)):
+                log.warning("worker %d did not stop with the others; keeping the newest state held", worker_id)
+                halt.stopping.clear()
+            if not halt.stopping:
+                self._final = self._held_state()
+            return
         if worker_id != halt.asked:
             return
         if isinstance(message, p.FinalState):
@@ -629,6 +638,13 @@ class Driver:
         )
         watch.acted = True
         patience = max(0.5, (watch.deadline - watch.reserve - time.monotonic()) / 3)
+        if self.setup.config.shard_optimizer_state and members and self.membership.generation >= 0:
+            # No member holds the whole optimizer state: they stop together, and rank 0 uploads
+            # the state gathered from all their slices (driver/halt.py). Not in time: the newest held.
+            self._halt = Halt(None, [], patience, preempted=watch.signal_name, stopping=set(members))
+            for worker_id in members:
+                self._server.send(worker_id, p.StopTogether(str(watch.signal_name)))
+            return
         self._halt = Halt(None, members, patience, preempted=watch.signal_name)
         if members and self.membership.generation >= 0:
             self._execute([AbortGeneration(self.membership.generation, tuple(members))])

@@ -5,6 +5,10 @@ Training stops: every member is sent ``Abort``, and the members are asked for th
 at a time, in rank order (rank 0 first), until one sends it. A member answers in place of
 entering a next generation, or at once if it had finished. Membership no longer acts: no new
 generation, no replacement. Pure: the driver does the sending.
+
+A preempted job whose optimizer state is sharded asks no one: no member holds the whole state.
+Its members are told to stop together instead (``stopping``): they vote to, leave after the same
+step, and rank 0 uploads the state gathered from all their slices before it leaves.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ class Halt:
         candidates: the members still to ask, rank 0 first.
         patience: seconds a member has to send its state before the next is asked.
         preempted: the signal's name when the driver was told to go.
+        stopping: the members told to stop together that have not left yet.
     """
 
     divergence: Divergence | None
@@ -31,6 +36,7 @@ class Halt:
     preempted: str | None = None
     asked: int = -1
     since: float = 0.0
+    stopping: set[int] = dataclasses.field(default_factory=set)
 
     def next(self, now: float) -> int | None:
         """The next member to ask (it is asked from ``now``); None when none is left."""

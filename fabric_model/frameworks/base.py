@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ..profiling import phases as ph
 from ..step.data import Reader, is_batch_level
 from ..step.digest import state_fingerprint
-from ..step.layout import LEAVE_VOTE
+from ..step.layout import LEAVE_VOTE, STOP_VOTE
 from ..step.options import StepOptions
 
 #: The keys under which a dict sample holds its target, looked for in this order (every framework).
@@ -99,10 +99,12 @@ class FrameworkAdapter(abc.ABC):
         driver checks the sum: driver/ledger.py)."""
         self.step_buffer[self.step_layout.computed] = float(count)
 
-    def vote_switch(self, leaving: bool = False) -> None:
+    def vote_switch(self, leaving: bool = False, stopping: bool = False) -> None:
         """Vote, inside this step's allreduce, to end the generation after the step (and, when
-        ``leaving``, to leave the job then: step/layout.py, ``LEAVE_VOTE``)."""
-        self.step_buffer[self.step_layout.vote] = 1.0 + (LEAVE_VOTE if leaving else 0.0)
+        ``leaving``, to leave the job then; when ``stopping``, that every member leaves then:
+        step/layout.py, ``LEAVE_VOTE`` and ``STOP_VOTE``)."""
+        vote = 1.0 + (LEAVE_VOTE if leaving or stopping else 0.0) + (STOP_VOTE if stopping else 0.0)
+        self.step_buffer[self.step_layout.vote] = vote
 
     @abc.abstractmethod
     def finish_step(self) -> StepResult:

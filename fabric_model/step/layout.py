@@ -13,6 +13,13 @@ from collections.abc import Sequence
 #: that asks to switch for a newcomer: the sum says how many members leave (while fewer than
 #: this many vote, the float32 sum stays exact).
 LEAVE_VOTE = 1024.0
+#: A member told by the driver that the job stops (a preempted job whose optimizer state is
+#: sharded) votes this much more: one such vote makes every member leave after the step, together.
+#: Above any sum of leave votes of up to 8,000 members (8,000 * 1,025 < 2 ** 23); float32 sums
+#: of several are inexact past 2 ** 24, but never below it.
+STOP_VOTE = float(1 << 23)
+#: ``StepResult.leaving`` when a member voted to stop: more than any group has members.
+EVERYONE = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +30,8 @@ class StepResult:
         stats: the stat sums (loss, metrics..., in ``stat_names`` order) then the step's sample
             count, summed over the group: what the driver averages.
         switch: whether some member voted to end the generation after this step.
-        leaving: how many members voted to leave after it (a preemption notice).
+        leaving: how many members voted to leave after it (a preemption notice); ``EVERYONE``
+            when one voted to stop the job.
         micro_batches: how many micro-batches the members computed, summed over the group: the
             driver's exactly-once check (driver/ledger.py).
     """
@@ -117,4 +125,5 @@ class StepLayout:
         if len(values) != self.n_stats + 3:
             raise ValueError(f"expected {self.n_stats + 3} tail values, got {len(values)}")
         vote, computed = values[-1], values[-2]
-        return StepResult(values[:-2], vote > 0, int(vote // LEAVE_VOTE), int(round(computed)))
+        leaving = EVERYONE if vote >= STOP_VOTE else int(vote // LEAVE_VOTE)
+        return StepResult(values[:-2], vote > 0, leaving, int(round(computed)))

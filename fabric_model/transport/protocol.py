@@ -25,7 +25,9 @@ A worker's life in messages::
 
 Replicas that diverged (their fingerprints differ) end training early: the driver sends the
 members ``Abort`` and rank 0 ``SendFinalState``, which rank 0 answers with ``FinalState`` in
-place of entering a next generation; then ``Stop``.
+place of entering a next generation; then ``Stop``. A driver told to go does the same, unless
+the optimizer state is sharded: then it sends every member ``StopTogether``, and they vote to
+leave after the same step, rank 0 uploading the state gathered from their slices.
 
 A second connection, opened with ``StoreOpen``, carries the rendezvous store's frames
 (:mod:`fabric_model.transport.store.wire`), not these messages.
@@ -259,6 +261,15 @@ class Abort:
 
 
 @dataclasses.dataclass(frozen=True)
+class StopTogether:
+    """The job was told to go (``signal_name``) and its optimizer state is sharded: vote to stop,
+    so that every member leaves after the same step, their slices gathered to rank 0's upload
+    (docs/elasticity.md, "Sharded optimizer state")."""
+
+    signal_name: str
+
+
+@dataclasses.dataclass(frozen=True)
 class SendFinalState:
     """Send :class:`FinalState`: at the end, or, while training, in place of entering a next
     generation (replicas diverged: training ends with rank 0's state)."""
@@ -326,4 +337,4 @@ class StoreOpen:
 WorkerMessage = (
     Hello | Ready | LeftGeneration | Heartbeat | StepDone | Fingerprint | EvalDone | Finished | FinalState
 ) | (WorkerFailed | StateChunk | ProfilePart | Entered)
-DriverMessage = Assigned | JobSpec | EnterGeneration | JoinPending | Abort | SendFinalState | Stop
+DriverMessage = Assigned | JobSpec | EnterGeneration | JoinPending | Abort | StopTogether | SendFinalState | Stop

@@ -75,6 +75,7 @@ class Inbox:
         self._messages: queue.Queue[Any] = queue.Queue()
         self.pending_generation = -1  # written by the reader thread only
         self.abort_generation = -1  # likewise: collectives of this generation and older give up
+        self.stop_together: str | None = None  # likewise: the signal the job was told to go by (p.StopTogether)
         #: Set once the job has arrived: how to wait for a vanished driver (worker/reattach.py).
         self.driver_wait: DriverWait | None = None
         self.away = threading.Event()  # the driver vanished and has not come back yet
@@ -93,6 +94,8 @@ class Inbox:
                         self.pending_generation = max(self.pending_generation, message.generation)
                     elif isinstance(message, p.Abort):
                         self.abort_generation = max(self.abort_generation, message.generation)
+                    elif isinstance(message, p.StopTogether):
+                        self.stop_together = message.signal_name
                     else:
                         self._messages.put(message)
             except (EOFError, OSError) as exc:

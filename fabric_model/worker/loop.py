@@ -167,8 +167,8 @@ class TrainingLoop:
                     if self.sharded:  # every member's slices into the user's optimizer, as unsharded
                         self.adapter.gather_final(self.collective)
                     break
-                if self.voted_leave:
-                    self._leave()  # does not return
+                if self.voted_leave or self.leavers >= self.collective.world_size:
+                    self._leave()  # does not return (every member leaves when one voted to stop)
                 failed, reason = False, "switch"
             except CollectiveError as exc:
                 self.adapter.abort_step()
@@ -201,7 +201,7 @@ class TrainingLoop:
             self._upload("snapshot")  # a sharded state: every member hands its slices to rank 0's
             self.uploads.flush(self.notice.grace)
         collective.shutdown()
-        reason = f"leaves ({self.notice.signal_name})"
+        reason = f"leaves ({self.notice.signal_name or self.inbox.stop_together})"
         left = p.LeftGeneration(collective.generation, self.next_unit, False, reason, True, self._last_report())
         self.channel.send(left)
         raise WorkerLeft(reason)
@@ -491,9 +491,10 @@ class TrainingLoop:
             # (``_step_done``), and a tensor write a step is a tenth of a null step's overhead.
             if collective.world_size > 1:
                 adapter.count_micro_batches(len(mine))
-            leaving = self.voted_leave = self.notice.requested
+            stopping = self.inbox.stop_together is not None  # the job stops: every member leaves
+            leaving = self.voted_leave = self.notice.requested or stopping
             if leaving or self.inbox.pending_generation > collective.generation:
-                adapter.vote_switch(leaving)
+                adapter.vote_switch(leaving, stopping)
             with phases(ph.REDUCE):
                 adapter.all_reduce(collective)
             result = adapter.finish_step()

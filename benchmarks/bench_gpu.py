@@ -347,23 +347,33 @@ def span_time(times: list[float]) -> float:
     return (timed[-1] - timed[0]) / (len(timed) - 1)
 
 
+def slow_steps(times: list[float], count: int = 4) -> str:
+    """The ``count`` longest steps after the warm-up, as ``ms@step`` (where a span's time went)."""
+    gaps = [(b - a, i + 1) for i, (a, b) in enumerate(zip(times[:-1], times[1:])) if i + 1 > WARMUP]
+    return ", ".join(f"{g * 1e3:.0f}ms@{i}" for g, i in sorted(gaps, reverse=True)[:count])
+
+
 def real_model(workload: str, args: argparse.Namespace, tmp: Path) -> None:
     """The GPT-2 or ResNet-50 row, per precision: FabricModel against the plain loop, interleaved."""
     for precision in args.precisions.split(","):
         extra = (args.device, precision, "1" if args.small else "0", args.out)
-        ratios, plains, uploads = [], [], []
+        ratios, medians, plains, uploads, slowest = [], [], [], [], ""
         for _ in range(args.rounds):
             base = run("hf-plain", workload, args.steps, tmp, extra)
             ours = run("hf-fabric", workload, args.steps, tmp, extra)
             if base is None or ours is None:
                 continue
-            p, f = span_time(base), span_time(ours["times"])  # type: ignore[arg-type,index]
+            times: list[float] = ours["times"]  # type: ignore[index]
+            p, f = span_time(base), span_time(times)  # type: ignore[arg-type]
             plains.append(p * 1e3)
             ratios.append(p / f)
+            medians.append(step_time(base) / step_time(times))  # type: ignore[arg-type]
             uploads = ours["uploads"]  # type: ignore[index]
+            slowest = slow_steps(times)
         sent = "; ".join(uploads) or "none"
-        print(f"{workload:9s} {precision:10s} 1 engine vs the plain loop: throughput {spread(ratios)}x, "
-              f"plain step {spread(plains, '{:.2f}')} ms; uploads in the last run: {sent}")  # fmt: skip
+        print(f"{workload:9s} {precision:10s} 1 engine vs the plain loop: throughput {spread(ratios)}x "
+              f"(median step {spread(medians)}x), plain step {spread(plains, '{:.2f}')} ms; "
+              f"slowest steps in the last run: {slowest}; uploads in the last run: {sent}")  # fmt: skip
 
 
 def startup(args: argparse.Namespace, tmp: Path) -> None:

@@ -211,6 +211,7 @@ def fabric(
         if profile is not None:
             result["summary"] = (run_dir / "profile" / "summary.txt").read_text()
             if out_dir:
+                Path(out_dir).mkdir(parents=True, exist_ok=True)
                 for trace in (run_dir / "profile").glob("*.pt.trace.json"):
                     Path(out_dir, f"gpt2-{precision}-{trace.name}").write_bytes(trace.read_bytes())
         return result

@@ -270,6 +270,41 @@ def test_checkpoints_of_cuda_tensors_resume_bitwise_and_load_without_a_gpu(deter
     assert_bitwise_equal(optimizer_state(model, opt), deterministic_lone)
 
 
+# -- sharded optimizer state (ZeRO stage 1 with a buddy: docs/elasticity.md) ---------------------
+def cuda_optimizer_state(opt: torch.optim.Optimizer) -> list[torch.device]:
+    return [v.device for state in opt.state.values() for v in state.values() if torch.is_tensor(v) and v.dim()]
+
+
+def test_sharded_adam_on_three_workers_sharing_the_gpu_is_bitwise_the_lone_unsharded_run(
+    deterministic_lone, run_dir, share_the_gpu
+):
+    """Slices of the flat parameters on the GPU, each member's update of its own and its buddy's
+    slice, and the gather of the updated slices (gloo on CUDA tensors); the user's optimizer ends
+    with the whole state, on the GPU."""
+    model, opt, result = train(run_dir, 3, device="cuda", adam=True, deterministic=True, shard_optimizer_state=True)
+    assert_ran_on_the_gpu(result)
+    assert_bitwise_equal(optimizer_state(model, opt), deterministic_lone)
+    devices = cuda_optimizer_state(opt)
+    assert devices and all(d.type == "cuda" for d in devices), devices
+
+
+def test_a_sharded_worker_killed_on_the_gpu_loses_nothing_and_its_replacement_takes_slices(
+    deterministic_lone, run_dir, tmp_path, share_the_gpu
+):
+    """The survivors re-divide the slices from the buddies' copies on the GPU, without a rollback;
+    the replacement takes its slices from their holders."""
+    model, opt, _ = train(
+        run_dir, 3, device="cuda", adam=True, deterministic=True, shard_optimizer_state=True,
+        faults=[Kill(1, 4), HoldForJoin(7)], marker_dir=tmp_path,
+    )  # fmt: skip
+    assert_bitwise_equal(optimizer_state(model, opt), deterministic_lone)
+    generations = records(run_dir, "generation")
+    sizes = [g["workers"] for g in generations]
+    assert sizes[:2] == [3, 2] and sizes[-1] == 3, sizes
+    assert not [g for g in generations if "rolled_back_from" in g], generations
+    assert_exactly_once(run_dir)
+
+
 # -- precision and export ----------------------------------------------------------------------
 def test_bf16_mixed_on_cuda_trains_like_the_cuda_autocast_loop(undisturbed, run_dir):
     expected = reference(autocast=torch.bfloat16)

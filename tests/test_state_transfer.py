@@ -69,3 +69,31 @@ def test_state_broadcast_over_gloo_arrives_bit_for_bit():
     model, opt = fresh_model_and_optimizer(adam=True)
     model.load_state_dict(results[0]["model"])
     opt.load_state_dict(results[0]["optimizer"])  # what a newcomer does with it
+
+
+class _Recorder:
+    """The source's side of a collective whose device is not the CPU (``meta`` stands in for a
+    GPU on a host without one): what each broadcast was handed."""
+
+    rank, device = 0, torch.device("meta")
+
+    def __init__(self) -> None:
+        self.sent: list[torch.Tensor] = []
+
+    def broadcast_bytes(self, data, source):
+        return data
+
+    def broadcast(self, tensor, source):
+        self.sent.append(tensor)
+
+
+def test_a_state_on_several_devices_is_sent_from_the_collectives_device():
+    """On a GPU, Adam's ``step`` counts are CPU tensors beside moments on the GPU, in one dtype's
+    buffer: each goes to the collective's device before they are joined (a join on a GPU failed so)."""
+    collective = _Recorder()
+    state = {"step": torch.tensor(3.0), "exp_avg": torch.zeros(4, device="meta"), "count": torch.tensor(7)}
+    assert broadcast_state(collective, state, source=0) is state
+    assert [(t.device.type, t.dtype, t.numel()) for t in collective.sent] == [
+        ("meta", torch.float32, 5),
+        ("meta", torch.int64, 1),
+    ]

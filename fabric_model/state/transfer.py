@@ -78,6 +78,8 @@ def _send(collective: Any, tensors: list[torch.Tensor], source: int) -> None:
     """The source's side of :func:`_receive`: the same broadcasts, from its tensors."""
     specs = [(t.dtype, tuple(t.shape)) for t in tensors]
     for wire, indices in _groups(specs).items():
-        parts = [tensors[i].reshape(-1).to(wire) for i in indices]
-        flat = torch.cat(parts).to(collective.device) if parts else torch.empty(0, dtype=wire)
+        # Each part to the collective's device first: one state mixes devices (on a GPU, Adam's
+        # ``step`` counts stay CPU tensors beside moments on the GPU), which torch.cat refuses.
+        parts = [tensors[i].reshape(-1).to(device=collective.device, dtype=wire) for i in indices]
+        flat = torch.cat(parts) if parts else torch.empty(0, dtype=wire, device=collective.device)
         collective.broadcast(flat, source)

@@ -378,7 +378,7 @@ def real_model(workload: str, args: argparse.Namespace, tmp: Path) -> None:
 
 def startup(args: argparse.Namespace, tmp: Path) -> None:
     extra = (args.device, "32", "1" if args.small else "0", args.out)
-    plains, ours, phases = [], [], {}
+    plains, ours, phases, notes = [], [], {}, {}
     for _ in range(args.rounds):
         base = run("hf-plain-first", "gpt2", 0, tmp, extra)
         fabric = run("hf-fabric-first", "gpt2", 0, tmp, extra)
@@ -388,12 +388,15 @@ def startup(args: argparse.Namespace, tmp: Path) -> None:
         ours.append(fabric["seconds"])  # type: ignore[index]
         for name, seconds in fabric["startup"]["phases"]:  # type: ignore[index]
             phases.setdefault(name, []).append(seconds)
+        notes = fabric["startup"].get("notes", {})  # type: ignore[index]
     beyond = [o - p for o, p in zip(ours, plains)]
     plain_s, ours_s, beyond_s = spread(plains, "{:.2f}"), spread(ours, "{:.2f}"), spread(beyond, "{:+.2f}")
     print(f"startup   gpt2: model built -> first step {plain_s} s (plain), -> first commit {ours_s} s "
           f"(fabric_model), {beyond_s} s beyond")  # fmt: skip
     for name, values in phases.items():
         print(f"            {name:<42} {statistics.median(values):7.3f} s")
+    for name, text in notes.items():
+        print(f"            {name}: {text}")
 
 
 def profile(args: argparse.Namespace, tmp: Path) -> None:

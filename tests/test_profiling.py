@@ -122,6 +122,7 @@ def test_a_profiled_run_writes_a_trace_with_the_framework_s_ranges_and_a_summary
 @pytest.mark.processes
 def test_a_run_records_its_start_up_in_phases_and_without_a_profile_writes_none(run_dir, monkeypatch):
     monkeypatch.delenv("FABRIC_MODEL_PROFILE", raising=False)
+    monkeypatch.setenv("FABRIC_MODEL_WARM_START", "fresh")  # the start-up says how workers started, and why
     model, opt = fresh_model_and_optimizer()
     FabricModel(model, lambda: (DATA, None), F.cross_entropy, opt).train(1, 8, 2, run_dir=run_dir, verbose=0)
     assert not (run_dir / "profile").exists()
@@ -133,6 +134,9 @@ def test_a_run_records_its_start_up_in_phases_and_without_a_profile_writes_none(
     seconds = dict(startup["phases"])
     assert sum(seconds[name] for name in top) == pytest.approx(startup["total"], abs=1e-3)
     assert all(value >= 0 for value in seconds.values()) and 0 < startup["total"] < 120
+    how = "a fresh interpreter (FABRIC_MODEL_WARM_START=fresh)"
+    assert startup["notes"] == {"warm process": how}, startup
+    assert f"local workers fork from the warm process: {how}" in (run_dir / "logs" / "driver.log").read_text()
 
 
 def test_start_up_phases_nest_the_first_worker_s_parts_under_the_driver_s():

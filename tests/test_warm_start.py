@@ -254,6 +254,28 @@ def test_fork_blockers_name_what_makes_a_fork_unsafe():
         thread.join()
 
 
+def test_openblas_threads_beyond_its_count_are_told_by_where_they_wait_and_do_not_block_a_fork():
+    """OpenBLAS's pool threads wait on its own statics: they are known by that, not only by the
+    count ``get_num_threads`` gives now, which a script (or threadpoolctl) may have lowered after
+    the pool started. Counting alone found one thread too many on a 16-core GPU host."""
+    script = (
+        "import ctypes, os, numpy\n"
+        "from fabric_model.launchers import fork_safety as fs\n"
+        "paths = sorted({p for _, _, p in fs._mapped_libraries() if 'openblas' in os.path.basename(p).lower()})\n"
+        "lib = ctypes.CDLL(paths[0])\n"
+        "get = next(n for n in fs._OPENBLAS_THREADS if hasattr(lib, n))\n"
+        "pool = len(os.listdir('/proc/self/task')) - 1\n"
+        "getattr(lib, get.replace('_get_', '_set_'))(1)\n"
+        "print(pool, fs._openblas_pool_threads(fs._mapped_libraries()), fs.fork_blockers())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    pool, counted, blockers = done.stdout.split(maxsplit=2)
+    if int(pool) == 0:
+        pytest.skip("OpenBLAS started no pool thread on this host (one core)")
+    assert int(counted) == 0 and blockers.strip() == "[]", done.stdout
+
+
 def test_a_warm_process_no_job_takes_ends_with_its_fabric_model(monkeypatch):
     model, opt = fresh_model_and_optimizer()
     before = {p.pid for p in psutil.Process().children()}

@@ -41,9 +41,19 @@ def fork_blockers() -> list[str]:
     return blockers
 
 
+#: The futex system call's number, by machine: an idle pool thread waits in it.
+_FUTEX = {"x86_64": 202, "aarch64": 98, "ppc64le": 221, "s390x": 238}
+
+
 def _native_thread_blockers() -> list[str]:
-    """Threads other than the main one and OpenBLAS's pool: each is a reason not to fork."""
+    """Threads other than the main one and OpenBLAS's pool: each is a reason not to fork.
+
+    A thread is OpenBLAS's when it waits on a futex inside an OpenBLAS library's memory (its
+    pool's condition variables are the library's own statics): counting the pool from
+    ``get_num_threads`` alone falls short where the count was lowered after the pool started
+    (docs/architecture.md, "Start-up"). Threads not known so still count against the pools."""
     libraries = _mapped_libraries()
+    futex = _FUTEX.get(os.uname().machine)
     others = []
     for tid in os.listdir("/proc/self/task"):
         if int(tid) == os.getpid():
@@ -58,6 +68,10 @@ def _native_thread_blockers() -> list[str]:
         library = _library_at(libraries, int(fields[-1], 16))
         if "libgomp" in library:
             return ["OpenMP's threads have started (torch ran a parallel operation)"]
+        if futex is not None and len(fields) > 3 and fields[0] == str(futex):
+            owner = _owner_of(libraries, int(fields[1], 16))
+            if "openblas" in os.path.basename(owner).lower():
+                continue  # OpenBLAS stops its pool around a fork (pthread_atfork)
         others.append(f"thread {tid} waits in {os.path.basename(library) or 'unknown code'}")
     pool = _openblas_pool_threads(libraries)
     if len(others) > pool:
@@ -66,15 +80,28 @@ def _native_thread_blockers() -> list[str]:
 
 
 def _mapped_libraries() -> list[tuple[int, int, str]]:
-    """(start, end, path) of every file mapped into this process."""
+    """(start, end, path) of every mapping of this process, in address order; ``""`` for
+    anonymous memory."""
     mapped = []
     with open("/proc/self/maps") as f:
         for line in f:
             fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].startswith("/"):
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                mapped.append((start, end, fields[5].strip()))
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            path = fields[5].strip() if len(fields) == 6 and fields[5].startswith("/") else ""
+            mapped.append((start, end, path))
     return mapped
+
+
+def _owner_of(libraries: list[tuple[int, int, str]], address: int) -> str:
+    """The file whose image holds ``address``: its own mapping, or the anonymous one right after
+    it (a library's zero-initialised statics, ``.bss``)."""
+    for i, (start, end, path) in enumerate(libraries):
+        if start <= address < end:
+            if path or i == 0:
+                return path
+            before = libraries[i - 1]
+            return before[2] if before[1] == start else ""
+    return ""
 
 
 def _library_at(libraries: list[tuple[int, int, str]], address: int) -> str:

@@ -194,10 +194,13 @@ def start_warm_process(framework: str, log_path: Path | None = None) -> WarmProc
     mode = warm_start_mode()
     if mode == "0" or not sys.platform.startswith("linux"):
         return None
-    blockers = [] if mode == "fork-always" else ["a fresh interpreter"] if mode == "fresh" else fork_blockers()
+    if mode == "fork-always":
+        blockers: list[str] = []
+    else:
+        blockers = ["FABRIC_MODEL_WARM_START=fresh"] if mode == "fresh" else fork_blockers()
     log.debug("warm process: %s", "; ".join(blockers) or "a fork of the caller")
     try:
-        return WarmProcess(warm_environment(), framework, log_path, fork=not blockers)
+        return WarmProcess(warm_environment(), framework, log_path, fork=not blockers, why_fresh="; ".join(blockers))
     except OSError as exc:  # the workers start as fresh interpreters, as they would without it
         log.warning("could not start the warm process (%s): workers start as fresh interpreters", exc)
         return None

@@ -125,10 +125,21 @@ class WarmProcess:
             until :meth:`move_log` names one.
         fork: a fork of this process (which must be fit for it: :mod:`.fork_safety`), not a
             fresh interpreter.
+        why_fresh: why it is not a fork (what :func:`~.fork_safety.fork_blockers` found, or
+            the setting), for :attr:`how`.
     """
 
-    def __init__(self, env: dict[str, str], framework: str, log_path: Path | None = None, fork: bool = False) -> None:
+    def __init__(
+        self,
+        env: dict[str, str],
+        framework: str,
+        log_path: Path | None = None,
+        fork: bool = False,
+        why_fresh: str = "",
+    ) -> None:
         self.env, self.framework, self.forked = dict(env), framework, fork
+        #: How it started, for run.json's start-up record: a slow start names its cause.
+        self.how = "a fork of the caller" if fork else f"a fresh interpreter ({why_fresh or 'not a fork'})"
         if log_path is not None:
             log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(log_path, "ab") if log_path is not None else tempfile.TemporaryFile()

@@ -33,7 +33,12 @@ class StartUp:
         self.began = time.monotonic() if began is None else began
         self._marks: dict[str, float] = {}
         self._worker: dict[str, dict[str, float]] = {"worker set-up": {}, "entering it": {}}
+        self.notes: dict[str, str] = {}
         self.recorded = False
+
+    def note(self, name: str, text: str) -> None:
+        """A fact that explains the phases (``"workers"``: how the local workers' processes start)."""
+        self.notes[name] = text
 
     def mark(self, phase: str) -> None:
         """``phase`` ends now (the first mark of a name stands)."""
@@ -63,7 +68,10 @@ class StartUp:
                 for name, part in parts.items():
                     rows.append([f"  {name}", round(part, 4)])
                 rows.append([f"  the rest of {phase}", round(max(0.0, seconds - sum(parts.values())), 4)])
-        return {"phases": rows, "total": round(last - self.began, 4)}
+        record: dict[str, Any] = {"phases": rows, "total": round(last - self.began, 4)}
+        if self.notes:
+            record["notes"] = dict(self.notes)
+        return record
 
     def record(self, run_json: Any) -> None:
         """Add ``"startup"`` to ``run.json`` (once; best effort, never raised: start-up is done)."""

@@ -215,6 +215,10 @@ def run_job(
         def start(hooks: Hooks) -> tuple[Driver, Any]:
             if resume_said is not None:  # here, in driver.log and on screen, not before the log is open
                 log.info("%s", resume_said)
+            if warm is not None:
+                # A fresh interpreter imports torch and the job's modules again: seconds of start-up.
+                log.info("local workers fork from the warm process: %s", warm.how)
+                setup.startup.note("warm process", warm.how)
             driver = Driver(setup, run, hooks, launcher)
             return driver, driver.run()
 

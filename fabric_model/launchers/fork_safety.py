@@ -51,10 +51,11 @@ def _native_thread_blockers() -> list[str]:
     A thread is OpenBLAS's when it waits on a futex inside an OpenBLAS library's memory (its
     pool's condition variables are the library's own statics): counting the pool from
     ``get_num_threads`` alone falls short where the count was lowered after the pool started
-    (docs/architecture.md, "Start-up"). Threads not known so still count against the pools."""
+    (docs/architecture.md, "Start-up"). Threads not known so count against what the pools' counts
+    leave beyond those known: a thread of another library never passes for OpenBLAS's."""
     libraries = _mapped_libraries()
     futex = _FUTEX.get(os.uname().machine)
-    others = []
+    others, known = [], 0
     for tid in os.listdir("/proc/self/task"):
         if int(tid) == os.getpid():
             continue
@@ -71,9 +72,10 @@ def _native_thread_blockers() -> list[str]:
         if futex is not None and len(fields) > 3 and fields[0] == str(futex):
             owner = _owner_of(libraries, int(fields[1], 16))
             if "openblas" in os.path.basename(owner).lower():
-                continue  # OpenBLAS stops its pool around a fork (pthread_atfork)
+                known += 1  # OpenBLAS stops its pool around a fork (pthread_atfork)
+                continue
         others.append(f"thread {tid} waits in {os.path.basename(library) or 'unknown code'}")
-    pool = _openblas_pool_threads(libraries)
+    pool = max(0, _openblas_pool_threads(libraries) - known)  # what its count allows besides those known
     if len(others) > pool:
         return [f"{len(others)} native threads, {pool} of them OpenBLAS's: " + "; ".join(others)]
     return []

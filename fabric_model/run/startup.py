@@ -37,7 +37,7 @@ class StartUp:
         self.recorded = False
 
     def note(self, name: str, text: str) -> None:
-        """A fact that explains the phases (``"workers"``: how the local workers' processes start)."""
+        """A fact that explains the phases (``"warm process"``: how the local workers' processes start)."""
         self.notes[name] = text
 
     def mark(self, phase: str) -> None:

@@ -255,8 +255,10 @@ def test_fork_blockers_name_what_makes_a_fork_unsafe():
 
 
 def python_prints(script: str) -> str:
-    """What a fresh interpreter running ``script`` prints (it must succeed)."""
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    """What a fresh interpreter running ``script`` prints (it must succeed). Its output is buffered
+    as on any host (PYTHONUNBUFFERED is dropped): a script that ends with ``os._exit`` flushes first."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -289,8 +291,8 @@ def test_openblas_threads_beyond_its_count_are_told_by_where_they_wait_and_do_no
         "tid = ctypes.c_ulong()\n"
         "libc.pthread_create(ctypes.byref(tid), None, ctypes.cast(libc.pause, ctypes.c_void_p), None)\n"
         "time.sleep(0.2)\n"
-        "print(fs._openblas_pool_threads(fs._mapped_libraries()), fs.fork_blockers())\n"
-        "os._exit(0)\n"
+        "print(fs._openblas_pool_threads(fs._mapped_libraries()), fs.fork_blockers(), flush=True)\n"
+        "os._exit(0)  # the pause thread never ends\n"
     )
     out = python_prints(script)
     counted, blockers = out.split(maxsplit=1)

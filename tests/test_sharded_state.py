@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import random
 import threading
+import time
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -263,9 +264,16 @@ def test_members_in_threads_divide_join_and_gather_the_state_as_the_whole_optimi
 # -- whole runs ----------------------------------------------------------------------------------
 @pytest.mark.processes
 @pytest.mark.parametrize("workers", [1, 2, 3])
-def test_sharded_adam_is_bitwise_the_unsharded_run(workers, reference, run_dir):
-    assert_bitwise_equal(final_state(*train(run_dir, workers)), reference)
+def test_sharded_adam_is_bitwise_the_unsharded_run(workers, reference, run_dir, monkeypatch):
+    """Snapshots by time alone, on a fast clock: rank 0's clock decides for every member, whose
+    slices the snapshot gathers mid-run without changing a bit of it."""
+    monkeypatch.setenv("FABRIC_MODEL_SNAPSHOT_STEPS", "0")
+    monkeypatch.setenv("FABRIC_MODEL_SNAPSHOT_SECONDS", "0.001")  # due at nearly every unit
+    monkeypatch.setenv("FABRIC_MODEL_SNAPSHOT_SHARE", "0")
+    assert_bitwise_equal(final_state(*train(run_dir, workers, checkpoint_freq=0)), reference)
     assert {r["workers"] for r in records(run_dir, "train")} == {workers}
+    logs = "".join(path.read_text() for path in (run_dir / "logs").glob("worker-*.log"))
+    assert "snapshot of unit" in logs, logs[-3000:]
 
 
 @pytest.mark.processes
@@ -330,6 +338,18 @@ def test_an_owner_and_its_buddy_killed_together_roll_back_say_so_and_change_noth
 
 
 @pytest.mark.processes
+def test_a_worker_killed_in_the_ends_gather_loses_nothing(reference, run_dir, tmp_path, monkeypatch):
+    """After the last step every member gathers every slice into the user's optimizer; one of
+    them dies there. The survivors hold its slices (buddies): they re-divide and gather again."""
+    monkeypatch.setenv("FABRIC_MODEL_SNAPSHOT_STEPS", "0")
+    monkeypatch.setenv("FABRIC_MODEL_SNAPSHOT_SECONDS", "0")
+    model, opt = train(run_dir, 3, [Kill(1, EPOCHS * 3 - 1, "in_exchange")], tmp_path, checkpoint_freq=0)
+    assert_bitwise_equal(final_state(model, opt), reference)
+    assert not rollbacks(run_dir)
+    assert [g["workers"] for g in records(run_dir, "generation")][:2] == [3, 2]
+
+
+@pytest.mark.processes
 def test_a_checkpoint_of_3_sharded_workers_resumes_on_2_and_loads_into_the_users_optimizer(reference, tmp_path):
     run_dir = tmp_path / "run"
     run_killed_job(tmp_path, "tests.test_sharded_state", f"{str(run_dir)!r}, 3", kill_at=13)
@@ -360,22 +380,24 @@ def test_a_member_that_gave_up_an_allreduce_its_peers_finished_redoes_the_step_f
 
 
 def test_every_member_decides_alike_when_a_sharded_state_is_gathered_for_an_upload():
-    """Seconds and the cost share differ between members: with a sharded state only steps and
-    epochs decide, and an upload in flight is waited for, not skipped."""
+    """Members' clocks differ, and every member takes part in a sharded state's gather: the
+    snapshot rules of time and cost are rank 0's alone, voted in a step's allreduce, and every
+    member follows the vote; checkpoints fall at epochs; an upload in flight is waited for."""
     from fabric_model.setup.config import SnapshotCadence
     from fabric_model.state.uploader import StateUploader
     from fabric_model.step.plan import Plan, Schedule
     from fabric_model.transport import protocol as p
 
     schedule = Schedule(Plan(72, BATCH, 3, SEED), EPOCHS, 1, False)
-    cadence = SnapshotCadence(steps=4, seconds=0.001, share=0.5)  # by time, every unit would be due
+    cadence = SnapshotCadence(steps=0, seconds=0.001, share=0)  # by time alone: due at nearly every unit
     config = SimpleNamespace(checkpoint_freq=2, batch_size=BATCH, snapshots=cadence, shard_optimizer_state=True)
     members = [StateUploader(channel=None, schedule=schedule, config=config) for _ in range(3)]  # type: ignore[arg-type]
     in_flight = threading.Event()
     for uploads in members:
-        uploads.entered(p.CheckpointSettings("", "torch", written=-1), resume_unit=0)
+        uploads.entered(p.CheckpointSettings("", "torch", written=-1), resume_unit=0, members=3)
         uploads._thread = threading.Thread(target=in_flight.wait)  # rank 0's last upload, still sending
         uploads._thread.start()
+    assert all(uploads.agreed for uploads in members)
     decided = []
     try:
         for unit in range(schedule.total_units):
@@ -386,9 +408,19 @@ def test_every_member_decides_alike_when_a_sharded_state_is_gathered_for_an_uplo
                 decided.append((unit, kind))
                 for uploads in members:
                     uploads.mark(kind, unit)
+            members[2]._last_time = time.monotonic()  # this member's clock says no time has passed
+            time.sleep(0.002)
+            vote = members[0].snapshot_due(unit + 1)  # rank 0, in the step's allreduce
+            for uploads in members:
+                uploads.voted = vote  # the step's result, the same sum on every member
     finally:
         in_flight.set()
         for uploads in members:
             uploads.flush()
-    assert [k for _, k in decided].count("checkpoint") == 3 and [k for _, k in decided].count("snapshot") == 3, decided
-    assert all(b - a > 1 for (a, _), (b, _) in zip(decided, decided[1:])), decided  # not every unit: no time rule
+    kinds = [k for _, k in decided]
+    assert kinds.count("checkpoint") == 3 and kinds.count("snapshot") >= schedule.total_units // 2, decided
+    # Alone, a member decides by its own clock, as an unsharded rank 0 does.
+    alone = StateUploader(channel=None, schedule=schedule, config=config)  # type: ignore[arg-type]
+    alone.entered(p.CheckpointSettings("", "torch", written=-1), resume_unit=0, members=1)
+    time.sleep(0.002)
+    assert not alone.agreed and alone.kind_due(1, 0) == "snapshot"

@@ -237,7 +237,7 @@ def test_workers_get_cuda_visible_devices_as_the_process_started(monkeypatch):
 
 def test_the_step_vote_says_whether_to_switch_and_how_many_members_leave():
     """A join vote is 1, a leave vote 1 + LEAVE_VOTE (docs/architecture.md, "Preemption"); the
-    float32 sum of a step's votes tells both apart."""
+    float32 sum of a step's votes tells both apart. Rank 0's snapshot vote has its own element."""
     import torch
 
     from fabric_model.step.layout import LEAVE_VOTE, StepLayout
@@ -250,8 +250,12 @@ def test_the_step_vote_says_whether_to_switch_and_how_many_members_leave():
         )
         tail[layout.computed] = joins + leaves  # the micro-batches computed, summed alike
         result = layout.result(tail.tolist())
-        assert (result.switch, result.leaving) == (joins + leaves > 0, leaves)
+        assert (result.switch, result.leaving) == (joins + leaves > 0, leaves) and not result.snapshot
         assert result.micro_batches == joins + leaves and len(result.stats) == 2  # the loss sum, the count
+        # Rank 0's snapshot vote (a sharded state's gather) rides beside them, switching nothing.
+        tail[layout.snapshot] = 1.0
+        result = layout.result(tail.tolist())
+        assert result.snapshot and (result.switch, result.leaving) == (joins + leaves > 0, leaves)
 
 
 def test_one_vote_to_stop_makes_every_member_leave_whatever_the_others_voted():

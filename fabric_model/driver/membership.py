@@ -464,7 +464,12 @@ class Membership:
         reports = {w: u for w, u in change.reports.items() if self.workers[w].state is not WorkerState.GONE}
         reports.update({w: self.workers[w].done_unit for w in self.members if self.state(w) is WorkerState.DONE})
         total = self.limits.total_units
-        if reports and max(reports.values()) >= total:  # some finished: the others are not needed
+        finished = any(
+            self.workers[w].done_unit >= total for w in self.members if self.state(w) is not WorkerState.GONE
+        )
+        # Members at the end that have not finished failed in the end's own collectives (a sharded
+        # state's gather of every slice): they form a generation at the end and do it again.
+        if finished:  # some finished: the others are not needed
             self.members = [w for w in self.members if self.workers[w].done_unit >= total]
             self._change = None
             self.finishing, self._finish_started = True, now

@@ -99,6 +99,11 @@ class FrameworkAdapter(abc.ABC):
         driver checks the sum: driver/ledger.py)."""
         self.step_buffer[self.step_layout.computed] = float(count)
 
+    def vote_snapshot(self) -> None:
+        """Ask, inside this step's allreduce, that every member gather a snapshot before the next
+        unit (rank 0 of a sharded optimizer state: state/uploader.py, ``snapshot_due``)."""
+        self.step_buffer[self.step_layout.snapshot] = 1.0
+
     def vote_switch(self, leaving: bool = False, stopping: bool = False) -> None:
         """Vote, inside this step's allreduce, to end the generation after the step (and, when
         ``leaving``, to leave the job then; when ``stopping``, that every member leaves then:

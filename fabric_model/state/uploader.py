@@ -16,9 +16,12 @@ lost (docs/architecture.md, "Elasticity").
 One upload at a time: a snapshot due while one is in flight waits for the next boundary; a
 due checkpoint waits for the one in flight to finish.
 
-With a sharded optimizer state (``train(shard_optimizer_state=True)``) every member takes part
-in gathering it, so every member must decide alike when an upload is due (``agreed``): only
-the rules of steps and epochs apply then, and a snapshot due while one is in flight waits for it.
+With a sharded optimizer state (``train(shard_optimizer_state=True)``) every member of a
+generation of several takes part in gathering it, so all must decide alike when an upload is
+due (``agreed``). Checkpoints fall at epochs, alike everywhere; the snapshot rules read the
+clock, which differs between members, so rank 0 alone applies them (``snapshot_due``) and votes
+inside a step's allreduce; every member reads the same sum and gathers before the next unit
+(``voted``). A snapshot due while one is in flight waits for it there.
 """
 
 from __future__ import annotations
@@ -59,9 +62,9 @@ class StateUploader:
             float(cadence.seconds),
             float(cadence.share),
         )
-        self.agreed = config.shard_optimizer_state  # every member decides (and gathers) alike
-        if self.agreed:
-            self.every_seconds, self.share = 0.0, 0.0  # time differs between members: steps and epochs only
+        self.sharded = config.shard_optimizer_state
+        self.agreed = False  # every member decides (and gathers) alike: sharded, with several members
+        self.voted = False  # rank 0's snapshot vote came through the last step's allreduce (agreed)
         self.cost = 0.0  # seconds the last upload took: its copy, then its thread's serializing and sending
         self.framework = ""
         self.written = -1  # the newest checkpoint the driver has
@@ -70,8 +73,9 @@ class StateUploader:
         self._thread: threading.Thread | None = None
         self._thresholds()
 
-    def entered(self, settings: p.CheckpointSettings, resume_unit: int) -> None:
-        """A generation was entered at ``resume_unit``: the driver holds a state of it or before."""
+    def entered(self, settings: p.CheckpointSettings, resume_unit: int, members: int = 1) -> None:
+        """A generation of ``members`` was entered at ``resume_unit``: the driver holds a state of it or before."""
+        self.agreed, self.voted = self.sharded and members > 1, False
         self.framework = settings.framework
         self.written = max(self.written, settings.written)
         self._last_steps = self.schedule.steps_before(resume_unit)
@@ -94,25 +98,44 @@ class StateUploader:
             self._steps_unit = schedule.unit(epoch, step) - (1 if step == 0 and epoch > 0 else 0)
 
     def kind_due(self, unit: int, rank: int) -> str | None:
-        """ "checkpoint", "snapshot" or None: what rank ``rank`` uploads before running ``unit``."""
+        """ "checkpoint", "snapshot" or None: what rank ``rank`` uploads before running ``unit``
+        (agreed: what every member gathers, each passing rank 0)."""
         if rank != 0 or not 0 < unit < self.schedule.total_units:
             return None
-        if unit < self._checkpoint_unit:  # the common case, in a few comparisons
-            now = time.monotonic()
-            waits = unit < self._steps_unit or (self.share > 0 and (now - self._last_time) * self.share < self.cost)
-            if waits and (self.every_seconds <= 0 or now - self._last_time < self.every_seconds):
-                return None
-        return self._due(unit)
+        if self.agreed:
+            voted, self.voted = self.voted, False
+            if unit >= self._checkpoint_unit and unit > self.written and checkpoint_due(self.schedule, self.freq, unit):
+                return "checkpoint"
+            return "snapshot" if voted else None
+        return None if self._quiet(unit) else self._due(unit)
 
     def _due(self, unit: int) -> str | None:
-        """``kind_due``'s rule in full."""
+        """``kind_due``'s rule in full (not agreed)."""
         if unit > self.written and checkpoint_due(self.schedule, self.freq, unit):
             return "checkpoint"
-        if self._thread is not None and self._thread.is_alive() and not self.agreed:
+        if self._thread is not None and self._thread.is_alive():
             return None  # the last one is still on its way: try at the next boundary
+        return "snapshot" if self._snapshot_due(unit) else None
+
+    def snapshot_due(self, unit: int) -> bool:
+        """Rank 0 of agreed members, in the step before ``unit``: whether to vote that every
+        member gather a snapshot before ``unit`` (the step's allreduce carries the vote)."""
+        return 0 < unit < self.schedule.total_units and not self._quiet(unit) and self._snapshot_due(unit)
+
+    def _quiet(self, unit: int) -> bool:
+        """Nothing can be due before ``unit``: the common answer, in a few comparisons (before
+        the next checkpoint's unit, short of the steps' rule and of the seconds')."""
+        if unit >= self._checkpoint_unit:
+            return False
+        now = time.monotonic()
+        waits = unit < self._steps_unit or (self.share > 0 and (now - self._last_time) * self.share < self.cost)
+        return waits and (self.every_seconds <= 0 or now - self._last_time < self.every_seconds)
+
+    def _snapshot_due(self, unit: int) -> bool:
+        """The snapshot rules in full: by steps (while affordable), or by time."""
         steps = self.schedule.steps_before(unit) - self._last_steps
         if steps <= 0:
-            return None
+            return False
         since = time.monotonic() - self._last_time
         # On fast steps, N steps can be less time than a snapshot costs (a 2 ms step, a 3 MB
         # state: 7% of the run at every 100 steps). The steps' rule then waits until the last
@@ -120,7 +143,7 @@ class StateUploader:
         affordable = self.share <= 0 or since * self.share >= self.cost
         by_steps = self.every_steps > 0 and steps >= self.every_steps and affordable
         by_time = self.every_seconds > 0 and since >= self.every_seconds
-        return "snapshot" if by_steps or by_time else None
+        return by_steps or by_time
 
     def upload(
         self,

@@ -34,12 +34,15 @@ class StepResult:
             when one voted to stop the job.
         micro_batches: how many micro-batches the members computed, summed over the group: the
             driver's exactly-once check (driver/ledger.py).
+        snapshot: whether rank 0 asked every member to gather a snapshot before the next unit
+            (a sharded optimizer state: only rank 0's clock decides, state/uploader.py).
     """
 
     stats: list[float]
     switch: bool
     leaving: int = 0
     micro_batches: int = 0
+    snapshot: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +50,13 @@ class StepLayout:
     """The offsets of the step buffer, laid out as::
 
         [ gradients | forward-updated buffer deltas | got-gradient flags |
-          stat sums (loss, metrics...) | sample count | micro-batches computed | switch vote ]
+          stat sums (loss, metrics...) | sample count | micro-batches computed | snapshot vote |
+          switch vote ]
 
     Gradients and buffer deltas are already weighted by each micro-batch's share of the step;
     a flag is 1 where some micro-batch produced the parameter's gradient; each member writes
-    how many micro-batches it computed; the vote is 1 where a member asks to switch
+    how many micro-batches it computed; rank 0 writes 1 to the snapshot vote where every member
+    is to gather a snapshot next; the switch vote is 1 where a member asks to switch
     generation, and ``1 + LEAVE_VOTE`` where it leaves after the step. Everything is summed by
     one allreduce.
 
@@ -67,10 +72,14 @@ class StepLayout:
     n_flags: int
     n_stats: int
 
+    #: What follows the stat sums: the sample count, then the loop's ``LOOP_SLOTS`` values
+    #: (micro-batches computed, snapshot vote, switch vote).
+    LOOP_SLOTS = 3
+
     @property
     def size(self) -> int:
         """Elements of the whole buffer."""
-        return self.n_gradients + self.n_buffers + self.n_flags + self.n_stats + 3
+        return self.n_gradients + self.n_buffers + self.n_flags + self.n_stats + 1 + self.LOOP_SLOTS
 
     @property
     def gradients(self) -> slice:
@@ -101,9 +110,14 @@ class StepLayout:
         return self.count + 1
 
     @property
+    def snapshot(self) -> int:
+        """Index of the snapshot vote."""
+        return self.count + 2
+
+    @property
     def vote(self) -> int:
         """Index of the switch vote (the last element)."""
-        return self.count + 2
+        return self.count + 3
 
     @property
     def tail(self) -> slice:
@@ -122,8 +136,9 @@ class StepLayout:
     def result(self, tail: Sequence[float]) -> StepResult:
         """The step's result from the values of ``tail`` (as a list of floats)."""
         values = list(tail)
-        if len(values) != self.n_stats + 3:
-            raise ValueError(f"expected {self.n_stats + 3} tail values, got {len(values)}")
-        vote, computed = values[-1], values[-2]
+        expected = self.n_stats + 1 + self.LOOP_SLOTS
+        if len(values) != expected:
+            raise ValueError(f"expected {expected} tail values, got {len(values)}")
+        computed, snapshot, vote = values[-3:]
         leaving = EVERYONE if vote >= STOP_VOTE else int(vote // LEAVE_VOTE)
-        return StepResult(values[:-2], vote > 0, leaving, int(round(computed)))
+        return StepResult(values[:-3], vote > 0, leaving, int(round(computed)), snapshot > 0)

@@ -21,7 +21,8 @@ from ..run.hooks import Hooks
 class Kill:
     """SIGKILL worker ``worker`` in step ``step``: inside the step, just before its allreduce
     (``before_allreduce``), once the step has committed (``after_step``), or, with a sharded
-    optimizer state, after its update, before the updated slices are gathered (``before_spread``)."""
+    optimizer state, after its update, before the updated slices are gathered (``before_spread``),
+    or in a blocking sum in that step (``in_exchange``: a validation's, a sharded state's gather)."""
 
     worker: int
     step: int
@@ -234,6 +235,12 @@ class _FaultyCollective:
         """The real wait, then the ``in_allreduce`` faults (at a step's first wait only: they fire once)."""
         self._inner.wait(work)
         self._fire("in_allreduce")
+
+    def all_reduce_sum(self, tensor: Any) -> None:
+        """A blocking sum: a validation's, or a sharded state's exchange (an upload's gather, a
+        new division, the end's gather of every slice into the user's optimizer): ``in_exchange``."""
+        self._fire("in_exchange")
+        self._inner.all_reduce_sum(tensor)
 
     def spread_start(self, output: Any, tensor: Any) -> Any:
         """The gather of a sharded state's updated slices, after this member's update (``before_spread``)."""

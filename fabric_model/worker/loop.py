@@ -236,7 +236,7 @@ class TrainingLoop:
             self.adapter.load_sent_state(state["model"], optimizer, base=state.get("base", ()))
             if self.sharded:  # the whole state, held whole until divided below
                 self.adapter.sharded.adopt_whole(generation.resume_unit)
-        self.uploads.entered(generation.checkpoint, generation.resume_unit)
+        self.uploads.entered(generation.checkpoint, generation.resume_unit, generation.world_size)
         self.notice.holds_state = True  # from here a notice to leave waits for a step boundary
         if self.sharded:
             try:
@@ -495,6 +495,9 @@ class TrainingLoop:
             leaving = self.voted_leave = self.notice.requested or stopping
             if leaving or self.inbox.pending_generation > collective.generation:
                 adapter.vote_switch(leaving, stopping)
+            # A sharded state's snapshot: rank 0's clock decides for every member (state/uploader.py).
+            if self.uploads.agreed and collective.rank == 0 and self.uploads.snapshot_due(self.next_unit + 1):
+                adapter.vote_snapshot()
             with phases(ph.REDUCE):
                 adapter.all_reduce(collective)
             result = adapter.finish_step()
@@ -504,6 +507,7 @@ class TrainingLoop:
         """The step's stats into the loop's sums, its report, the loggers; returns the switch vote."""
         adapter, collective = self.adapter, self.collective
         stats, switch, self.leavers = result.stats, result.switch, result.leaving
+        self.uploads.voted = result.snapshot
         self.loop_state.step_done(epoch, stats)
         self.iterations += 1
         report = p.StepDone(

@@ -15,7 +15,7 @@ How the pieces travel and meet the shared loop:
   :class:`~fabric_model.step.layout.StepLayout` as the PyTorch adapter's step buffer::
 
       [ gradients * n_j/N | forward-updated variable deltas * n_j/N | got-gradient flags |
-        loss sum | metric sums ... | sample count | switch vote ]
+        loss sum | metric sums ... | sample count | micro-batches | snapshot vote | switch vote ]
 
 - Exchange: torch views that TensorFlow tensor through a DLPack capsule, without a copy (on
   the GPU as on the CPU); the shared collective layer sum-allreduces it in place, and the
@@ -359,8 +359,8 @@ class KerasAdapter(FrameworkAdapter):
         weighted = tf.concat(parts, 0) if parts else tf.zeros([0])
         if weight is not None:  # None: the step's only micro-batch, weight 1 (saves a pass over the buffer)
             weighted = weighted * weight
-        # stat sums, count, micro-batches computed and vote (the loop writes those two): the layout's tail
-        tail = tf.stack(stats + count + [tf.constant(0.0), tf.constant(0.0)])
+        # stat sums, count, then the loop's slots (micro-batches computed, votes: the loop writes them)
+        tail = tf.stack(stats + count + [tf.constant(0.0)] * StepLayout.LOOP_SLOTS)
         flat = tf.concat([weighted] + flags + [tail], 0)
         return flat if acc is None else acc + flat
 
@@ -468,9 +468,9 @@ class KerasAdapter(FrameworkAdapter):
 
             with tf.device(self._tf_device), self.phases(ph.FORWARD):  # the whole step in one function
                 stats = self._tf_solo(*self._solo).numpy().tolist()
-            computed, vote = float(buffer[layout.computed]), float(buffer[layout.vote])
+            loop_slots = buffer[layout.computed : layout.vote + 1].tolist()
             self._solo, self._view, self._in_step = None, None, False
-            return layout.result(stats + [computed, vote])
+            return layout.result(stats + loop_slots)
         used = tuple(bool(f > 0) for f in buffer[layout.flags].tolist())
         with self.phases(ph.OPTIMIZER):
             self._tf_apply(self._acc, used)

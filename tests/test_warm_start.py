@@ -145,6 +145,20 @@ def warm(tmp_path):
     process.close()
 
 
+def test_a_warm_process_still_importing_when_the_job_ends_is_ended_without_an_error(tmp_path, caplog):
+    """A fresh warm interpreter may still be importing when a short job (a restarted driver's
+    last epochs) ends: nothing of the job is in it, so it is ended at once, not waited for and
+    reported as stuck."""
+    (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(120)\n")  # an import that takes long
+    env = worker_environment(1, "127.0.0.1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH", "")]))
+    process = WarmProcess(env, "torch", tmp_path / "warm.log")
+    with caplog.at_level(logging.INFO, logger="fabric_model.launchers.warm_client"):
+        process.close(timeout=60)
+    assert process.process.poll() is not None and not process.ready
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
 def _env(secret: str = "00" * 32) -> dict[str, str]:
     return {**worker_environment(1, "127.0.0.1"), SECRET_ENV: secret, LAUNCHED_ENV: "1"}
 

@@ -156,6 +156,7 @@ class WarmProcess:
             log.close()  # the process has its own
         self.changed = threading.Condition()
         self.alive = True
+        self.ready = False  # it has imported what workers need (its "ready" event)
         self.closed = False
         self._workers: dict[int, ForkedWorker] = {}
         self._write = threading.Lock()
@@ -214,7 +215,9 @@ class WarmProcess:
                 continue
             with self.changed:
                 worker = self._workers.get(event.get("id", -1))
-                if worker is not None and event["ev"] == "started":
+                if event["ev"] == "ready":
+                    self.ready = True
+                elif worker is not None and event["ev"] == "started":
                     worker.pid = event["pid"]
                 elif worker is not None and event["ev"] == "exited":
                     worker.returncode = event["code"]
@@ -231,6 +234,10 @@ class WarmProcess:
         if self.closed:
             return
         self.closed = True
+        with self.changed:
+            unused = not self.ready and not self._workers
+        if unused:  # still importing (a fresh interpreter, a short job) and never asked for a worker
+            self.process.kill()
         self.request(op="end")  # done with every worker: none is kept for a driver to come back
         try:
             assert self.process.stdin is not None

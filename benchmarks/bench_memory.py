@@ -9,8 +9,11 @@
 ``--sharded`` trains the MLP (or the CNN) with Adam on 1, 2 and 4 workers, with and without
 ``shard_optimizer_state=True``, interleaved, and prints each worker's optimizer-state bytes
 (``worker_context().optimizer_state_bytes``) against the unsharded run's, with the target of
-the buddy copy (2/N; 1/N is the owner's slice alone), and the median step time (steps 10 to 40,
-the workers' own clocks) as the unsharded step's time over the sharded one's (1.0: as fast).
+the buddy copy (2/N; 1/N is the owner's slice alone), the gradient bytes a worker holds between
+steps (``worker_context().gradient_bytes``: what the next forward's memory holds besides its
+own; sharded among several, the gradients exist from a step's first backward to its update
+only), and the median step time (steps 10 to 40, the workers' own clocks) as the unsharded
+step's time over the sharded one's (1.0: as fast).
 
 Each round runs, in turn, 2 FabricModel workers forked from the warm process (itself a fork of
 the job script), 2 FabricModel workers as fresh interpreters (``FABRIC_MODEL_WARM_START=0``),
@@ -98,7 +101,10 @@ class Measure:
         if iteration == LAST:
             gaps = sorted(b - a for a, b in zip(self.times[9:], self.times[10:]))
             with open(os.path.join(self.out, f"{os.getpid()}.json"), "w") as f:
-                json.dump({"bytes": worker_context().optimizer_state_bytes, "step": gaps[len(gaps) // 2]}, f)
+                ctx = worker_context()
+                json.dump(
+                    {"bytes": ctx.optimizer_state_bytes, "grads": ctx.gradient_bytes, "step": gaps[len(gaps) // 2]}, f
+                )
 model = make_model()
 opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 per_epoch = len(Data()) // (64 * WORKERS)
@@ -171,16 +177,22 @@ def sharded_table(rounds: int, cnn: bool) -> None:
             print(f"round {r + 1}/{rounds} done", file=sys.stderr)
     model = "small CNN 3x32x32" if cnn else "MLP 256->512->512->10"
     print(f"{model} with Adam; medians over {rounds} rounds x N workers")
-    print("workers   state/worker unsharded   sharded   ratio   target (buddy)   step unsharded/sharded")
+    print(
+        "workers   state/worker unsharded   sharded   ratio   target (buddy)   "
+        "gradients between steps unsharded   sharded   step unsharded/sharded"
+    )
     for workers in (1, 2, 4):
         plain, sharded = samples[(workers, False)], samples[(workers, True)]
         plain_bytes = statistics.median(s["bytes"] for s in plain)
         sharded_bytes = statistics.median(s["bytes"] for s in sharded)
+        plain_grads = statistics.median(s["grads"] for s in plain)
+        sharded_grads = statistics.median(s["grads"] for s in sharded)
         speed = statistics.median(s["step"] for s in plain) / statistics.median(s["step"] for s in sharded)
         target = min(1.0, 2 / workers)
         print(
             f"{workers:>7}   {plain_bytes / 2**20:>17.2f} MiB   {sharded_bytes / 2**20:>5.2f} MiB"
-            f"   {sharded_bytes / plain_bytes:>5.2f}   <= {target:.2f} (1/N {1 / workers:.2f})   {speed:>12.2f}"
+            f"   {sharded_bytes / plain_bytes:>5.2f}   <= {target:.2f} (1/N {1 / workers:.2f})"
+            f"   {plain_grads / 2**20:>30.2f} MiB   {sharded_grads / 2**20:>5.2f} MiB   {speed:>12.2f}"
         )
 
 

@@ -213,8 +213,9 @@ class FabricModel(InferenceMixin):
                 the end (docs/training.md, "Profiling"). Default ``$FABRIC_MODEL_PROFILE``, else off.
             shard_optimizer_state: each worker holds the optimizer state of its slices of the
                 parameters and of one other worker's (its buddy copy), about 2/N of the whole, and
-                updates only those; the weights are those of an unsharded run, a killed worker loses
-                nothing, checkpoints hold the whole state (torch, elementwise optimizers:
+                updates only those; among several, no worker keeps gradients between steps (they
+                exist from a step's backward to its update); the weights are those of an unsharded
+                run, a killed worker loses nothing, checkpoints hold the whole state (torch, elementwise optimizers:
                 docs/elasticity.md, "Sharded optimizer state"). Default: off.
         """
         from .run.display import check_verbose

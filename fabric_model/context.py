@@ -26,6 +26,8 @@ class WorkerContext:
     pending_join: Callable[[], bool] = dataclasses.field(default=lambda: False, repr=False)
     #: Set by the worker: bytes of optimizer state it holds (its slices' with ``shard_optimizer_state``).
     state_bytes: Callable[[], int] = dataclasses.field(default=lambda: 0, repr=False)
+    #: Set by the worker: bytes of gradients it holds now.
+    grad_bytes: Callable[[], int] = dataclasses.field(default=lambda: 0, repr=False)
 
     @property
     def join_pending(self) -> bool:
@@ -37,6 +39,13 @@ class WorkerContext:
         """Bytes of optimizer state this worker holds now: all of it, or with
         ``train(shard_optimizer_state=True)`` its own slices' and its buddy copy's."""
         return self.state_bytes()
+
+    @property
+    def gradient_bytes(self) -> int:
+        """Bytes of gradients this worker holds now. Between steps (in a callback, a logger)
+        none with ``train(shard_optimizer_state=True)`` among several workers: they exist from a
+        step's first backward to its update only; else the step buffer, which stays."""
+        return self.grad_bytes()
 
 
 _current: WorkerContext | None = None

@@ -99,6 +99,10 @@ class FrameworkAdapter(abc.ABC):
         driver checks the sum: driver/ledger.py)."""
         self.step_buffer[self.step_layout.computed] = float(count)
 
+    @abc.abstractmethod
+    def gradient_bytes(self) -> int:
+        """Bytes of gradients (and of the step's sums made of them) this adapter holds now."""
+
     def vote_snapshot(self) -> None:
         """Ask, inside this step's allreduce, that every member gather a snapshot before the next
         unit (rank 0 of a sharded optimizer state: state/uploader.py, ``snapshot_due``)."""

@@ -96,25 +96,23 @@ class Holding:
     ``unit``: the unit its held state is at (-1: it holds none, a newcomer); ``position`` and
     ``world``: the division it holds by (its position in the cycle of the last generation it
     entered, or ``(0, 1)``: the whole space, as every worker does at the start and after
-    loading a complete state); ``grad_unit``: the step unit whose reduced gradient it still
-    has applied, so that members one step behind can redo it (-1: none); ``whole``: whether its
+    loading a complete state); ``whole``: whether its
     parameters are all current (False once a step's gather of updated slices failed);
     ``host``: a key of the host it runs on (:func:`cycle`)."""
 
     unit: int
     position: int
     world: int
-    grad_unit: int = -1
     whole: bool = True
     host: int = 0
 
     def row(self) -> list[int]:
-        return [self.unit, self.position, self.world, self.grad_unit, int(self.whole), self.host]
+        return [self.unit, self.position, self.world, int(self.whole), self.host]
 
     @classmethod
     def of_row(cls, row: Sequence[int]) -> Holding:
-        unit, position, world, grad_unit, whole, host = (int(v) for v in row)
-        return cls(unit, position, world, grad_unit, bool(whole), host)
+        unit, position, world, whole, host = (int(v) for v in row)
+        return cls(unit, position, world, bool(whole), host)
 
     def intervals(self, total: int, unit: int) -> list[tuple[int, int]]:
         """What it holds of the state of ``unit`` (nothing when it is elsewhere)."""

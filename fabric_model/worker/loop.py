@@ -17,7 +17,6 @@ agreed unit with that step's micro-batches re-divided among the new members.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterator
@@ -152,7 +151,7 @@ class TrainingLoop:
         if self.sharded:
             self.adapter.shard_optimizer_state()
         context.state_bytes = self._state_bytes
-        self.applied_unit = -1  # the step whose reduced gradient the step buffer still holds, applied
+        context.grad_bytes = self.adapter.gradient_bytes
 
     # -- generations ----------------------------------------------------------------------
     def run_joined(self) -> None:
@@ -286,31 +285,23 @@ class TrainingLoop:
     def _enter_sharded(self, generation: p.EnterGeneration, loaded: bool) -> None:
         """Enter with a sharded optimizer state (docs/elasticity.md, "Sharded optimizer state").
 
-        The members first say what they hold. Members one step behind the agreed unit redo that
-        step on their slices, from the step buffer of a member that finished its allreduce (they
-        lost it). The source hands on the rest of the state (buffers, the loop's state, the
-        optimizer's hyperparameters) as without sharding, and the members divide the slices of
-        this generation among them, each taking what it lacks from a holder; where no member
-        holds a stretch (an owner and its buddy were lost together), :class:`StateLost`."""
+        The members first say what they hold. A member one step behind the agreed unit (it gave
+        up a step's allreduce its peers finished) holds nothing of that unit: no member keeps a
+        step's gradients past its update, and its slices come from their other holders. The
+        source hands on the rest of the state (buffers, the loop's state, the optimizer's
+        hyperparameters) as without sharding, and the members divide the slices of this
+        generation among them, each taking what it lacks from a holder; where no member holds a
+        stretch (an owner and its buddy were lost together, or one of them fell a step behind),
+        :class:`StateLost`."""
         collective, adapter, resume = self.collective, self.adapter, generation.resume_unit
         sharded = adapter.sharded
         # What this member holds: a state just loaded, its own from the generations it was in,
         # or, fresh, the job's initial state: the state of unit 0, and of no later unit.
         unit = resume if loaded else (self.next_unit if self.entered_once else (0 if resume == 0 else -1))
-        mine = Holding(unit, sharded.position, sharded.world, self.applied_unit, sharded.whole, host_key())
+        mine = Holding(unit, sharded.position, sharded.world, sharded.whole, host_key())
         table = torch.zeros(collective.world_size, len(mine.row()), dtype=torch.int64, device=collective.device)
         collective.wait(collective.all_gather_start(table, torch.tensor(mine.row(), device=collective.device)))
         holdings = [Holding.of_row(row) for row in table.cpu().tolist()]
-        behind = resume - 1
-        if behind >= 0 and self.schedule.locate(behind)[1] is not None and any(h.unit == behind for h in holdings):
-            source = next((r for r, h in enumerate(holdings) if h.unit == resume and h.grad_unit == behind), -1)
-            if source >= 0:
-                collective.broadcast(adapter.step_buffer, source)
-                if holdings[collective.rank].unit == behind:
-                    adapter.replay_reduced(adapter.step_buffer)
-                    log.info("redid step unit %d on this member's slices, from rank %d's reduced step", behind, source)
-                redone = dataclasses.replace
-                holdings = [redone(h, unit=resume, whole=False) if h.unit == behind else h for h in holdings]
         if generation.source_rank >= 0:
             mine_state = self._state() if collective.rank == generation.source_rank else None
             state = broadcast_state(collective, mine_state, generation.source_rank)
@@ -395,10 +386,8 @@ class TrainingLoop:
                     if step == 0:
                         self.hooks.on_epoch_begin(epoch)
                     self.hooks.on_batch_begin(step)
-                self.applied_unit = -1  # the step buffer is about to be zeroed
                 switch = self._step(epoch, step, batches)
                 # A lone worker's backward may write fresh gradients, not the buffer: it has no peer behind anyway.
-                self.applied_unit = self.next_unit if self.collective.world_size > 1 else -1
                 self.next_unit += 1
                 with phases(ph.CALLBACKS):
                     self.hooks.on_batch_end(step)

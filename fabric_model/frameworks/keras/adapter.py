@@ -408,6 +408,11 @@ class KerasAdapter(FrameworkAdapter):
         n = tf.cast(_leading_dim(y), tf.float32)
         return tf.stack(self._stat_values(y, out, self._loss(x, y, out, training=False)[0], n) + [n])
 
+    def gradient_bytes(self) -> int:
+        # The step's accumulator (gradients, deltas, sums) lives from its first micro-batch to its end.
+        acc = self._acc
+        return 0 if acc is None else int(acc.shape[0]) * acc.dtype.size
+
     # -- a step ---------------------------------------------------------------------------
     @property
     def step_buffer(self) -> torch.Tensor:

@@ -217,6 +217,38 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
     def _grad_view_of(self) -> dict[int, torch.Tensor]:
         return {id(p): view for p, view in zip(self._params, self._grad_views)}
 
+    #: Whether the step's gradients exist only within the step (begin_step; ZeRO stage 2).
+    _transient = False
+
+    def gradient_bytes(self) -> int:
+        storage = self._flat.untyped_storage()
+        held = storage.nbytes() + (self._scratch.nbytes if self._scratch is not None else 0)
+        # A lone worker's backward writes fresh tensors, outside the step buffer.
+        fresh = {
+            g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
+            for g in (p.grad for p in self._params)
+            if g is not None and g.untyped_storage().data_ptr() != storage.data_ptr()
+        }
+        return held + sum(fresh.values())
+
+    def _release_gradients(self) -> None:
+        """Give the step buffer's memory back (its views stay, over an empty storage) and leave
+        ``.grad`` None, as ``zero_grad()`` does: a sharded state's member has updated its slices."""
+        storage = self._flat.untyped_storage()
+        if storage.nbytes():
+            storage.resize_(0)
+        for p in self._params:
+            p.grad = None
+
+    def _materialize(self) -> None:
+        """The step buffer's memory again, zeroed, with each ``.grad`` its view (after ``_release_gradients``)."""
+        storage = self._flat.untyped_storage()
+        if storage.nbytes() == 0 and self._layout.size:
+            storage.resize_(self._layout.size * self._flat.element_size())
+            self._flat.zero_()
+            for p, view in zip(self._params, self._grad_views):
+                p.grad = view
+
     def _build_buckets(self, n_grad: int) -> None:
         """Cut the gradient part of the buffer into buckets, last parameters first (backward
         produces their gradients first); the tail (buffers, stats, vote) is reduced last."""
@@ -288,6 +320,7 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
     # -- a step ---------------------------------------------------------------------------
     @property
     def step_buffer(self) -> torch.Tensor:
+        self._materialize()  # a member without a micro-batch in the step still votes and sums
         return self._flat
 
     @property
@@ -301,6 +334,13 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         # instead of adding into a zeroed buffer (docs/architecture.md, "The step").
         direct = self._direct = self.lone_direct and getattr(collective, "world_size", 0) == 1 and self.step_fn is None
         self._hook_gradients(not direct)
+        # A sharded state among several (ZeRO stage 2): the step's gradients exist only from its
+        # first backward to its update (docs/elasticity.md, "Sharded optimizer state").
+        self._transient = self.sharded is not None and getattr(collective, "world_size", 0) > 1
+        if self._transient:
+            self._release_gradients()
+        else:
+            self._materialize()
         if direct:
             self._after_gradients.zero_()
             # A lone CPU worker adds its stat sums in Python (numpy float32: the same roundings as
@@ -310,10 +350,11 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
                 p.grad = None
         else:
             self._works, self._launched, self._pending = [], 0, list(self._bucket_sizes)
-            self._flat.zero_()
             self._py_sums = None
-            for p, view in zip(self._params, self._grad_views):
-                p.grad = view
+            if not self._transient:  # else zeroed where it is made
+                self._flat.zero_()
+                for p, view in zip(self._params, self._grad_views):
+                    p.grad = view
         self._buf_start = [b.detach().clone() for b in self._live_buffers()] if self._buffers else []
         self._buffers_at_start = True  # until a micro-batch's forward runs
         self._buffers_as_left = False  # the forward's own values are the step's (whole_step_buffers_in_place)
@@ -342,6 +383,7 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
                 output, loss = self._forward(inputs, target)
         weight *= self.grad_step.scale  # float16's loss scale (1 otherwise), divided out after the reduction
         if not self._direct:
+            self._materialize()  # after the forward: its peak memory holds no gradients (stage 2)
             self._ensure_grad_views()
         # On this worker's last micro-batch, buckets go out while backward still runs.
         self._overlap = last and self._collective is not None and self._collective.world_size > 1
@@ -425,6 +467,7 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
     def _custom_micro_batch(self, inputs: Any, target: Any, weight: float, n: int) -> None:
         """Run the user's step; its backward fills a scratch gradient, added here with its weight."""
         assert self.step_fn is not None
+        self._materialize()
         if self._scratch is None:
             self._scratch = torch.zeros(sum(p.numel() for p in self._params), device=self.device)
         self._scratch.zero_()
@@ -464,6 +507,7 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         if self._deferred_error is not None:
             error, self._deferred_error = self._deferred_error, None
             raise error
+        self._materialize()
         if collective.world_size == 1:  # a group of one sums nothing: one call, not one per bucket
             collective.wait(collective.all_reduce_start(self._after_gradients))  # (still a fault seam)
             return
@@ -515,13 +559,15 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         for i in unused:
             self._params[i].grad = self._grad_views[i]
         self._in_step = False
+        tail = self._tail.tolist()
+        if self._transient:  # its slices are updated: no one needs this member's gradients again
+            self._release_gradients()
         if self.sharded is not None and self._collective is not None:
             try:  # the update is applied to this member's slices: a failure from here leaves the step done
                 with self.phases(ph.REDUCE):
                     self.sharded.spread(self._collective)
             except Exception as exc:  # CollectiveError (imported with torch.distributed in a worker only)
                 self._failed_after_update = exc
-        tail = self._tail.tolist()
         if self._py_sums is not None:
             tail[: len(self._py_sums)] = [float(s) for s in self._py_sums]
         return self._layout.result(tail)
@@ -548,21 +594,6 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
             return set()
         ids = {id(p) for p in self.sharded.params}
         return {name for name, v in self.model.state_dict(keep_vars=True).items() if id(v) in ids}
-
-    def replay_reduced(self, reduced: torch.Tensor) -> None:
-        """Apply a step another member reduced (its whole step buffer) to this member's slices: it
-        lost that step's allreduce, which the other finished (worker/loop.py, ``_enter_sharded``)."""
-        assert self.sharded is not None
-        self._flat.copy_(reduced)
-        for p, view in zip(self._params, self._grad_views):
-            p.grad = view
-        unused = [i for i, got in enumerate(self._got_grad.tolist()) if got == 0.0]
-        for i in unused:
-            self._params[i].grad = None
-        self._apply_gradients()
-        for i in unused:
-            self._params[i].grad = self._grad_views[i]
-        self.sharded.whole = False  # its other parameters are a step behind
 
     def gathered_optimizer_state(self, collective: Any) -> dict[str, Any]:
         """The whole optimizer state (``state_dict``'s form), gathered from every member's slices."""

@@ -73,6 +73,7 @@ class ExactTorchAdapter(ExactGrid, TorchAdapter):
 
     def _exact_micro_batch(self, batch: Any, num_samples: int, step_samples: int, seed: int, alone: bool) -> None:
         assert self._exact is not None
+        self._materialize()  # each term is made in the zeroed buffer (its forward too, here)
         # The step's only term (a lone worker, one micro-batch): backward writes fresh gradients,
         # as in a plain loop, and they are rounded where they are (ExactSum.round_in_place).
         self._direct = alone and self._lone and self.step_fn is None

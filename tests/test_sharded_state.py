@@ -289,9 +289,7 @@ def test_a_sharded_members_gradients_exist_only_from_its_backward_to_its_update(
             adapter.shard_optimizer_state()
         seen: list[tuple[bool, int]] = []  # in each forward: any .grad, the gradient bytes held
         model.register_forward_pre_hook(
-            lambda *_: seen.append(
-                (any(p.grad is not None for p in model.parameters()), adapter.gradient_bytes())
-            )
+            lambda *_: seen.append((any(p.grad is not None for p in model.parameters()), adapter.gradient_bytes()))
         )
         g, sums = torch.Generator().manual_seed(1), []
         for step in range(4):

@@ -58,7 +58,11 @@ def python_number(output: torch.Tensor, target: torch.Tensor) -> float:
     return float(target.sum()) / 7
 
 
-def train(collective: object, micro_batches: int) -> tuple[dict[str, torch.Tensor], list[list[float]]]:
+def train(
+    collective: object, micro_batches: int, held: list[tuple[int, int]] | None = None
+) -> tuple[dict[str, torch.Tensor], list[list[float]]]:
+    """Four steps; ``collective`` is one for all, or a list of one a step. ``held`` gets, after
+    each step, the adapter's gradient bytes and the bytes of the ``.grad`` tensors."""
     torch.manual_seed(0)
     model = WithUnused()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
@@ -68,13 +72,17 @@ def train(collective: object, micro_batches: int) -> tuple[dict[str, torch.Tenso
     g = torch.Generator().manual_seed(1)
     reported = []
     for step in range(4):
-        adapter.begin_step(collective)
+        group = collective[step] if isinstance(collective, list) else collective
+        adapter.begin_step(group)
         for j in range(micro_batches):
             n = 5 + j  # uneven micro-batches: sums of products that are not exact in float32
             batch = (torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g))
             adapter.train_micro_batch(batch, n, 6 * micro_batches, seed=step * 10 + j, last=j == micro_batches - 1)
-        adapter.all_reduce(collective)
+        adapter.all_reduce(group)
         reported.append(adapter.finish_step().stats)
+        if held is not None:
+            grads = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+            held.append((adapter.gradient_bytes(), grads))
     return {k: v.clone() for k, v in model.state_dict().items()}, reported
 
 
@@ -87,6 +95,27 @@ def test_a_lone_worker_takes_the_buffer_paths_weights_and_sums_bit_for_bit(micro
         assert torch.equal(alone[name], reduced[name]), name
     assert alone_sums == reduced_sums  # loss, three metrics, sample count: the same floats
     assert len(alone_sums[0]) == 5 and alone_sums[0][-1] == sum(5 + j for j in range(micro_batches))
+
+
+def test_a_lone_worker_holds_its_gradients_once_and_gets_the_buffer_back_when_the_world_grows() -> None:
+    """A lone worker's backward writes fresh gradients, as a plain loop's does; the step buffer's
+    gradient part, unused meanwhile, gives its memory back (it held every gradient twice: about
+    500 MB on GPT-2), and is made again when a second worker joins. At every switch the weights
+    and sums are bit for bit the buffer path's."""
+    n_gradients = sum(p.numel() for p in WithUnused().parameters())
+    switching: list[tuple[int, int]] = []
+    buffered: list[tuple[int, int]] = []
+    weights, sums = train([Alone(), OneOfTwo(), Alone(), Alone()], 2, switching)
+    reduced, reduced_sums = train(OneOfTwo(), 2, buffered)
+    assert sums == reduced_sums and all(torch.equal(weights[name], reduced[name]) for name in reduced)
+    full, _ = buffered[0]  # the step buffer: every gradient, then buffer deltas, flags and sums
+    assert [held for held, _ in buffered] == [full] * 4
+    tail = full - 4 * n_gradients
+    for step, (held, grads) in enumerate(switching):
+        if step == 1:  # two workers: the full buffer again, each .grad its view
+            assert held == full, switching
+        else:  # alone: the fresh gradients once, and the buffer's tail
+            assert grads > 0 and held == grads + tail, switching
 
 
 TENSOR_DATASETS = {

@@ -6,7 +6,7 @@ import contextlib
 import importlib
 import time
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -31,6 +31,18 @@ from .sharded import ShardedOptimizer
 
 LossFn = Callable[[Any, Any], torch.Tensor] | None  # None: the model computes its loss (calling.model_loss)
 MetricFn = Callable[[Any, Any], Any]
+
+
+class _TailViews(NamedTuple):
+    """Views of a step buffer past its gradients (TorchAdapter._tail_views)."""
+
+    buffers: list[torch.Tensor]
+    got_grad: torch.Tensor
+    after_gradients: torch.Tensor
+    tail: torch.Tensor
+    stats: torch.Tensor
+    sample_count: torch.Tensor
+    stats_and_count: torch.Tensor
 
 
 class TorchAdapter(TorchEvaluation, FrameworkAdapter):
@@ -176,13 +188,13 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
 
     def _allocate(self) -> None:
         """The flat step buffer, with each parameter's .grad a view into it."""
-        layout = self._layout = StepLayout(
+        layout = self._layout = self._full_layout = StepLayout(
             n_gradients=sum(p.numel() for p in self._params),
             n_buffers=sum(b.numel() for b in self._buffers),
             n_flags=len(self._params),  # 1 where some micro-batch produced a gradient
             n_stats=len(self.stat_names),
         )
-        self._flat = torch.zeros(layout.size, dtype=torch.float32, device=self.device)
+        self._full = self._flat = torch.zeros(layout.size, dtype=torch.float32, device=self.device)
         self._grad_views: list[torch.Tensor] = []
         offset = layout.gradients.start
         for p in self._params:
@@ -193,19 +205,9 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
                 )
             self._grad_views.append(view)
             offset += p.numel()
-        self._buf_views: list[torch.Tensor] = []
-        offset = layout.buffers.start
-        for b in self._buffers:
-            self._buf_views.append(self._flat[offset : offset + b.numel()].view(b.shape))
-            offset += b.numel()
-        self._got_grad = self._flat[layout.flags]
-        self._after_gradients = self._flat[layout.n_gradients :]  # views made once: slicing is an operation
-        self._tail = self._flat[layout.tail]
-        self._stats = self._flat[layout.stat_sums]
-        self._count = self._flat[layout.count]  # a 0-d view: += writes into the buffer
-        # The stat sums and the count, adjacent: a micro-batch adds [loss, metrics..., 1] * n in
-        # one operation instead of three tiny ones per value (0.1 ms of a 2 ms step on CPU).
-        self._stats_and_count = self._flat[layout.stat_sums.start : layout.count + 1]
+        self._full_views = self._tail_views(self._full, layout)
+        self._lone_buffer: tuple[torch.Tensor, StepLayout, _TailViews] | None = None  # made on first use (_bind)
+        self._bind_tail(self._full, layout, self._full_views)
         self._one = torch.ones((), device=self.device)
         self._scratch: torch.Tensor | None = None
         for p, view in zip(self._params, self._grad_views):
@@ -214,6 +216,54 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
             self.sharded.bind(self._grad_view_of())
         self._build_buckets(layout.n_gradients)
 
+    def _tail_views(self, flat: torch.Tensor, layout: StepLayout) -> _TailViews:
+        """The views of what follows the gradients in ``flat`` (made once: slicing is an operation)."""
+        offset, buffers = layout.buffers.start, []
+        for b in self._buffers:
+            buffers.append(flat[offset : offset + b.numel()].view(b.shape))
+            offset += b.numel()
+        return _TailViews(
+            buffers,
+            flat[layout.flags],
+            flat[layout.n_gradients :],
+            flat[layout.tail],
+            flat[layout.stat_sums],
+            flat[layout.count],  # a 0-d view: += writes into the buffer
+            # The stat sums and the count, adjacent: a micro-batch adds [loss, metrics..., 1] * n in
+            # one operation instead of three tiny ones per value (0.1 ms of a 2 ms step on CPU).
+            flat[layout.stat_sums.start : layout.count + 1],
+        )
+
+    def _bind_tail(self, flat: torch.Tensor, layout: StepLayout, views: _TailViews) -> None:
+        self._flat, self._layout = flat, layout
+        (
+            self._buf_views,
+            self._got_grad,
+            self._after_gradients,
+            self._tail,
+            self._stats,
+            self._count,
+            self._stats_and_count,
+        ) = views
+
+    def _bind(self, lone: bool) -> None:
+        """Make the step buffer the full one, or (a lone worker whose backward writes fresh
+        gradients) one without the gradient part, the full one's memory given back: the lone
+        worker then holds its gradients once, as a plain loop does (docs/architecture.md)."""
+        if not lone:
+            if self._flat is not self._full:
+                self._bind_tail(self._full, self._full_layout, self._full_views)
+                self._lone_buffer = None  # (made again if the world shrinks to one)
+            return
+        self._release_gradients()
+        if self._lone_buffer is None:
+            full = self._full_layout
+            layout = StepLayout(0, full.n_buffers, full.n_flags, full.n_stats)
+            flat = torch.zeros(layout.size, dtype=torch.float32, device=self.device)
+            self._lone_buffer = (flat, layout, self._tail_views(flat, layout))
+        if self._flat is not self._lone_buffer[0]:
+            self._bind_tail(*self._lone_buffer)
+
     def _grad_view_of(self) -> dict[int, torch.Tensor]:
         return {id(p): view for p, view in zip(self._params, self._grad_views)}
 
@@ -221,8 +271,10 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
     _transient = False
 
     def gradient_bytes(self) -> int:
-        storage = self._flat.untyped_storage()
+        storage = self._full.untyped_storage()
         held = storage.nbytes() + (self._scratch.nbytes if self._scratch is not None else 0)
+        if self._lone_buffer is not None:
+            held += self._lone_buffer[0].nbytes
         # A lone worker's backward writes fresh tensors, outside the step buffer.
         fresh = {
             g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
@@ -232,18 +284,20 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         return held + sum(fresh.values())
 
     def _release_gradients(self) -> None:
-        """Give the step buffer's memory back (its views stay, over an empty storage) and leave
-        ``.grad`` None, as ``zero_grad()`` does: a sharded state's member has updated its slices."""
-        storage = self._flat.untyped_storage()
+        """Give the full step buffer's memory back (its views stay, over an empty storage) and
+        leave ``.grad`` None, as ``zero_grad()`` does: a sharded state's member has updated its
+        slices, or a lone worker's backward writes fresh gradients."""
+        storage = self._full.untyped_storage()
         if storage.nbytes():
             storage.resize_(0)
         for p in self._params:
             p.grad = None
 
     def _materialize(self) -> None:
-        """The step buffer's memory again, zeroed, with each ``.grad`` its view (after ``_release_gradients``)."""
-        storage = self._flat.untyped_storage()
-        if storage.nbytes() == 0 and self._layout.size:
+        """The full step buffer's memory again, zeroed, with each ``.grad`` its view (after
+        ``_release_gradients``); nothing where the lone buffer is bound."""
+        storage = self._full.untyped_storage()
+        if self._flat is self._full and storage.nbytes() == 0 and self._layout.size:
             storage.resize_(self._layout.size * self._flat.element_size())
             self._flat.zero_()
             for p, view in zip(self._params, self._grad_views):
@@ -337,17 +391,16 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         # A sharded state among several (ZeRO stage 2): the step's gradients exist only from its
         # first backward to its update (docs/elasticity.md, "Sharded optimizer state").
         self._transient = self.sharded is not None and getattr(collective, "world_size", 0) > 1
+        self._bind(lone=direct)
         if self._transient:
             self._release_gradients()
         else:
             self._materialize()
         if direct:
-            self._after_gradients.zero_()
+            self._after_gradients.zero_()  # the whole lone buffer
             # A lone CPU worker adds its stat sums in Python (numpy float32: the same roundings as
             # the tensor path) instead of in three tensor operations; the step reduces nothing.
             self._py_sums = [np.float32(0.0)] * (self._layout.n_stats + 1) if self._on_cpu else None
-            for p in self._params:
-                p.grad = None
         else:
             self._works, self._launched, self._pending = [], 0, list(self._bucket_sizes)
             self._py_sums = None
@@ -556,8 +609,9 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         # float16's unscale and overflow check, then clipping, then the optimizer's step
         with self.phases(ph.OPTIMIZER):
             self._apply_gradients()
-        for i in unused:
-            self._params[i].grad = self._grad_views[i]
+        if not self._direct:  # (a lone worker's full buffer holds no memory: None stays, as in a plain loop)
+            for i in unused:
+                self._params[i].grad = self._grad_views[i]
         self._in_step = False
         tail = self._tail.tolist()
         if self._transient:  # its slices are updated: no one needs this member's gradients again

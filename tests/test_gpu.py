@@ -305,6 +305,70 @@ def test_a_sharded_worker_killed_on_the_gpu_loses_nothing_and_its_replacement_ta
     assert_exactly_once(run_dir)
 
 
+class PeersAddNothing:
+    """A collective whose peers add nothing: a worker's own step path, in this process."""
+
+    rank = 0
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+
+    def all_reduce_start(self, tensor: torch.Tensor) -> None:
+        return None
+
+    def wait(self, work: None) -> None:
+        pass
+
+
+def cuda_bytes_after_three_steps(world: int | None, shard: bool = False) -> int:
+    """CUDA memory held after three Adam steps of a 4.2M-parameter MLP (16 MiB of gradients):
+    by the plain loop (``world`` None) or by a worker's step path in a group of ``world``."""
+    from fabric_model.frameworks.torch.adapter import TorchAdapter
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)]).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(64, 1024, generator=g), torch.randn(64, 1024, generator=g)) for _ in range(3)]
+    if world is None:
+        for x, y in batches:
+            opt.zero_grad()
+            F.mse_loss(model(x.cuda()), y.cuda()).backward()
+            opt.step()
+    else:
+        adapter = TorchAdapter(model, opt, F.mse_loss)
+        adapter.drop_default_accuracy()  # a regression: no classifier's accuracy
+        adapter.setup("cuda:0", 1)
+        if shard:
+            adapter.shard_optimizer_state()
+        group = PeersAddNothing(world)
+        for k, batch in enumerate(batches):
+            adapter.begin_step(group)
+            adapter.train_micro_batch(batch, 64, 64, seed=k, last=True)
+            adapter.all_reduce(group)
+            adapter.finish_step()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    del model, opt
+    return held
+
+
+def test_between_steps_a_lone_cuda_worker_holds_what_the_plain_loop_holds_and_a_sharded_member_no_gradient():
+    """A lone worker's backward writes fresh gradients as the plain loop's does, and its step
+    buffer's gradient part gives its memory back: it holds its gradients once (it held them
+    twice). A sharded member among several gives back the whole step buffer after its update
+    (storage ``resize_`` on CUDA), so it holds the plain loop's memory less the gradients."""
+    gradients = 4 * sum(1024 * 1024 + 1024 for _ in range(4))
+    slack = 1 << 20  # the step buffer's tail, the loss, the generator's state
+    plain = cuda_bytes_after_three_steps(None)
+    assert plain >= 4 * gradients  # weights, gradients, Adam's two moments
+    assert cuda_bytes_after_three_steps(1) <= plain + slack
+    assert cuda_bytes_after_three_steps(1, shard=True) <= plain + slack
+    assert cuda_bytes_after_three_steps(3, shard=True) <= plain - gradients + slack
+
+
 # -- precision and export ----------------------------------------------------------------------
 def test_bf16_mixed_on_cuda_trains_like_the_cuda_autocast_loop(undisturbed, run_dir):
     expected = reference(autocast=torch.bfloat16)

@@ -115,7 +115,8 @@ def test_a_hand_started_worker_takes_its_own_hosts_cores_not_the_drivers_share(t
     monkeypatch.setenv("FABRIC_MODEL_CPU_WORKERS", "2")
     (tmp_path / "threads").mkdir()
     starter = WorkerStarter(tmp_path / "run", [], at_start=1)
-    train(tmp_path / "run", tmp_path / "threads", 3, starter, [HoldForJoin(1)])  # the local two wait for it
+    # The local two wait for it after step 1, unless it came in time for the first generation.
+    train(tmp_path / "run", tmp_path / "threads", 3, starter, [HoldForJoin(1, workers=3)])
     threads = threads_by_pid(tmp_path / "threads")
     hand = starter.processes[0].pid
     assert threads[hand] == usable_cores(), threads

@@ -65,12 +65,15 @@ class FailCollective:
 class HoldForJoin:
     """Every worker waits after step ``step`` until a worker is waiting to join (at most
     ``timeout`` seconds), so that a join started around then lands right after it, however
-    long the newcomer takes to start: joins in tests become deterministic, not paced."""
+    long the newcomer takes to start: joins in tests become deterministic, not paced. With
+    ``workers``, no wait where the generation has that many members already (the newcomer
+    came in time for it: nobody else will join)."""
 
     step: int
     timeout: float = 120.0
     when: str = "after_step"
     worker: int | None = None  # every worker
+    workers: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +161,8 @@ class FaultInjector:
             if fault.worker is not None and fault.worker != ctx.worker_id:
                 continue
             if isinstance(fault, HoldForJoin):
-                if self._claim(f"{i}-{ctx.worker_id}"):
+                full = fault.workers is not None and ctx.world_size >= fault.workers
+                if self._claim(f"{i}-{ctx.worker_id}") and not full:
                     deadline = time.monotonic() + fault.timeout
                     while not ctx.join_pending and time.monotonic() < deadline:
                         time.sleep(0.02)

@@ -387,7 +387,6 @@ class TrainingLoop:
                         self.hooks.on_epoch_begin(epoch)
                     self.hooks.on_batch_begin(step)
                 switch = self._step(epoch, step, batches)
-                # A lone worker's backward may write fresh gradients, not the buffer: it has no peer behind anyway.
                 self.next_unit += 1
                 with phases(ph.CALLBACKS):
                     self.hooks.on_batch_end(step)

@@ -45,6 +45,18 @@ def pytest_collection_modifyitems(config, items) -> None:
 FIXTURE_PROCESSES: list[Callable[[], set[int]]] = []
 
 
+def _kept_warm_process() -> set[int]:
+    """The warm process kept for the next job (launchers/warm_spare.py): it outlives its job by
+    design; a worker it still has is a leak all the same."""
+    from fabric_model.launchers import warm_spare
+
+    pid = warm_spare.kept_pid()
+    return set() if pid is None else {pid}
+
+
+FIXTURE_PROCESSES.append(_kept_warm_process)
+
+
 def _owned_by_fixture(proc: psutil.Process, roots: set[int]) -> bool:
     """A fixture's own process, or one of its descendants that no test started: not a worker
     or a worker's actor (pool workers and Ray's agents are the cluster's)."""

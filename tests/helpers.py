@@ -16,12 +16,14 @@ if TYPE_CHECKING:
     import psutil
 
 import numpy as np
+import psutil
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import default_collate
 
+from fabric_model.launchers import warm_spare
 from fabric_model.step.plan import Plan, epoch_permutation, micro_batch_seed
 
 
@@ -279,3 +281,10 @@ def run_script(script: str, within: float, env: dict[str, str] | None = None) ->
         proc.kill()
     out = proc.communicate(timeout=10)[0].decode(errors="replace")
     return proc.returncode, out, list(seen.values())
+
+
+def started_processes() -> list[psutil.Process]:
+    """This process's descendants but the warm process kept for its next job (launchers/warm_spare.py),
+    which waits without a worker: what a check that fails before any worker starts must not leave."""
+    kept = warm_spare.kept_pid()
+    return [p for p in psutil.Process().children(recursive=True) if p.pid != kept]

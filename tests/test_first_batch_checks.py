@@ -3,7 +3,6 @@ with no worker process started."""
 
 from __future__ import annotations
 
-import psutil
 import pytest
 import torch
 import torch.nn as nn
@@ -12,7 +11,7 @@ import torch.nn.functional as F
 from fabric_model import FabricModel
 from fabric_model.launchers.local import LocalLauncher
 
-from .helpers import MLP, make_data
+from .helpers import MLP, make_data, started_processes
 
 pytestmark = pytest.mark.processes
 
@@ -68,7 +67,7 @@ def test_mistake_fails_in_the_caller(case, run_dir, monkeypatch):
         FabricModel(model, lambda: (data, None), loss, optimizer, metrics=opts.get("metrics")).train(
             1, 8, 2, run_dir=run_dir
         )
-    assert psutil.Process().children(recursive=True) == []
+    assert started_processes() == []
     message = str(info.value)
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in {message!r}"

@@ -32,6 +32,7 @@ from .helpers import (  # noqa: E402
     reads_by_pid,
     records,
     sample_indices_of_steps,
+    started_processes,
 )
 
 SEED, EPOCHS, BATCH = 7, 2, 16
@@ -239,7 +240,7 @@ def test_subclassed_model_with_custom_layer_needs_keras_custom_objects(run_dir):
     with pytest.raises(TypeError, match="keras_custom_objects") as info:
         fm.train(1, BATCH, 2, seed=SEED, run_dir=run_dir)
     assert "Subclassed" in str(info.value) or "Scale" in str(info.value)
-    assert not run_dir.exists() and not psutil.Process().children()  # before any worker or run directory
+    assert not run_dir.exists() and not started_processes()  # before any worker or run directory
 
     # Names for the loss, optimizer and metric; the custom classes named: it trains.
     model = Subclassed()

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import time
 
-import psutil
 import pytest
 import torch
 import torch.nn.functional as F
 
 from fabric_model import FabricModel
 
-from .helpers import MLP, make_data
+from .helpers import MLP, make_data, started_processes
 
 pytestmark = pytest.mark.processes
 
@@ -123,7 +122,7 @@ def _assert_fast_and_processless(fn, exc_type, fragments):
     with pytest.raises(exc_type) as info:
         fn()
     assert time.monotonic() - start < 1.0
-    assert psutil.Process().children(recursive=True) == []
+    assert started_processes() == []
     message = str(info.value)
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in {message!r}"

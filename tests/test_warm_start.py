@@ -21,6 +21,7 @@ import pytest
 import torch.nn.functional as F
 
 from fabric_model import FabricModel
+from fabric_model.launchers import warm_spare
 from fabric_model.launchers.fork_safety import fork_blockers
 from fabric_model.launchers.local import worker_environment
 from fabric_model.launchers.warm_client import WarmProcess
@@ -314,6 +315,7 @@ def test_openblas_threads_beyond_its_count_are_told_by_where_they_wait_and_do_no
 
 
 def test_a_warm_process_no_job_takes_ends_with_its_fabric_model(monkeypatch):
+    warm_spare.end()  # one an earlier test's job left would be this FabricModel's
     model, opt = fresh_model_and_optimizer()
     before = {p.pid for p in psutil.Process().children()}
     fm = FabricModel(model, lambda: (DATA, None), F.cross_entropy, opt)
@@ -341,3 +343,84 @@ def test_a_warm_process_started_for_another_path_is_replaced_by_one_the_workers_
     monkeypatch.syspath_prepend(str(tmp_path / "late"))
     result = fm.train(1, 16, 2, run_dir=run_dir)
     assert len(result.history) == 1
+
+
+def _train_inspected(out: Path, run_dir: Path) -> None:
+    out.mkdir()
+    model, opt = fresh_model_and_optimizer()
+    fm = FabricModel(model, lambda: (DATA, None), F.cross_entropy, opt, worker_logger_callback=Inspect(out))
+    fm.train(1, 16, 2, run_dir=run_dir)
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    """Whether ``pid`` ended and was reaped (not a zombie) within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while psutil.pid_exists(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not psutil.pid_exists(pid)
+
+
+def test_a_fresh_warm_process_is_kept_for_the_next_job_of_the_same_environment_then_ends_by_itself(
+    tmp_path, monkeypatch
+):
+    """A notebook's (or a test runner's) second train() forks its workers from the warm process the
+    first one started, which waited, idle and without a worker, in between; a job whose workers
+    get another environment starts its own; a kept process ends by itself when none comes."""
+    warm_spare.end()
+    monkeypatch.setenv("FABRIC_MODEL_WARM_START", "fresh")
+    monkeypatch.setenv("FABRIC_MODEL_WARM_KEEP", "60")
+    _train_inspected(tmp_path / "one", tmp_path / "run-one")
+    kept = warm_spare.kept_pid()
+    assert kept is not None and psutil.Process(kept).children() == []
+    _train_inspected(tmp_path / "two", tmp_path / "run-two")
+    for name in ("one", "two"):
+        facts = [json.loads(p.read_text()) for p in (tmp_path / name).glob("*.json")]
+        assert len(facts) == 2 and {f["parent_pid"] for f in facts} == {kept}, name
+    assert warm_spare.kept_pid() == kept
+    notes = [json.loads((tmp_path / r / "run.json").read_text())["startup"]["notes"] for r in ("run-one", "run-two")]
+    assert notes[0]["warm process"].startswith("a fresh interpreter")
+    assert notes[1]["warm process"].startswith("kept from an earlier job")
+
+    monkeypatch.setenv("FABRIC_MODEL_WARM_KEEP", "1")  # the workers' environment changes with it
+    _train_inspected(tmp_path / "three", tmp_path / "run-three")
+    assert _gone(kept, 10), "the kept process of another environment was not ended"
+    facts = [json.loads(p.read_text()) for p in (tmp_path / "three").glob("*.json")]
+    (third,) = {f["parent_pid"] for f in facts}
+    assert third != kept and warm_spare.kept_pid() == third
+    assert _gone(third, 30), "a kept process outlived its idle time (or was left a zombie)"
+    assert warm_spare.kept_pid() is None
+
+    monkeypatch.setenv("FABRIC_MODEL_WARM_KEEP", "0")
+    _train_inspected(tmp_path / "four", tmp_path / "run-four")
+    assert warm_spare.kept_pid() is None
+
+
+@pytest.mark.parametrize("ending", ["exit", "SIGKILL"])
+def test_a_kept_warm_process_ends_with_its_caller(tmp_path, ending):
+    """Kept after the job, it ends when the script ends, and when the script is SIGKILLed."""
+    script = (
+        "import os, signal, sys, torch.nn.functional as F\n"
+        "from fabric_model import FabricModel\n"
+        "from fabric_model.launchers import warm_spare\n"
+        "from tests.helpers import fresh_model_and_optimizer, make_data\n"
+        "model, opt = fresh_model_and_optimizer()\n"
+        "data = make_data(64)\n"
+        "fm = FabricModel(model, lambda: (data, None), F.cross_entropy, opt)\n"
+        f"fm.train(1, 16, 2, run_dir={str(tmp_path / 'run')!r})\n"
+        "print('kept', warm_spare.kept_pid(), flush=True)\n"
+        f"if {ending == 'SIGKILL'}:\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    env = {**os.environ, "FABRIC_MODEL_WARM_START": "fresh", "FABRIC_MODEL_WARM_KEEP": "300"}
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == (-signal.SIGKILL if ending == "SIGKILL" else 0), done.stderr
+    kept = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("kept ")]
+    assert kept and kept[0] != "None", done.stdout + done.stderr
+    assert _gone(int(kept[0]), 20), f"the kept warm process outlived its caller ({ending})"

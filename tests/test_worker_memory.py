@@ -7,7 +7,6 @@ import json
 import resource
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 import torch.nn as nn
@@ -16,7 +15,7 @@ import torch.nn.functional as F
 from fabric_model import Callback, FabricModel
 from fabric_model.setup.settings import KEEP_FREED_MEMORY
 
-from .helpers import make_data
+from .helpers import make_data, started_processes
 
 pytestmark = pytest.mark.processes
 
@@ -83,4 +82,4 @@ def test_a_bad_setting_fails_before_any_worker_starts(run_dir, monkeypatch):
     expected = f"{KEEP_FREED_MEMORY_ENV} to be 1 .* or 0 .*Received: {KEEP_FREED_MEMORY_ENV}='yes'"
     with pytest.raises(ValueError, match=expected):
         fm.train(1, 16, 1, run_dir=run_dir)
-    assert psutil.Process().children(recursive=True) == []
+    assert started_processes() == []

@@ -28,6 +28,7 @@ from typing import IO
 from ..setup.cluster import check_cluster
 from ..setup.devices import cuda_visible_for_workers
 from ..setup.settings import CUDA_VISIBLE, JOIN_FILE, LAUNCHED, SECRET, WARM_START
+from . import warm_spare
 from .base import Launcher, module_command
 from .fork_safety import fork_blockers
 from .warm_client import ForkedWorker, WarmProcess
@@ -194,6 +195,12 @@ def start_warm_process(framework: str, log_path: Path | None = None) -> WarmProc
     mode = warm_start_mode()
     if mode == "0" or not sys.platform.startswith("linux"):
         return None
+    kept = warm_spare.take(framework, warm_environment())
+    if kept is not None:  # a fresh interpreter an earlier job of this caller left ready (warm_spare.py)
+        kept.how = "kept from an earlier job (a fresh interpreter: no import to wait for)"
+        if log_path is not None:
+            kept.move_log(log_path)
+        return kept
     if mode == "fork-always":
         blockers: list[str] = []
     else:

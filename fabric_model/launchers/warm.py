@@ -14,8 +14,10 @@ Protocol (JSON lines; the caller's side is :mod:`fabric_model.launchers.warm_cli
 
 - on stdin: ``{"op": "start", "id", "argv", "env", "log", "cwd", "linger"}`` forks worker ``id``;
   ``{"op": "signal", "id", "sig"}`` signals it; ``{"op": "log", "path"}`` appends what this
-  process has written so far to ``path`` and writes there from now on; ``{"op": "end"}``, then
-  end of input: every worker is SIGKILLed and reaped, then the process exits.
+  process has written so far to ``path`` and writes there from now on; ``{"op": "park", "idle"}``
+  (its job over, its workers reaped): its output goes nowhere until the next ``log``, and it
+  exits when ``idle`` seconds pass without another request; ``{"op": "end"}``, then end of input:
+  every worker is SIGKILLed and reaped, then the process exits.
 - on stdout: ``{"ev": "ready"}`` once imported, ``{"ev": "started", "id", "pid"}``,
   ``{"ev": "exited", "id", "code"}`` (a ``Popen.returncode``: ``-N`` for signal ``N``).
 
@@ -82,6 +84,7 @@ class Server:
         self.children: dict[int, int] = {}  # worker id -> pid, until reaped
         self.linger = 0.0  # how long workers may outlive a vanished caller (the start requests say)
         self.ended = False  # the caller said "end": it is done with every worker
+        self.idle: float | None = None  # parked: seconds it waits for a next job before it ends
         self._pending = b""
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -96,7 +99,10 @@ class Server:
     def serve(self) -> None:
         """Until stdin ends or the caller dies: handle requests and reap children as they exit."""
         while not _Caller.gone:
-            readable, _, _ = select.select([0, self._wake_r], [], [])
+            parked = self.idle is not None and not self.children
+            readable, _, _ = select.select([0, self._wake_r], [], [], self.idle if parked else None)
+            if parked and not readable:
+                return  # kept for a next job that did not come
             if self._wake_r in readable:
                 os.read(self._wake_r, 4096)
             self.reap()
@@ -111,6 +117,8 @@ class Server:
                         self.handle(json.loads(line))
 
     def handle(self, request: dict[str, Any]) -> None:
+        if request["op"] != "park":
+            self.idle = None  # taken by a job: it waits for its requests as long as they take
         if request["op"] == "start":
             self.linger = max(self.linger, float(request.get("linger", 0.0)))
             pid = os.fork()
@@ -134,6 +142,11 @@ class Server:
             move_log(request["path"])
         elif request["op"] == "end":
             self.ended = True
+        elif request["op"] == "park":
+            # Kept for the caller's next job (launchers/warm_spare.py): its workers are gone, so
+            # nothing is kept for a vanished caller, and its output leaves the finished run's log.
+            self.idle, self.linger = float(request["idle"]), 0.0
+            move_log(os.devnull, copy=False)
 
     def outlive_caller(self) -> None:
         """The caller vanished: keep the workers, which wait for a driver to come back, reaping
@@ -197,13 +210,13 @@ def become_worker(request: dict[str, Any], server_fds: tuple[int, ...]) -> None:
     os._exit(main(request["argv"]))
 
 
-def move_log(path: str) -> None:
+def move_log(path: str, copy: bool = True) -> None:
     """Append what this process has written so far (its output is an unnamed file until the job
-    has a run directory) to ``path``, and write there from now on."""
+    has a run directory) to ``path`` (unless not ``copy``), and write there from now on."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     offset = 0
     try:
-        while chunk := os.pread(2, 1 << 16, offset):
+        while copy and (chunk := os.pread(2, 1 << 16, offset)):
             offset += len(chunk)
             while chunk:
                 chunk = chunk[os.write(fd, chunk) :]

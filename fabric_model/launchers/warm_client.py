@@ -158,6 +158,8 @@ class WarmProcess:
         self.alive = True
         self.ready = False  # it has imported what workers need (its "ready" event)
         self.closed = False
+        self.parked = False  # kept between jobs (launchers/warm_spare.py)
+        self.kept_before = False  # taken from there
         self._workers: dict[int, ForkedWorker] = {}
         self._write = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="fabric-model-warm", daemon=True)
@@ -166,7 +168,26 @@ class WarmProcess:
     def move_log(self, path: Path) -> None:
         """Its output so far, and from now on, into ``path`` (the run's ``logs/warm.log``)."""
         path.parent.mkdir(parents=True, exist_ok=True)
+        with self.changed:
+            self.parked = False
         self.request(op="log", path=str(path))
+
+    def park(self, idle: float) -> bool:
+        """Keep it for a next job, its job over: True if it is alive, a fresh interpreter and
+        every worker it forked has exited (their exits reported); it ends by itself after
+        ``idle`` seconds without a request. Its output goes nowhere until :meth:`move_log`."""
+        with self.changed:
+            if self.closed or self.forked or not self.alive:
+                return False
+            if any(worker.returncode is None for worker in self._workers.values()):
+                return False
+            self._workers.clear()
+            self.parked = True
+        if not self.request(op="park", idle=idle):
+            with self.changed:
+                self.parked = False
+            return False
+        return True
 
     def fork(
         self, worker_id: int, argv: list[str], env: dict[str, str], log_path: Path, linger: float = 0.0
@@ -228,6 +249,12 @@ class WarmProcess:
                 if worker.returncode is None:  # its PR_SET_PDEATHSIG fired with the warm process
                     worker.returncode = -signal.SIGKILL
             self.changed.notify_all()
+            parked = self.parked
+        if parked:  # it ended by itself, kept past its idle time: reaped here, not left a zombie
+            try:
+                self.process.wait(5.0)
+            except subprocess.TimeoutExpired:
+                pass
 
     def close(self, timeout: float = 5.0) -> None:
         """End the warm process (it SIGKILLs and reaps any worker left) and reap it."""

@@ -2,8 +2,9 @@
 
 Started in the constructor, it imports the framework while the caller's script goes on, which
 is what bounds a job's start-up (docs/architecture.md, "Start-up"). Whatever happens, it is
-ended: taken by a job (which closes it), dropped when ``train()`` fails or the job's workers are
-not local, or discarded when the ``FabricModel`` is garbage collected.
+ended: taken by a job (which closes it, or keeps it for the next: ``warm_spare``), dropped when
+``train()`` fails or the job's workers are not local, or discarded when the ``FabricModel`` is
+garbage collected; one taken from ``warm_spare`` goes back there instead.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ class WarmSlot:
 
     def __init__(self, warm: WarmProcess | None = None) -> None:
         self._warm = warm
-        self._finalizer = weakref.finalize(self, warm.discard) if warm is not None else None
+        self._finalizer = weakref.finalize(self, _give_back, warm) if warm is not None else None
 
     @classmethod
     def prestart(cls, framework: str) -> WarmSlot:
@@ -35,9 +36,10 @@ class WarmSlot:
         environment workers get now (its output moved to ``log_path``), else a new one. Either way
         the slot is empty afterwards and the process is the job's alone."""
         from .local import start_warm_process, warm_environment
+        from .warm_spare import fits
 
         warm = self._release()
-        if warm is not None and warm.alive and warm.env == warm_environment():
+        if warm is not None and fits(warm, framework, warm_environment()):
             warm.move_log(log_path)
             return warm
         if warm is not None:
@@ -48,7 +50,7 @@ class WarmSlot:
         """End the warm process held, if any (a failed ``train()``, a job whose workers are not local)."""
         warm = self._release()
         if warm is not None:
-            warm.discard()
+            _give_back(warm)
 
     def _release(self) -> WarmProcess | None:
         warm, self._warm = self._warm, None
@@ -60,3 +62,10 @@ class WarmSlot:
     def __reduce__(self) -> tuple[Any, ...]:
         """A copy of the slot is empty: the process is this object's, and a process is not data."""
         return (WarmSlot, ())
+
+
+def _give_back(warm: WarmProcess) -> None:
+    """End a warm process no job used, or keep it again where it was kept before."""
+    from .warm_spare import release
+
+    release(warm)

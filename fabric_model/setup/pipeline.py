@@ -201,6 +201,7 @@ def run_job(
     ``resume_said``: what ``resume="auto"`` decided, logged once the run's log is open."""
     with run.recording_end():
         from ..driver.driver import Driver  # torch.distributed is imported only once training starts
+        from ..launchers import warm_spare
         from ..launchers.local import local_launcher_factory
         from ..run.display import run_with_display
 
@@ -225,14 +226,15 @@ def run_job(
         try:
             (driver, final), hooks = run_with_display(fm.driver_logger_callback, setup, run, display, start)
         except BaseException as exc:  # a worker's error: its traceback is the cause, the driver's frames noise
+            if warm is not None:
+                warm.close()
             from ..errors import RemoteTraceback
 
             if isinstance(exc.__cause__, RemoteTraceback):
                 raise exc.with_traceback(None) from exc.__cause__
             raise
-        finally:
-            if warm is not None:
-                warm.close()
+        if warm is not None and not warm_spare.keep(warm):  # for the caller's next job
+            warm.close()
         path, onnx_diff = finish(fm, final, adapter, train_set, run, hooks)
         if final.divergence is not None:
             fm.run_dir = run.path  # download() zips the model written

@@ -299,6 +299,17 @@ WARM_START: Setting[str] = declare(
         "`fresh`: always a fresh interpreter; `fork-always`: always a fork (for diagnosis); `0`: no warm process.",
     )
 )
+WARM_KEEP: Setting[float] = declare(
+    Setting(
+        "FABRIC_MODEL_WARM_KEEP",
+        600.0,
+        _seconds_or_zero,
+        "a number of seconds, 0 or more",
+        "Seconds a job's warm process, when it is a fresh interpreter, is kept after the job for the next "
+        "`train()` of the same process (a notebook, a sweep) before it ends (`0`: it ends with its job); "
+        'docs/architecture.md, "Start-up".',
+    )
+)
 KEEP_FREED_MEMORY: Setting[bool] = declare(
     Setting(
         "FABRIC_MODEL_KEEP_FREED_MEMORY",

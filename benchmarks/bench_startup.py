@@ -12,6 +12,10 @@ Each round starts, in turn, fresh interpreters that run:
   script, which runs no torch operation before ``FabricModel``); then the same with a fresh
   warm process (``FABRIC_MODEL_WARM_START=fresh``), and with fresh worker interpreters
   (``FABRIC_MODEL_WARM_START=0``), as before the warm process;
+- ``again``: a caller unfit to fork (a notebook, whose kernel has threads: here
+  ``FABRIC_MODEL_WARM_START=fresh``) trains the 2-engine job twice; from its second
+  ``FabricModel(...)`` to that job's first committed step, with the warm process the first job
+  kept (``launchers/warm_spare.py``) and with none kept (``FABRIC_MODEL_WARM_KEEP=0``);
 - ``replace`` (unless ``--no-replace``): 2 engines, worker 1 SIGKILLed inside step 3; from the
   kill to the next committed step (the survivor alone) and to the first committed step the
   replacement worker takes part in.
@@ -78,6 +82,33 @@ fm = FabricModel(model, lambda: (Data(), None), F.cross_entropy, opt, driver_log
                  worker_logger_callback=inj)
 fm.train(1, 64, ENGINES, seed=0, run_dir=RUN_DIR)
 """
+
+
+AGAIN = (
+    FABRIC[: FABRIC.index("torch.manual_seed(0)")]
+    + """
+for n in (1, 2):  # a notebook's two cells
+    if n == 2:
+        print("AGAIN", time.time(), flush=True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    fm = FabricModel(model, lambda: (Data(), None), F.cross_entropy, opt, driver_logger_callback=Stamp())
+    fm.train(1, 64, ENGINES, seed=0, run_dir=RUN_DIR + str(n))
+"""
+)
+
+
+def _again(tmp: Path, name: str, env: dict[str, str]) -> float:
+    """Seconds from a second ``FabricModel(...)`` in the same caller to its job's first committed step."""
+    run_dir = tmp / name / "run"
+    header = f"STEPS=2\nENGINES=2\nKILL=False\nRUN_DIR={str(run_dir)!r}\nMARKERS=None\n"
+    out = subprocess.run([sys.executable, "-c", header + AGAIN], env=env, capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        raise RuntimeError(f"child failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    marks = [line.split() for line in out.stdout.splitlines() if line.startswith(("AGAIN", "STAMP"))]
+    again = next(i for i, (what, _) in enumerate(marks) if what == "AGAIN")
+    return float(marks[again + 1][1]) - float(marks[again][1])
 
 
 def _run(code: str, env: dict[str, str]) -> tuple[float, float]:
@@ -151,6 +182,10 @@ def main() -> int:
                 for mode, label in (("fresh", "fresh warm process"), ("0", "fresh workers")):
                     seconds = _fabric(engines, tmp, f"{mode}{engines}-{r}", {**env, "FABRIC_MODEL_WARM_START": mode})[0]
                     rows.setdefault(f"fm {engines} engine(s), {label}", []).append(seconds)
+            notebook = {**env, "FABRIC_MODEL_WARM_START": "fresh"}
+            for keep, label in (("600", "kept warm process"), ("0", "none kept")):
+                seconds = _again(tmp, f"again{keep}-{r}", {**notebook, "FABRIC_MODEL_WARM_KEEP": keep})
+                rows.setdefault(f"again: 2nd train(), {label}", []).append(seconds)
             if not args.no_replace:
                 nxt, new = _replacement(tmp, f"kill-{r}", env)
                 rows.setdefault("SIGKILL -> next committed step", []).append(nxt)

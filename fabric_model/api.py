@@ -254,7 +254,7 @@ class FabricModel(InferenceMixin):
                 self, setup, adapter, train_set, run, ray_cluster, (verbose, tensorboard), warm, resumed.said
             )
         except BaseException:
-            self._warm.drop()  # a train() that fails leaves no process behind (the next starts its own)
+            self._warm.drop()  # a train() that fails leaves no process behind (but a kept one: warm_spare.py)
             raise
         finally:
             if ray_cluster is not None:

@@ -116,7 +116,8 @@ class ForkedCaller:
 
 
 class WarmProcess:
-    """One warm process for one ``train()``: started at once, it imports while the caller goes on.
+    """One warm process for one ``train()`` at a time: started at once, it imports while the
+    caller goes on; a fresh interpreter may be kept for the next (:mod:`.warm_spare`).
 
     Args:
         env: its environment (the workers' own, minus anything per worker, per job or secret).

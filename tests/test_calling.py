@@ -5,14 +5,21 @@ outputs; and the errors before any worker starts when neither a loss function no
 from __future__ import annotations
 
 import dataclasses
+import time
+from typing import NamedTuple
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from fabric_model import FabricModel
+from fabric_model.frameworks import detect_framework
+from fabric_model.frameworks.base import UserObjects
 from fabric_model.frameworks.torch.calling import ModelCall, model_loss, primary_output
 from fabric_model.frameworks.torch.ibm import accuracy, accuracy_applies
+from fabric_model.launchers.local import LocalLauncher
+
+from .helpers import started_processes
 
 
 class Named(torch.nn.Module):
@@ -185,6 +192,107 @@ def test_the_model_loss_is_found_where_models_put_it():
         model_loss(Output(torch.ones(2, 3)))
 
 
+class LossAndAux(NamedTuple):
+    loss: torch.Tensor
+    aux: torch.Tensor
+    logits: torch.Tensor
+
+
+#: What is said of the output (loss, logits, aux) and the two ways out.
+SEVERAL_SCALARS = [
+    "`loss_function`",
+    "loss_function=None",
+    "a tuple of 3: [0] a scalar tensor, [1] a tensor of shape (2, 3), [2] a scalar tensor",
+    "[0], [2]",
+    "`loss` field",
+    "a dict or ModelOutput with `loss`",
+    "loss_function=lambda output, target: output[0]",
+    "HINT",
+]
+
+
+def test_several_scalar_tensors_and_no_loss_field_are_refused_not_guessed():
+    loss, aux, logits = torch.tensor(1.5), torch.tensor(0.1), torch.ones(2, 3)
+    with pytest.raises(ValueError) as info:
+        model_loss((loss, logits, aux))
+    for fragment in SEVERAL_SCALARS:
+        assert fragment in str(info.value), f"{fragment!r} not in {str(info.value)!r}"
+    with pytest.raises(ValueError, match=r"a list of 2: \[0\] a scalar tensor, \[1\] a scalar tensor"):
+        model_loss([aux, loss])
+    # A `loss` field says which one it is, whatever else the output holds.
+    assert model_loss(LossAndAux(loss, aux, logits)) is loss
+    assert model_loss({"aux": aux, "loss": loss, "logits": logits}) is loss
+    # One scalar tensor among other things is not a guess (an int or None is no tensor).
+    assert model_loss((logits, loss, None, 3)) is loss
+
+
+class ComputesItsLoss(torch.nn.Module):
+    """A model that computes its loss from the target it is given, returning ``shape(logits, loss, aux)``."""
+
+    def __init__(self, shape) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+        self.shape = shape
+
+    def forward(self, features, labels=None):
+        logits = self.fc(features)
+        loss = F.cross_entropy(logits, labels)
+        return self.shape(logits, loss, logits.pow(2).mean())
+
+
+def loss_then_logits_then_aux(logits, loss, aux):
+    return loss, logits, aux
+
+
+def test_several_scalar_tensors_fail_in_the_caller_before_any_worker_starts(monkeypatch, run_dir):
+    def no_worker(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(LocalLauncher, "start", no_worker)
+    model = ComputesItsLoss(loss_then_logits_then_aux)
+    fm = FabricModel(model, get_data, None, torch.optim.SGD(model.parameters(), lr=0.1), metrics=[])
+    began = time.monotonic()
+    with pytest.raises(ValueError) as info:
+        fm.train(1, 4, 2, run_dir=run_dir)  # micro-batches of 2 samples
+    assert started_processes() == []
+    assert time.monotonic() - began < 60, "refused only after a run"
+    for fragment in SEVERAL_SCALARS:
+        assert fragment in str(info.value), f"{fragment!r} not in {str(info.value)!r}"
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        lambda logits, loss, aux: (logits, loss),  # nanoGPT's
+        lambda logits, loss, aux: (loss, logits),  # Hugging Face's, return_dict=False
+        lambda logits, loss, aux: {"loss": loss, "aux": aux, "logits": logits},
+        lambda logits, loss, aux: LossAndAux(loss, aux, logits),
+    ],
+    ids=["logits-loss", "loss-logits", "dict-with-loss-and-aux", "namedtuple-with-loss-and-aux"],
+)
+def test_one_scalar_tensor_or_a_loss_field_passes_the_first_batch_check(shape):
+    """What ``train()`` runs on the first batch before any worker starts (setup/pipeline.ship)."""
+    model = ComputesItsLoss(shape)
+    framework = detect_framework(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    adapter = framework.make_adapter(UserObjects(model, optimizer, None, metrics=[]))
+    data, _ = get_data()
+    framework.prepare_for_shipping(adapter, framework.first_batch(adapter, data))
+
+
+@pytest.mark.processes
+def test_a_tuple_of_logits_and_loss_trains_on_that_loss(run_dir):
+    """nanoGPT's ``(logits, loss)`` trains end to end on the loss the model computed, in a worker."""
+    torch.manual_seed(0)
+    model = ComputesItsLoss(lambda logits, loss, aux: (logits, loss))
+    with torch.no_grad():
+        before = F.cross_entropy(model.fc(torch.stack([s["features"] for s in get_data()[0]])), LABELS).item()
+    fm = FabricModel(model, get_data, None, torch.optim.SGD(model.parameters(), lr=0.5), metrics=[])
+    result = fm.train(8, 8, 1, run_dir=run_dir)
+    losses = list(result.history["loss"])
+    assert losses[-1] < losses[0] and losses[-1] < before, losses
+
+
 def test_the_default_accuracy_reads_the_logits_of_a_structured_output():
     logits = torch.tensor([[0.0, 1.0], [2.0, 0.0]])
     target = torch.tensor([1, 1])
@@ -192,10 +300,13 @@ def test_the_default_accuracy_reads_the_logits_of_a_structured_output():
     assert accuracy_applies(Output(logits), target) and float(accuracy(Output(logits), target)) == 0.5
 
 
+LABELS = torch.arange(8) % 3
+
+
 def get_data():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(8, 4, generator=g)
-    return [{"features": x[i].clone(), "labels": torch.tensor(i % 3)} for i in range(8)], None
+    return [{"features": x[i].clone(), "labels": LABELS[i].clone()} for i in range(8)], None
 
 
 def test_no_loss_function_and_no_model_loss_fails_before_any_worker_starts():

@@ -2,8 +2,10 @@
 
 Mistakes that would otherwise fail in every worker many seconds in (a loss class instead of an
 instance, a per-sample loss or metric, float labels, mismatched shapes, a non-finite loss, a
-non-float32 model), or silently train something else (a loss summed over the batch), fail here,
-before any worker starts, naming the argument, what was received and the fix.
+non-float32 model), or silently train something else (a loss summed over the batch; with
+``loss_function=None``, an output of several scalar tensors and no ``loss`` field, refused by
+:func:`fabric_model.frameworks.torch.calling.model_loss`, the rule the workers apply), fail here, before any
+worker starts, naming the argument, what was received and the fix.
 """
 
 from __future__ import annotations
@@ -75,7 +77,9 @@ def _call_loss(loss_function: Any, model_computes: bool, output: Any, target: An
         try:
             loss = loss_function(output, target)
         except Exception as exc:
-            if model_computes:  # calling.model_loss's own message names the argument and the fix
+            # calling.model_loss, the workers' own rule (no loss, or several scalar tensors to guess
+            # from), raises here first, and its message already names the argument and the fix.
+            if model_computes:
                 raise
             float_labels = isinstance(target, torch.Tensor) and target.is_floating_point() and "Long" in str(exc)
             hint = (

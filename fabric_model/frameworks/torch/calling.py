@@ -187,14 +187,50 @@ def _field(output: Any, name: str) -> Any:
     return getattr(output, name, None)
 
 
+def _scalar(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() == 0
+
+
+def _item(x: Any) -> str:
+    if _scalar(x):
+        return "a scalar tensor"
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)}"
+    return f"a {type(x).__name__}"
+
+
+def structure(output: Any) -> str:
+    """A tuple or list output item by item: ``a tuple of 3: [0] a scalar tensor, [1] a tensor of shape
+    (8, 10), [2] a scalar tensor``; anything else as :func:`_item` says it."""
+    if isinstance(output, (tuple, list)):
+        items = ", ".join(f"[{i}] {_item(x)}" for i, x in enumerate(output))
+        return f"a {type(output).__name__} of {len(output)}: {items}"
+    return _item(output)
+
+
 def model_loss(output: Any) -> torch.Tensor:
     """The loss a model computed itself (``loss_function=None``): ``output.loss``, ``output["loss"]``,
-    or the first scalar tensor of a tuple (Hugging Face's ``(loss, logits, ...)``, nanoGPT's
-    ``(logits, loss)``); a scalar tensor output is the loss."""
+    or the one scalar tensor of a tuple (Hugging Face's ``(loss, logits, ...)``, nanoGPT's
+    ``(logits, loss)``); a scalar tensor output is the loss. A tuple of several scalar tensors and no
+    ``loss`` field is refused: which one is the loss would be a guess (an auxiliary loss, a
+    temperature and the loss all look alike). The caller's first-batch check
+    (:mod:`fabric_model.setup.first_batch`) calls this, so the refusal comes before any worker."""
     loss = _field(output, "loss")
     if loss is None and isinstance(output, (tuple, list)):
-        loss = next((x for x in output if isinstance(x, torch.Tensor) and x.dim() == 0), None)
-    if loss is None and isinstance(output, torch.Tensor) and output.dim() == 0:
+        scalars = [i for i, x in enumerate(output) if _scalar(x)]
+        if len(scalars) > 1:
+            raise ValueError(
+                "Expected `loss_function` to be given when the model's output holds several scalar tensors and no "
+                f"`loss` field (loss_function=None reads the loss the model computed). Received: loss_function=None "
+                f"and an output that is {structure(output)}; which of "
+                f"{', '.join(f'[{i}]' for i in scalars)} is the loss would be a guess. Accepted: an output with a "
+                "`loss` field (a dict or ModelOutput with `loss`, a dataclass or namedtuple with .loss), a tuple or "
+                "list with exactly one scalar tensor, or a scalar tensor. HINT: return the loss under a `loss` field, "
+                "e.g. return {'loss': loss, 'logits': logits}, or pass a `loss_function(output, target)` that picks "
+                f"it, e.g. loss_function=lambda output, target: output[{scalars[0]}]."
+            )
+        loss = output[scalars[0]] if scalars else None
+    if loss is None and _scalar(output):
         loss = output
     if not isinstance(loss, torch.Tensor):
         raise ValueError(

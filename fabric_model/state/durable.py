@@ -15,7 +15,8 @@ of its unit (:func:`adopt_snapshot`), once the samples show they are the values 
 with. The writes run on a thread of their own, newest first: a snapshot offered while one is
 written replaces any that waits, so a slow disk skips snapshots rather than queueing them, and
 the writes take at most :data:`WRITE_SHARE` of that thread's time (a large model's snapshots
-reach the disk less often than the memory).
+reach the disk less often than the memory). An exception on that thread is reported once, as what
+it costs (run/background.py), and ends the snapshots on disk; training goes on.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..run.background import LOGGED, BackgroundFailures
 from ..run.rundir import atomic_write
 from .checkpoint import SNAPSHOT_NAME, CheckpointInfo, checkpoint_name, encode_state, read_info
 from .frozen import BASE
@@ -38,13 +40,22 @@ BASE_SAMPLES = "base_samples"
 _SAMPLE = 4096  # elements a frozen tensor's sample holds (evenly spaced)
 
 
+def _sample_index(numel: int, k: int = _SAMPLE) -> Any:
+    """``min(numel, k)`` evenly spaced indices into ``numel`` elements, the first and the last among
+    them, exact at any size: in integers, where a float32 ``linspace`` rounds ``numel - 1`` up past
+    the end from 2**24 elements on (index 64,000,000 of a 500,000 x 128 embedding)."""
+    import torch
+
+    if numel <= k:
+        return torch.arange(numel, dtype=torch.int64)
+    return torch.arange(k, dtype=torch.int64) * (numel - 1) // (k - 1)  # < 2**63 up to 2**51 elements
+
+
 def _sample(tensor: Any) -> tuple[list[int], Any]:
     """``(shape, up to _SAMPLE evenly spaced elements)`` of a tensor: what tells the job's frozen values
     from values built anew (another random draw, another file) without writing them."""
-    import torch
-
     flat = tensor.detach().reshape(-1)
-    index = torch.linspace(0, max(flat.numel() - 1, 0), min(flat.numel(), _SAMPLE)).long()
+    index = _sample_index(flat.numel())
     return list(tensor.shape), flat[index.to(flat.device)].cpu().clone()
 
 
@@ -65,11 +76,23 @@ def _write_all(file: Any, data: bytes) -> None:
     file.write(data)
 
 
-class DurableSnapshot:
-    """Writes the newest committed snapshot offered to ``directory / SNAPSHOT_NAME``."""
+#: What a failure of the writer's thread costs, as its warning and ``run.json`` say (run/background.py).
+FAILURE_COST = "snapshots no longer reach the disk, so a lost job resumes from the last checkpoint"
 
-    def __init__(self, directory: Path) -> None:
+
+class DurableSnapshot:
+    """Writes the newest committed snapshot offered to ``directory / SNAPSHOT_NAME``.
+
+    Args:
+        directory: the run's ``checkpoints/``.
+        failures: what reports a failure of the writer's thread (the driver's records it in
+            ``run.json``); after one, offers are dropped and nothing waits for the thread.
+    """
+
+    def __init__(self, directory: Path, failures: BackgroundFailures | None = None) -> None:
         self.path = directory / SNAPSHOT_NAME
+        self._failures = failures if failures is not None else LOGGED
+        self.failed = False  # the thread failed (reported): no snapshot is written any more
         self._samples: dict[str, tuple[list[int], Any]] = {}  # the frozen parameters' (fixed) samples
         self.written_unit = -1  # the unit of the snapshot on disk (-1: none of this run)
         self.last: tuple[int, int, float] | None = None  # (unit, bytes, seconds) of the last write
@@ -90,9 +113,22 @@ class DurableSnapshot:
             self._offered = unit
             self._waiting = (unit, record)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._write_loop, name="fabric-snapshot", daemon=True)
-                self._thread.start()
+                self._thread = self._failures.thread(
+                    self._write_loop,
+                    name="fabric-snapshot",
+                    what="the durable snapshot writer",
+                    cost=FAILURE_COST,
+                    on_failure=self._failed,
+                )
             self._cond.notify()
+
+    def _failed(self) -> None:
+        """The thread ended in an exception: closed, so that an offer is dropped and a flush does not
+        wait for a write that will never come."""
+        with self._cond:
+            self.failed = self._closed = True
+            self._waiting, self._busy = None, False
+            self._cond.notify_all()
 
     def _write_loop(self) -> None:
         while True:

@@ -1,6 +1,8 @@
 """The driver's checkpoint files: writing the bytes rank 0 uploads, which complete checkpoints
 this run has, pruning. Writes run on one background thread, so a slow disk never stalls the
-event loop (heartbeats would look late); see docs/architecture.md, "Run directory"."""
+event loop (heartbeats would look late); see docs/architecture.md, "Run directory". An exception
+there other than a failed write (``OSError``: that checkpoint is skipped) is reported once, as
+what it costs (run/background.py), and ends the writes."""
 
 from __future__ import annotations
 
@@ -13,11 +15,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..run.background import LOGGED, BackgroundFailures
 from ..transport import protocol as p
 from . import checkpoint
 from .best import BestCheckpoints
 
 log = logging.getLogger(__name__)
+
+#: What a failure of the writer's thread costs, as its warning and ``run.json`` say (run/background.py).
+FAILURE_COST = "no further checkpoint is written, so a lost job resumes from the last one on disk"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +53,8 @@ class CheckpointBook:
         best: which of the older checkpoints to spare by a monitored metric, if any.
         epoch_logs: ``epoch -> logs`` (training averages and ``val_`` metrics) the driver has so far.
         on_written: called with ``(epoch, file name)`` once a checkpoint is on disk (the display's mark).
+        failures: what reports a failure of the writer's thread (the driver's records it in
+            ``run.json``); after one, checkpoints are no longer accepted and nothing waits for it.
     """
 
     def __init__(
@@ -60,6 +68,7 @@ class CheckpointBook:
         best: BestCheckpoints | None = None,
         epoch_logs: Callable[[int], dict[str, float]] | None = None,
         on_written: Callable[[int, str], None] | None = None,
+        failures: BackgroundFailures | None = None,
     ) -> None:
         self.directory, self.framework, self.keep, self.metrics = directory, framework, keep, metrics
         self.units_per_epoch = units_per_epoch
@@ -73,6 +82,8 @@ class CheckpointBook:
         self._writer: threading.Thread | None = None
         self._writing = 0  # checkpoints handed to the writer and not yet written
         self._writing_lock = threading.Lock()
+        self._failures = failures if failures is not None else LOGGED
+        self.failed = False  # the writer's thread failed (reported): no checkpoint is written any more
 
     def prepare(self, resumed: checkpoint.CheckpointInfo | None, iteration: int, record: bool = True) -> None:
         """A fresh run starts with no checkpoint; a resumed one keeps those up to its own.
@@ -116,13 +127,22 @@ class CheckpointBook:
     # -- writing ------------------------------------------------------------------------------
     def store(self, worker_id: int, generation: int, unit: int, data: bytes | dict[str, Any]) -> None:
         """Write the checkpoint of ``unit`` that ``worker_id`` (rank 0 of ``generation``) uploaded:
-        its bytes, or its record (complete), which the writer's thread encodes."""
-        self.accepted = max(self.accepted, unit)
+        its bytes, or its record (complete), which the writer's thread encodes. Dropped once the
+        thread has failed (reported then): not accepted, so nothing counts on it."""
         with self._writing_lock:
+            if self.failed:
+                log.debug("checkpoint of unit %d dropped: the checkpoint writer failed", unit)
+                return
             self._writing += 1
+        self.accepted = max(self.accepted, unit)
         if self._writer is None:
-            self._writer = threading.Thread(target=self._write_loop, name="fabric-checkpoints", daemon=True)
-            self._writer.start()
+            self._writer = self._failures.thread(
+                self._write_loop,
+                name="fabric-checkpoints",
+                what="the checkpoint writer",
+                cost=FAILURE_COST,
+                on_failure=self._failed,
+            )
         self._todo.put((worker_id, generation, unit, unit // self.units_per_epoch, data))
 
     def _write_loop(self) -> None:
@@ -139,6 +159,11 @@ class CheckpointBook:
             self._done.put(_Written(unit, epoch, worker, generation, path, time.monotonic() - started, error))
             with self._writing_lock:
                 self._writing -= 1
+
+    def _failed(self) -> None:
+        """The thread ended in an exception: what was queued will never be written, so no one waits for it."""
+        with self._writing_lock:
+            self.failed, self._writing = True, 0
 
     def finish_writes(self, timeout: float) -> None:
         """Wait (bounded) for the checkpoints being written, and record them: a restore must see

@@ -653,13 +653,14 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         """The whole optimizer state (``state_dict``'s form), gathered from every member's slices."""
         assert self.sharded is not None
         state = self.sharded.full_state(collective)
-        groups = self.optimizer.state_dict()["param_groups"]  # the user's holds no state: the groups only
+        groups = self.sharded.user_state_dict()["param_groups"]  # the user's holds no state: the groups only
         return self.grad_step.pack({"state": state, "param_groups": groups})
 
     def gather_final(self, collective: Any) -> None:
         """At the end: the user's optimizer holds the whole state again, as after an unsharded run."""
         assert self.sharded is not None
         state = self.sharded.full_state(collective)
+        self.sharded.release()  # its state refused every read until now (sharded.HiddenState)
         for i, values in state.items():
             self.optimizer.state[self.sharded.params[i]] = values
         self.sharded = None
@@ -767,6 +768,8 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
 
     def _live_optimizer_state(self) -> dict[str, Any]:
         """The optimizer state as :meth:`optimizer_state` gives it, holding the live tensors (no copy)."""
+        if self.sharded is not None:  # its param groups: the user's optimizer refuses reads of its state
+            return self.grad_step.pack(self.sharded.user_state_dict())
         return self.grad_step.pack(self.optimizer.state_dict())
 
     def state_fingerprint(self) -> dict[str, int]:

@@ -11,6 +11,10 @@ The members then gather the slices they own, so every replica holds all the weig
 Moving the state between members (a new division, a snapshot, the end of training) goes
 parameter by parameter through sum-allreduces in which each stretch of the space is written by
 exactly one holder (``slices.sources``): at most one parameter's state is whole at a time.
+
+Between steps the user's optimizer's ``state`` is a :class:`HiddenState`: a callback that reads
+it (or ``state_dict()``) gets :class:`ShardedStateError`, not a silently empty state. The
+framework reads the optimizer's param groups through :meth:`ShardedOptimizer.user_state_dict`.
 See docs/elasticity.md, "Sharded optimizer state".
 """
 
@@ -45,19 +49,28 @@ NOT_ELEMENTWISE = {
 
 
 def check_shardable(optimizer: Any) -> None:
-    """Raise, naming the optimizer and why, unless its state can be sharded by elements."""
+    """Raise, naming the optimizer and why, unless its state can be sharded by elements.
+
+    A subclass of an elementwise ``torch.optim`` class that does not define its own ``step()``
+    is accepted: its update is the base's. The answer is the same in any process, whatever
+    optimizers were built before (see :func:`step_overrider`)."""
     cls = type(optimizer)
     base = next(
         (c for c in cls.__mro__ if c.__module__.startswith("torch.optim") and c.__name__ in ELEMENTWISE),
         None,
     )
-    if base is not None and getattr(cls, "step", None) is getattr(base, "step", None):
+    overrider = step_overrider(cls, base) if base is not None else None
+    if base is not None and overrider is None:
         _check_params(optimizer)
         return
     if cls.__name__ in NOT_ELEMENTWISE:
         why = NOT_ELEMENTWISE[cls.__name__]
-    elif base is not None:
-        why = f"it subclasses {base.__name__} and overrides step(), which may read more than one element"
+    elif base is not None and overrider is not None:
+        where = "" if overrider is cls else f" (in its base class {overrider.__name__})"
+        why = (
+            f"it subclasses {base.__name__} and overrides step(){where}, whose update may read more than one "
+            "element of a parameter"
+        )
     else:
         why = (
             "fabric_model does not know that it updates each element from that element's own gradient and state "
@@ -71,6 +84,25 @@ def check_shardable(optimizer: Any) -> None:
     )
 
 
+def step_overrider(cls: type[Any], base: type[torch.optim.Optimizer]) -> type[Any] | None:
+    """The class between ``cls`` and ``base`` in ``cls``'s MRO (``cls`` included, ``base`` not)
+    that defines its own ``step``, or None where the update is ``base``'s.
+
+    Comparing ``cls.step`` with ``base.step`` is not enough: torch wraps ``step`` on the class of
+    the first optimizer built of it (``Optimizer._patch_step_function``, its profiling and hooks
+    wrapper), storing the wrapper in *that* class's ``__dict__`` unless an inherited ``step`` is
+    wrapped already. So a plain subclass built first carries a ``step`` of its own, and one
+    built after its base does not. Unwrapped (``functools.wraps``' ``__wrapped__``), a ``step``
+    that is only torch's wrapper around the base's is the base's function itself."""
+    inherited = inspect.unwrap(base.step)
+    below = cls.__mro__[: cls.__mro__.index(base)]
+    for c in below:
+        own = c.__dict__.get("step")
+        if own is not None and inspect.unwrap(own) is not inherited:
+            return c
+    return None
+
+
 def _check_params(optimizer: Any) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -80,6 +112,39 @@ def _check_params(optimizer: Any) -> None:
                     f"(train(shard_optimizer_state=True)). Received: a parameter of shape {tuple(p.shape)} with "
                     f"strides {p.stride()}. HINT: make it with .contiguous() before building the optimizer."
                 )
+
+
+class ShardedStateError(RuntimeError):
+    """The user's optimizer's state was read (or written) on a worker during a sharded run."""
+
+
+class HiddenState(dict[Any, Any]):
+    """The user's optimizer's ``state`` on a worker between the steps of a sharded run.
+
+    The worker holds only its slices of the state, under keys the user never sees (views of
+    parts of parameters). An empty dict in its place would read as "no state yet", and the
+    slices in the whole state's form (``state[p]["exp_avg"]`` shaped like ``p``) do not exist,
+    so every read or write raises :class:`ShardedStateError`, naming ``shard_optimizer_state``.
+    torch's own ``state_dict()`` reads ``state.items()``, so it raises too; ``load_state_dict``
+    replaces ``state`` without reading it."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise ShardedStateError(
+            "Expected the optimizer's state to be read on a worker only outside a sharded run "
+            "(train(shard_optimizer_state=True)). Received: a read or write of `optimizer.state` or "
+            "`optimizer.state_dict()` during the run, on a worker, which holds only its own slices of the state, "
+            "not whole per-parameter tensors. HINT: read it after train() returns (the whole state is then "
+            "gathered into your optimizer, also in a worker's on_train_end), or from a checkpoint "
+            '(torch.load(path)["optimizer"]); fabric_model.worker_context().optimizer_state_bytes says how '
+            "much of it this worker holds; or train without shard_optimizer_state."
+        )
+
+    __getitem__ = __setitem__ = __delitem__ = __contains__ = __iter__ = __reversed__ = __len__ = _refuse
+    get = keys = values = items = pop = popitem = setdefault = update = clear = copy = _refuse
+    __or__ = __ror__ = __ior__ = __eq__ = __ne__ = __reduce__ = __reduce_ex__ = _refuse  # copy, pickle too
+
+    def __repr__(self) -> str:  # a debugger or a log line shows it without raising
+        return "<optimizer state held in slices by the workers: train(shard_optimizer_state=True)>"
 
 
 @dataclasses.dataclass
@@ -135,11 +200,32 @@ class ShardedOptimizer:
         for p in self.params:
             if p in optimizer.state:
                 self.state[p] = optimizer.state[p]
-        optimizer.state = collections.defaultdict(dict)
+        self._hide()
         self._kinds: dict[int, Kinds] = {}
         self._arrange(slices.held_intervals(0, 1, total))
         self._spread_out: list[torch.Tensor] = []
         self.whole = True  # every parameter holds the current step's values
+
+    # -- the user's optimizer's own state -------------------------------------------------------
+    def _hide(self) -> None:
+        """The user's optimizer shows a :class:`HiddenState` between steps: this member's state is
+        ``self.state``, in pieces (see :class:`HiddenState` for why not an empty dict)."""
+        self.optimizer.state = HiddenState()  # type: ignore[assignment]
+
+    def user_state_dict(self) -> dict[str, Any]:
+        """The user's optimizer's ``state_dict()`` with no state: its param groups (hyperparameters),
+        for the framework (a join's handover, snapshots, replica fingerprints)."""
+        optimizer = self.optimizer
+        hidden = optimizer.state
+        optimizer.state = collections.defaultdict(dict)
+        try:
+            return optimizer.state_dict()
+        finally:
+            optimizer.state = hidden
+
+    def release(self) -> None:
+        """The end of sharding: the user's optimizer gets a plain state dict back, to be filled."""
+        self.optimizer.state = collections.defaultdict(dict)
 
     def bind(self, grad_views: dict[int, torch.Tensor]) -> None:
         """Where each parameter's reduced gradient lives (the step buffer's views; a fresh buffer after an abort)."""
@@ -190,7 +276,6 @@ class ShardedOptimizer:
                 source = view if view is not None else grad
                 piece.key.grad = source.view(-1)[piece.lo : piece.hi]
         saved_params = [g["params"] for g in optimizer.param_groups]
-        saved_state = optimizer.state
         for group, keys in zip(optimizer.param_groups, self._group_keys):
             group["params"] = keys
         optimizer.state = self.state  # type: ignore[assignment]
@@ -199,7 +284,7 @@ class ShardedOptimizer:
         finally:
             for group, params in zip(optimizer.param_groups, saved_params):
                 group["params"] = params
-            optimizer.state = saved_state
+            self._hide()
 
     def spread(self, collective: Any) -> None:
         """Every member's owned slice of the updated weights to every member. With one or two
@@ -410,6 +495,8 @@ class ShardedOptimizer:
         except BaseException:
             self.position, self.world, self.positions = old
             raise
+        finally:  # a joining member's load_state_dict put a plain (empty) state in the user's optimizer
+            self._hide()
         self.holding = Holding(unit, self.position, world)
 
     def _slice_locally(self, keep: list[tuple[int, int]]) -> None:
@@ -449,7 +536,7 @@ class ShardedOptimizer:
         for p in self.params:
             if p in self.optimizer.state:
                 self.state[p] = self.optimizer.state[p]
-        self.optimizer.state = collections.defaultdict(dict)
+        self._hide()
         self.position, self.world, self.positions = 0, 1, [0]
         self._arrange(slices.held_intervals(0, 1, self.total))
         self.holding = Holding(unit, 0, 1)

@@ -6,6 +6,7 @@ worker restarted, and the undisturbed run's weights, bitwise."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import random
 import signal
@@ -42,27 +43,43 @@ class PacedLoss:
     are mid-run, not done) and leaves the pid of each worker process that computes it in
     ``directory`` (not the driver's: it calls the loss once to check it, before any worker)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, scale: float = 1.0, scale_from: int = 0) -> None:
         self.directory = str(directory)
         self.marked_by = -1
+        self.scale, self.scale_from = scale, scale_from  # a changed script's loss: scaled from that step
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self.marked_by != os.getpid() and worker_context() is not None:
+        context = worker_context()
+        if self.marked_by != os.getpid() and context is not None:
             Path(self.directory, f"pid-{os.getpid()}").touch()
             self.marked_by = os.getpid()
         time.sleep(0.02)
-        return torch.nn.functional.cross_entropy(output, target)
+        loss = torch.nn.functional.cross_entropy(output, target)
+        if context is None:
+            return loss
+        scale = self.scale if context.global_step >= self.scale_from else 1.0
+        with open(Path(self.directory, f"steps-{os.getpid()}"), "a") as f:  # which code computed which step, when
+            f.write(f"{time.time()} {context.global_step} {scale}\n")
+        return loss * scale
 
 
 def train(
-    run_dir: Path, driver_logger=None, workers: int = WORKERS, batch: int = BATCH, **kwargs
+    run_dir: Path,
+    driver_logger=None,
+    workers: int = WORKERS,
+    batch: int = BATCH,
+    loss_scale: float = 1.0,
+    scale_from: int = 0,
+    **kwargs,
 ) -> dict[str, torch.Tensor]:
     """The paced run, deterministic, on ``workers`` in micro-batches of ``batch`` (the global batch
-    is the same on any count, and so is the result); returns its final weights."""
+    is the same on any count, and so is the result); returns its final weights. ``loss_scale``:
+    the loss is scaled by it from step ``scale_from`` on (a changed script)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     model, opt = fresh_model_and_optimizer()
     data = make_data(SAMPLES)
-    fm = FabricModel(model, lambda: (data, None), PacedLoss(run_dir), opt, driver_logger_callback=driver_logger)
+    loss = PacedLoss(run_dir, loss_scale, scale_from)
+    fm = FabricModel(model, lambda: (data, None), loss, opt, driver_logger_callback=driver_logger)
     fm.train(
         EPOCHS,
         batch,
@@ -83,16 +100,30 @@ KILLED = textwrap.dedent("""
     torch.set_num_threads(1)
     from pathlib import Path
     from tests.helpers import KilledAt
-    from tests.test_driver_restart import train
+    from tests.test_driver_restart import KilledWritingCheckpoint, train
 
-    train(Path({run_dir!r}), KilledAt({at}), resume="auto", **{kwargs!r})
+    train(Path({run_dir!r}), {logger}, resume="auto", **{kwargs!r})
 """)
 
 
-def run_killed(run_dir: Path, at: int, **kwargs) -> list[psutil.Process]:
-    """The job in a process of its own, its driver SIGKILLed once step ``at`` is committed;
-    returns the processes it started (the warm process and the workers, which stay)."""
-    script = KILLED.format(repo=str(REPO), run_dir=str(run_dir), at=at, kwargs=kwargs)
+class KilledWritingCheckpoint:
+    """A driver logger that SIGKILLs the driver as it starts writing its first checkpoint: the
+    upload has arrived, and the file is never written."""
+
+    def log_train_metrics(self, metrics, iteration, epoch, workers) -> None:
+        pass
+
+    def wrap_checkpoint_stream(self, stream, unit: int):
+        os.kill(os.getpid(), signal.SIGKILL)
+        return stream
+
+
+def run_killed(run_dir: Path, at: int, logger: str = "", **kwargs) -> list[psutil.Process]:
+    """The job in a process of its own, its driver SIGKILLed once step ``at`` is committed (or by
+    ``logger``, an expression); returns the processes it started (the warm process and the
+    workers, which stay)."""
+    logger = logger or f"KilledAt({at})"
+    script = KILLED.format(repo=str(REPO), run_dir=str(run_dir), logger=logger, kwargs=kwargs)
     code, out, started = run_script(script, scaled(120), dict(os.environ, FABRIC_MODEL_DRIVER_WAIT=str(WAIT)))
     if code != -signal.SIGKILL:
         assert_gone(started, within=10)
@@ -180,3 +211,75 @@ def test_a_killed_driver_run_again_takes_its_workers_back(
         assert "refused a peer at" in logs, logs[-3000:]
     assert_gone(started, within=scaled(30))  # the old warm process ends once its workers did
     assert not (run_dir / "join.json").exists()
+
+
+def steps_computed(run_dir: Path) -> list[tuple[float, int, float]]:
+    """``(time, global step, loss scale)`` of every micro-batch loss the workers computed."""
+    lines = [line.split() for f in run_dir.glob("steps-*") for line in f.read_text().splitlines()]
+    return sorted((float(t), int(step), float(scale)) for t, step, scale in lines)
+
+
+def test_a_changed_script_run_again_trains_the_new_code(tmp_path, monkeypatch, caplog):
+    """SIGKILL to the driver; the script changed (its loss is scaled by 2) and run again with
+    ``resume="auto"``: the workers that waited hand over their state and exit, so no step after
+    the restart runs the old code; new workers go on from that state with no step redone, and
+    the result is bitwise what the new script gives from there (the old loss before, the new
+    after); the console says which parts changed and what happened."""
+    run_dir = tmp_path / "run"
+    started = run_killed(run_dir, at=random.Random(3).randint(3, TOTAL_STEPS - 8))
+    monkeypatch.setenv("FABRIC_MODEL_DRIVER_WAIT", str(WAIT))
+    with caplog.at_level("WARNING", logger="fabric_model.driver.driver"):
+        state = train(run_dir, resume="auto", loss_scale=2.0)
+    assert_gone(started, within=scaled(10))  # the old workers exited; their warm process with them
+
+    said = [r for r in caplog.records if "the job changed since its driver vanished" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
+    assert "the model, loss, metrics and optimizer" in said[0].getMessage(), said[0].getMessage()
+    assert "handed over" in said[0].getMessage(), said[0].getMessage()
+    # The old workers' step under way when their driver died is undone; once they handed over
+    # their state (before the line), every step computed ran the new code.
+    after = [(step, scale) for t, step, scale in steps_computed(run_dir) if t > said[0].created]
+    assert after and all(scale == 2.0 for _, scale in after), after
+    lines = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+    # The new workers' first generation loads the state handed over; the steps before it were recorded.
+    handed = next(i for i, r in enumerate(lines) if r["type"] == "generation" and min(r["members"]) >= WORKERS)
+    assert lines[handed].get("restored") == "snapshot", lines[handed]
+    done = max(r["iteration"] for r in lines[:handed] if r["type"] == "train")
+    assert min(step for step, _ in after) == done  # from the step after the state handed over: none redone
+    iterations = sorted(r["iteration"] for r in records(run_dir, "train"))
+    assert iterations == list(range(1, TOTAL_STEPS + 1)), iterations  # each step committed once
+
+    expected = train(tmp_path / "reference", loss_scale=2.0, scale_from=done)
+    differ = [k for k in expected if not torch.equal(state[k], expected[k])]
+    assert not differ, f"not bitwise what the new script gives from step {done}: {differ}"
+
+
+def test_a_fresh_run_ends_the_workers_that_wait(tmp_path, monkeypatch):
+    """SIGKILL to the driver, then a new train() in the same folder without resume: the old
+    workers, which would wait 120 s holding the state, are ended as it starts."""
+    run_dir = tmp_path / "run"
+    started = run_killed(run_dir, at=5)
+    assert any(p.is_running() for p in started), "the workers did not wait"
+    monkeypatch.setenv("FABRIC_MODEL_DRIVER_WAIT", "0")
+    began = time.monotonic()
+    train(tmp_path / "another")  # a run beside the killed one: the same runs root
+    assert_gone(started, within=scaled(10))
+    assert time.monotonic() - began < WAIT / 2
+    assert not (run_dir / "join.json").exists()  # its secret does not outlive its workers
+
+
+def test_a_checkpoint_lost_with_the_driver_is_written_after_the_restart(undisturbed, tmp_path, monkeypatch):
+    """SIGKILL to the driver as it starts writing the first epoch's checkpoint (its upload had
+    arrived): after the restart takes the workers back, that checkpoint is on disk, sent again by
+    the rank that kept it, and the weights are the undisturbed run's."""
+    run_dir = tmp_path / "run"
+    started = run_killed(run_dir, at=-1, logger="KilledWritingCheckpoint()")
+    assert not list((run_dir / "checkpoints").glob("ckpt-*.pt"))
+    monkeypatch.setenv("FABRIC_MODEL_DRIVER_WAIT", str(WAIT))
+    state = train(run_dir, resume="auto", keep_checkpoints=EPOCHS)
+    assert_gone(started, within=scaled(30))
+    written = sorted(r["epoch"] for r in records(run_dir, "checkpoint") if r.get("path"))
+    assert written == list(range(EPOCHS)), records(run_dir, "checkpoint")
+    assert len(list((run_dir / "checkpoints").glob("ckpt-*.pt"))) == EPOCHS
+    expected = undisturbed(BATCH)
+    assert all(torch.equal(state[k], expected[k]) for k in expected)

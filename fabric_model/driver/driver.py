@@ -23,11 +23,13 @@ from ..launchers.base import Launcher
 from ..launchers.local import LocalLauncher
 from ..profiling.received import ProfileInbox
 from ..run import metrics_log
+from ..run.background import BackgroundFailures
 from ..run.hooks import Hooks
 from ..run.metrics_log import MetricsLog
 from ..run.rundir import RunDirectory
 from ..run.startup import StartUp
 from ..setup.config import TrainConfig
+from ..setup.identity import LAYOUT, PLAN, differences
 from ..state.best import BestCheckpoints, epoch_logs
 from ..state.book import StateBook
 from ..state.checkpoint import CheckpointInfo, decode_state, encode_state, state_record
@@ -93,6 +95,7 @@ class DriverSetup:
         startup: the start-up's phases so far (``train()``'s); the driver marks the rest and writes them.
         rejoin: the address and secret in the ``join.json`` of a driver of this run that vanished:
             its workers may wait there to be taken back (docs/elasticity.md, "A lost driver").
+        identity: what identifies the job (setup/identity.py), which the workers keep.
     """
 
     payload: bytes
@@ -114,6 +117,7 @@ class DriverSetup:
     frozen: FrozenBase = dataclasses.field(default_factory=lambda: FrozenBase({}, []))
     startup: StartUp = dataclasses.field(default_factory=StartUp)
     rejoin: tuple[tuple[str, int], bytes] | None = None
+    identity: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -161,6 +165,7 @@ class Driver:
             epoch_so_far = metrics_log.epoch_so_far(run_dir.metrics, self.schedule, setup.resume.unit)
         self.metrics = MetricsLog(run_dir.metrics, append=setup.resume is not None or setup.rejoin is not None)
         self.progress = Progress(setup.plan, self.schedule, setup.stat_names, self.metrics, hooks)
+        self.failures = BackgroundFailures(run_dir)  # a writer thread's failure: one warning line, and run.json
         self.checkpoints = CheckpointBook(
             run_dir.checkpoints,
             setup.framework,
@@ -170,11 +175,12 @@ class Driver:
             wrap_stream=hooks.wrap_checkpoint_stream,  # the driver writes the files (testing seam)
             best=setup.keep_best,
             epoch_logs=lambda e: epoch_logs(self.progress.train_history, self.progress.test_history, e),
-            on_written=hooks.on_checkpoint,
+            on_written=self._checkpoint_written,
+            failures=self.failures,
         )
         # Checkpoints and snapshots that rank 0 uploads (docs/architecture.md, "Elasticity").
         # The newest committed snapshot on disk too: a whole-job loss costs at most the snapshot interval.
-        self.durable = DurableSnapshot(run_dir.checkpoints)
+        self.durable = DurableSnapshot(run_dir.checkpoints, self.failures)
         self.states = StateBook(self.checkpoints, self.progress.committed, setup.frozen, self.durable)
         limits = Limits(
             max_workers=max(len(setup.devices), setup.max_workers or 0),
@@ -260,13 +266,19 @@ class Driver:
         try:
             watch.__enter__()  # the preemption signals are caught from here (docs/architecture.md, "Preemption")
             held = self._take_back() if rejoin is not None else {}
-            self.checkpoints.prepare(self.setup.resume, self.progress.iteration, record=not held)
+            handed: p.FinalState | None = None
+            if held and (changed := self._changed_parts(held)):  # they must not go on with the old code
+                handed = self._replace_changed(held, changed)
+                held = {}
+            self.checkpoints.prepare(self.setup.resume, self.progress.iteration, record=not held and handed is None)
             self.durable.remove()  # an earlier run's, or one older than the state resumed from
             self.setup.startup.mark("run directory and driver")
             if held:  # the loggers hear of training before the steps recorded from what the workers kept
                 self.hooks.on_train_begin()
                 self._execute(self._rejoined(held))
             else:
+                if handed is not None:  # the new job's workers load the state the old ones handed over
+                    self._adopt_handed_over(handed)
                 self._execute(self.membership.start(time.monotonic()))
                 self.hooks.on_train_begin()
             while self._final is None:
@@ -297,6 +309,7 @@ class Driver:
         finally:
             self.checkpoints.close(stop)  # a failed job's last write may serve its resume
             self.durable.close(stop)
+            self.failures.record()
             self._launcher.stop_all(stop)
             self._server.close()
             self.metrics.close()
@@ -355,18 +368,7 @@ class Driver:
         """Go on with the workers taken back (docs/elasticity.md, "A lost driver"): from the
         vanished driver's last committed step, recording the steps whose reports it never
         handled from what the workers kept, in a generation above theirs."""
-        path, schedule = self.run_dir.metrics, self.schedule
-        unit, _ = metrics_log.last_commit(path, schedule)
-        unit = max(unit, self.setup.resume.unit if self.setup.resume is not None else 0)
-        self.progress.restart_at(
-            unit, MetricsLog.replay(path, schedule, unit), metrics_log.epoch_so_far(path, schedule, unit)
-        )
-        reports = sorted(
-            (r for h in came.values() if h.held for r in h.held.reports if schedule.unit(r.epoch, r.step) >= unit),
-            key=lambda r: (schedule.unit(r.epoch, r.step), r.rank),
-        )
-        for report in reports:
-            self.progress.step_done(report)
+        unit = self._record_kept_reports(came)
         slots: dict[int, int | None] = {}
         free = list(range(len(self.setup.devices)))
         for worker_id, hello in sorted(came.items()):
@@ -390,6 +392,139 @@ class Driver:
         commands = self.membership.rejoined({w: h.held for w, h in came.items() if h.held}, slots, now)
         taken = {s for s in slots.values() if s is not None}
         return commands + self.membership.start(now, taken)
+
+    def _record_kept_reports(self, came: dict[int, p.Hello]) -> int:
+        """Go on from the vanished driver's last committed step, recording the steps whose reports
+        it never handled from what the workers that came back kept; returns that step's unit."""
+        path, schedule = self.run_dir.metrics, self.schedule
+        unit, _ = metrics_log.last_commit(path, schedule)
+        unit = max(unit, self.setup.resume.unit if self.setup.resume is not None else 0)
+        self.progress.restart_at(
+            unit, MetricsLog.replay(path, schedule, unit), metrics_log.epoch_so_far(path, schedule, unit)
+        )
+        reports = sorted(
+            (r for h in came.values() if h.held for r in h.held.reports if schedule.unit(r.epoch, r.step) >= unit),
+            key=lambda r: (schedule.unit(r.epoch, r.step), r.rank),
+        )
+        for report in reports:
+            self.progress.step_done(report)
+        return unit
+
+    # -- a changed job (docs/elasticity.md, "A lost driver": "A changed script") --------------
+    def _changed_parts(self, came: dict[int, p.Hello]) -> list[str]:
+        """The parts of the job (setup/identity.py) in which what the workers that came back run
+        differs from what this driver's command built; empty: the same job."""
+        ours = self.setup.identity
+        parts = {part for h in came.values() if h.held is not None for part in differences(ours, h.held.identity)}
+        return [part for part in ours if part in parts]  # in the identity's order, for the console
+
+    def _replace_changed(self, came: dict[int, p.Hello], changed: list[str]) -> p.FinalState | None:
+        """The workers that came back run another job than this command's: one holding the
+        furthest state hands it over (the job's own state layout permitting), then every one of
+        them exits; this driver's own workers go on from that state (:meth:`_adopt_handed_over`),
+        or, when none could be handed over, from the newest state on disk, as after a resume."""
+        what = ", ".join(changed)
+        held = {w: h.held for w, h in came.items() if h.held is not None}
+        handed: p.FinalState | None = None
+        if any(h.finished is not None for h in held.values()):
+            why = "they had finished the schedule"
+        elif any(h.identity.get(LAYOUT) == "sharded" for h in held.values()):
+            why = "their optimizer state is sharded, so no one of them holds it whole"
+        elif PLAN in changed:
+            why = "the plan changed, so their units are not this run's"
+        else:
+            why = ""
+            handed = self._hand_over(held)
+            if handed is None:
+                why = "none handed its state over in time"
+            else:  # the steps the vanished driver did not record, from what the workers kept
+                self._record_kept_reports(came)
+        self._stop_taken_back(sorted(came))
+        if handed is not None:
+            log.warning(
+                "the job changed since its driver vanished (%s): the %d worker(s) that waited handed over their "
+                "state %s and exited; new workers run the new job from there, no step redone",
+                what,
+                len(came),
+                self._position(handed.unit, screen=True),
+            )
+        else:
+            source = self.setup.resume.path.name if self.setup.resume is not None else "the start"
+            log.warning(
+                "the job changed since its driver vanished (%s): the %d worker(s) that waited exited (%s); new "
+                "workers run the new job from %s",
+                what,
+                len(came),
+                why,
+                source,
+            )
+        return handed
+
+    def _hand_over(self, held: dict[int, p.Held]) -> p.FinalState | None:
+        """Ask the worker that holds the furthest unit for its state (it answers as to a halt:
+        worker/main.py) and wait for it, bounded; what else arrives meanwhile is handled later."""
+        holder = max(held, key=lambda w: (held[w].next_unit, -w))
+        if not self._server.send(holder, p.SendFinalState()):
+            return None
+        deadline = time.monotonic() + self.setup.config.timeouts.recovery
+        later: list[tuple[int, Any]] = []
+        handed: p.FinalState | None = None
+        while time.monotonic() < deadline:
+            try:
+                worker_id, message = self._server.events.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if worker_id == holder and isinstance(message, p.FinalState):
+                handed = message
+                break
+            if worker_id == holder and isinstance(message, (p.ConnectionLost, p.WorkerFailed)):
+                break
+            later.append((worker_id, message))
+        for event in later:
+            self._server.events.put(event)
+        return handed
+
+    def _stop_taken_back(self, worker_ids: list[int]) -> None:
+        """Tell the workers that came back to exit, and wait (bounded) until they did: on a GPU their
+        memory must be free before this driver's workers start. Their ids are not reused."""
+        for worker_id in worker_ids:
+            self._server.send(worker_id, p.Stop(ended="replaced: the job changed since its driver vanished"))
+        self.membership.given_up(worker_ids, time.monotonic())
+        waiting, later = set(worker_ids), []
+        deadline = time.monotonic() + self.setup.config.timeouts.stop
+        while waiting and time.monotonic() < deadline:
+            try:
+                worker_id, message = self._server.events.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if isinstance(message, p.ConnectionLost):
+                waiting.discard(worker_id)
+            elif worker_id not in worker_ids:
+                later.append((worker_id, message))
+        for event in later:
+            self._server.events.put(event)
+
+    def _adopt_handed_over(self, handed: p.FinalState) -> None:
+        """The state a worker of the old job handed over, at its unit: the steps below it are
+        committed (recorded from what the workers kept), and the first generation loads it."""
+        unit = handed.unit
+        self.progress.settle(unit, 1 << 62)  # the kept reports of the steps below it: they completed
+        # Its state holds every unit below: those with no report (a validation slot) count as done too.
+        self.progress.committed.advance(unit)
+        self._moved_on()
+        model_state = self.setup.frozen.complete(handed.model_state, handed.omitted)
+        record = state_record(
+            self.schedule, unit, self.setup.framework, self.setup.config.batch_size, model_state, handed.optimizer_state
+        )
+        self.states.adopt(unit, record)
+
+    def _checkpoint_written(self, epoch: int, name: str) -> None:
+        """A checkpoint is on disk: the display hears of it, and the members that may keep a copy
+        of it (rank 0 when it uploaded) drop that copy (state/uploader.py)."""
+        self.hooks.on_checkpoint(epoch, name)
+        unit = next((u for u, path in self.checkpoints.by_unit.items() if path.name == name), None)
+        if unit is not None:
+            self._server.send_all(self.membership.alive(), p.Written(unit))
 
     def _tell_hand_started(self, exc: BaseException) -> None:
         """Workers started by hand learn how the job ended, rather than find the connection
@@ -448,6 +583,7 @@ class Driver:
         """Periodic checks: ended processes, then membership's own (heartbeats, deadlines...);
         ``heartbeats`` False leaves out the check of every worker's silence (membership.tick)."""
         now = time.monotonic()
+        self.failures.record()  # on this thread: run.json's other writers run here
         if self._halt is not None:
             if self._final is None and self._halt.preempted and now > self._watch.deadline - self._watch.reserve:
                 log.warning("no member sent its state within the grace; keeping the newest state held")
@@ -500,14 +636,21 @@ class Driver:
         slot = self.membership.slot_of(worker_id)
         device = self.setup.devices[slot] if slot is not None else None
         setup = self.setup
-        spec = p.JobSpec(setup.payload, setup.config, setup.plan, device, setup.threads, setup.threads_fixed)
+        spec = p.JobSpec(
+            setup.payload, setup.config, setup.plan, device, setup.threads, setup.threads_fixed, setup.identity
+        )
         self._server.send(worker_id, spec)
 
     def _late_back(self, worker_id: int, held: p.Held) -> None:
         """A worker of this run's vanished driver that came after the driver went on: it joins as
         a newcomer does, taking the state from a member, when its own generations are behind the
         next one's; else it is sent away (it exits)."""
-        if held.finished is None and held.generation < self.membership.generation:
+        changed = differences(self.setup.identity, held.identity)
+        if changed:  # it must not train the old code (docs/elasticity.md, "A lost driver")
+            log.warning("worker %d of the vanished driver came back late, running a changed job: it exits", worker_id)
+            self._server.send(worker_id, p.Stop(ended="replaced: the job changed since its driver vanished"))
+            self.membership.given_up([worker_id], time.monotonic())
+        elif held.finished is None and held.generation < self.membership.generation:
             log.warning("worker %d of the vanished driver came back late: it joins", worker_id)
             self._taken_back.add(worker_id)
             self._execute(self.membership.ready(worker_id, 1, time.monotonic()))

@@ -189,6 +189,17 @@ class Membership:
         change = Change("the driver restarted", now)
         return self._form_generation(change, reports)
 
+    def given_up(self, worker_ids: Collection[int], now: float) -> None:
+        """Workers of a vanished driver that this one sent away (they ran a changed job): gone,
+        whatever they send later, and their ids are not given to new workers."""
+        for worker_id in worker_ids:
+            record = self.workers.get(worker_id)
+            if record is None:
+                record = self.workers[worker_id] = WorkerRecord(slot=None, last_seen=now, placed=now)
+            record.state = WorkerState.GONE
+        with self._id_lock:
+            self._next_id = max(self._next_id, max(worker_ids, default=-1) + 1)
+
     def seen(self, worker_id: int, now: float) -> bool:
         """Any message from ``worker_id`` arrived; False when it is gone (ignore the message).
         A worker started by hand is first known here."""

@@ -38,7 +38,7 @@ def dumps(job: Job) -> bytes:
 def dump_object(obj: Any) -> bytes:
     """``obj`` pickled as a part of a job is."""
     buffer = io.BytesIO()
-    _Pickler(buffer).dump(obj)
+    JobPickler(buffer).dump(obj)
     return buffer.getvalue()
 
 
@@ -65,7 +65,9 @@ def _framework_reducers() -> list[Callable[[Any], Any]]:
     return [reduce]
 
 
-class _Pickler(cloudpickle.Pickler):
+class JobPickler(cloudpickle.Pickler):
+    """cloudpickle's pickler, with code objects keeping their file and the frameworks' own reductions."""
+
     # Read when the pickler is made; nested code objects (closures, comprehensions) come here too.
     dispatch_table = ChainMap({types.CodeType: _code_reduce}, cloudpickle.Pickler.dispatch_table)
 

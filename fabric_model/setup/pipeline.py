@@ -25,6 +25,7 @@ from ..streams import datasets as streams
 from . import checks as v
 from . import run_setup
 from .devices import place_workers
+from .identity import identify
 from .job import Job
 from .run_setup import LoopOptions, serialize_job, size_run, slot_devices, train_config
 from .settings import OMIT_FROZEN, PROFILE
@@ -110,21 +111,23 @@ def prepare(
     window = profile_window(loop.profile) if loop.profile is not None else PROFILE.get()
     if window is not None:
         window = fit_to_run(window, epochs * plan.steps_per_epoch)
-    adapter, payload = ship(fm, train_set, test_set is not None, exact, startup)
+    adapter, payload, job = ship(fm, train_set, test_set is not None, exact, startup)
     if resumed is not None and resumed.path.name == checkpoint.SNAPSHOT_NAME:
         # The snapshot on disk, made whole with the job's frozen values; else the newest checkpoint.
         resumed = adopt_snapshot(resumed, *adapter.frozen_parameters()) or checkpoint.newest_checkpoint(
             resumed.path.parent
         )
     frozen = frozen_base(adapter, resumed)
+    config = dataclasses.replace(
+        train_config(epochs, batch_size, sizing, loop, gpus),
+        test_shard_lengths=data.test_count.lengths if data.test_count is not None else (),
+        profile=window,
+        frozen=frozen.names,
+    )
     setup = DriverSetup(
         payload=payload,
-        config=dataclasses.replace(
-            train_config(epochs, batch_size, sizing, loop, gpus),
-            test_shard_lengths=data.test_count.lengths if data.test_count is not None else (),
-            profile=window,
-            frozen=frozen.names,
-        ),
+        identity=identify(job, config, plan),
+        config=config,
         plan=plan,
         has_test=test_set is not None,
         stat_names=adapter.stat_names,
@@ -164,9 +167,10 @@ def frozen_base(adapter: FrameworkAdapter, resumed: checkpoint.CheckpointInfo | 
 
 def ship(
     fm: FabricModel, train_set: Any, has_test: bool, exact: int | None, startup: StartUp | None = None
-) -> tuple[FrameworkAdapter, bytes]:
+) -> tuple[FrameworkAdapter, bytes, Job]:
     """The adapter (deterministic for ``exact`` micro-batches per step) and the job every worker
-    receives, cloudpickled once, after what it monitors and its first batch are checked."""
+    receives, cloudpickled once, after what it monitors and its first batch are checked (and the
+    job itself, which setup/identity.py identifies)."""
     adapter, framework = fm._make_adapter(), fm._framework
     if exact is not None:
         adapter = run_setup.make_deterministic(fm.framework, adapter, exact)
@@ -176,10 +180,11 @@ def ship(
     if startup is not None:
         startup.mark("first-batch check")
     hooks = Hooks.for_worker(fm.worker_logger_callback, fm.user_callbacks)
-    payload = serialize_job(Job(adapter, fm.datasets_function, hooks, fm.lr_scheduling))
+    job = Job(adapter, fm.datasets_function, hooks, fm.lr_scheduling)
+    payload = serialize_job(job)
     if startup is not None:
         startup.mark("shipping the job")
-    return adapter, payload
+    return adapter, payload, job
 
 
 def run_job(
@@ -220,6 +225,10 @@ def run_job(
                 # A fresh interpreter imports torch and the job's modules again: seconds of start-up.
                 log.info("local workers fork from the warm process: %s", warm.how)
                 setup.startup.note("warm process", warm.how)
+            if setup.rejoin is None:  # waiting workers this run does not take back hold the machine
+                from ..driver.waiting import release_waiting
+
+                release_waiting(run)
             driver = Driver(setup, run, hooks, launcher)
             return driver, driver.run()
 

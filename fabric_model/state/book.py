@@ -144,6 +144,11 @@ class StateBook:
         self._prune()
         self._make_durable()
 
+    def adopt(self, unit: int, record: dict[str, Any]) -> None:
+        """Hold the state of ``unit`` (a complete record) that a worker of a vanished driver handed
+        over (driver/driver.py, "a changed job"): the next generation loads it as a snapshot."""
+        self._hold(_Held(unit, "snapshot", f"state handed over at unit {unit}", record))
+
     @property
     def committed_unit(self) -> int:
         """Every unit below this is committed."""

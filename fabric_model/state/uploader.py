@@ -71,6 +71,9 @@ class StateUploader:
         self._last_steps = 0  # steps below the unit of the last upload (or of entering)
         self._last_time = time.monotonic()
         self._thread: threading.Thread | None = None
+        # The newest checkpoint uploaded, kept until the driver says it is on disk (Written): a
+        # driver that dies before then is sent it again by the next generation's rank 0.
+        self._unconfirmed: tuple[int, dict[str, Any]] | None = None
         self._thresholds()
 
     def entered(self, settings: p.CheckpointSettings, resume_unit: int, members: int = 1) -> None:
@@ -167,11 +170,45 @@ class StateUploader:
             record["omitted"] = list(omitted)
         copied = time.monotonic() - started
         self.mark(kind, unit)
+        if kind == "checkpoint":
+            self._unconfirmed = (unit, record)
         self._thread = threading.Thread(
             target=self._send, args=(kind, unit, generation, record, copies, copied), name="fabric-upload", daemon=True
         )
         self._thread.start()
         return copied
+
+    @property
+    def unconfirmed_unit(self) -> int:
+        """The unit of the checkpoint uploaded and not yet confirmed on disk; -1: none."""
+        kept = self._unconfirmed
+        return kept[0] if kept is not None else -1
+
+    def confirmed(self, unit: int) -> None:
+        """The driver wrote the checkpoint of ``unit`` (the inbox's thread calls this): the copy
+        kept of it, or of an older one, is no longer needed."""
+        kept = self._unconfirmed
+        if kept is not None and kept[0] <= unit:
+            self._unconfirmed = None
+
+    def send_unconfirmed(self, generation: int, written: int) -> bool:
+        """As rank 0 of ``generation``: send again the kept checkpoint the driver does not have
+        (its newest is ``written``: a restarted driver, whose predecessor died before writing it);
+        whether one was sent (docs/elasticity.md, "A lost driver")."""
+        kept = self._unconfirmed
+        if kept is None or kept[0] <= written:
+            return False
+        unit, record = kept
+        self.flush()
+        log.warning("the checkpoint of unit %d was never confirmed on disk: sending it again", unit)
+        self._thread = threading.Thread(
+            target=self._send,
+            args=("checkpoint", unit, generation, record, HostCopies(), 0.0),
+            name="fabric-upload",
+            daemon=True,
+        )
+        self._thread.start()
+        return True
 
     def mark(self, kind: str, unit: int) -> None:
         """An upload of ``unit`` started: the next snapshot counts from it."""

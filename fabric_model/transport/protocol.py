@@ -68,6 +68,12 @@ class Held:
     device: str | None = None
     finished: Finished | None = None
     reports: tuple[StepDone, ...] = ()
+    #: The identity of the job it runs (setup/identity.py): a restarted driver whose job differs
+    #: does not let it go on with the old code (driver/take_back.py).
+    identity: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: A checkpoint it uploaded whose writing the vanished driver never confirmed (:class:`Written`),
+    #: which it still holds and sends again when it is rank 0 of the next generation; -1: none.
+    unconfirmed: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +221,16 @@ class JobSpec:
     #: The threads are the run's, not the host's: ``deterministic=True`` (a GEMM's rounding
     #: depends on them) or a Ray actor's CPUs. A hand-started worker otherwise sizes its own.
     threads_fixed: bool = False
+    #: What identifies the job (setup/identity.py), which the worker says again to a restarted driver.
+    identity: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Written:
+    """The checkpoint of ``unit`` is on disk: the rank that uploaded it may drop the copy it kept
+    until then (state/uploader.py), which it would otherwise send again to a restarted driver."""
+
+    unit: int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -80,6 +80,8 @@ class Inbox:
         self.driver_wait: DriverWait | None = None
         self.away = threading.Event()  # the driver vanished and has not come back yet
         self.parked = threading.Event()  # the training thread waits in expect()
+        #: Called with a checkpoint's unit once the driver wrote it (p.Written): rank 0's uploader.
+        self.on_written: Callable[[int], None] = lambda unit: None
         threading.Thread(target=self._run, name="fabric-inbox", daemon=True).start()
 
     def _run(self) -> None:
@@ -96,6 +98,8 @@ class Inbox:
                         self.abort_generation = max(self.abort_generation, message.generation)
                     elif isinstance(message, p.StopTogether):
                         self.stop_together = message.signal_name
+                    elif isinstance(message, p.Written):
+                        self.on_written(message.unit)
                     else:
                         self._messages.put(message)
             except (EOFError, OSError) as exc:

@@ -141,6 +141,7 @@ class TrainingLoop:
         self._logs_test = self.hooks.defines("log_test_metrics")
         # Rank 0 uploads checkpoints and snapshots to the driver (state/uploader.py).
         self.uploads = StateUploader(channel, self.schedule, config)
+        inbox.on_written = self.uploads.confirmed  # the driver's word that a checkpoint is on disk
         # Named ranges of the step, free unless this worker profiles (train(profile=...): profiling/).
         self.phases = self.adapter.phases = Phases()
         device = str(getattr(collective, "device", "cpu"))
@@ -236,6 +237,8 @@ class TrainingLoop:
             if self.sharded:  # the whole state, held whole until divided below
                 self.adapter.sharded.adopt_whole(generation.resume_unit)
         self.uploads.entered(generation.checkpoint, generation.resume_unit, generation.world_size)
+        if generation.rank == 0:  # a checkpoint a vanished driver never wrote (state/uploader.py)
+            self.uploads.send_unconfirmed(generation.generation, generation.checkpoint.written)
         self.notice.holds_state = True  # from here a notice to leave waits for a step boundary
         if self.sharded:
             try:

@@ -65,6 +65,7 @@ class Stage:
     finished: p.Finished | None = None  # sent at the schedule's end
     handed_over: bool = False  # the final state went to the driver: nothing left to keep
     device: str | None = None  # where it trains (a restarted driver gives it the slot of that device)
+    identity: dict[str, str] = dataclasses.field(default_factory=dict)  # the job's (setup/identity.py)
 
     def held(self) -> p.Held | None:
         """What this worker holds; None before it entered a generation or once it handed over."""
@@ -73,7 +74,16 @@ class Stage:
             return None
         generation = loop.collective.generation
         launched = LAUNCHED.get()
-        return p.Held(generation, loop.next_unit, launched, self.device, self.finished, tuple(loop.sent_reports))
+        return p.Held(
+            generation,
+            loop.next_unit,
+            launched,
+            self.device,
+            self.finished,
+            tuple(loop.sent_reports),
+            self.identity,
+            loop.uploads.unconfirmed_unit,
+        )
 
 
 def _join(
@@ -183,8 +193,8 @@ def _train(
         release_free_memory()
     try:
         loop.run_joined()
-    except TrainingHalted:  # replicas diverged: the driver hands the user this worker's state
-        log.error("the driver ended training at unit %d (replicas diverged); sending this state", loop.next_unit)
+    except TrainingHalted:  # replicas diverged, or a restarted driver runs a changed job: it takes this state
+        log.warning("the driver asked for this worker's state at unit %d, in place of a generation", loop.next_unit)
         model_state, optimizer_state, omitted = job.adapter.final_state()
         optimizer_state = loop.loop_state.pack(optimizer_state)
     else:
@@ -248,6 +258,7 @@ def run(
         # The pickled job (the model's weights among it) is read once: keep the spec without it.
         payload = [spec.payload]
         spec = dataclasses.replace(spec, payload=b"")
+        stage.identity = spec.identity
         heartbeat.interval = heartbeat_interval(spec.config.timeouts.heartbeat)
         notice.install(spec.config.preemption.signals, spec.config.preemption.grace)  # the driver's, as the bounds
         # The store shares the control plane's address and secret (docs/architecture.md, "Processes").

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 #: Seconds between tries of the driver's address while it is away, and the most one try's
 #: connection and handshake may take (a silent peer at the address cannot hold the worker).
 RETRY_EVERY, TRY_WITHIN = 0.1, 5.0
+#: Seconds between looks at the run's ``join.json``: a newer run that took its place ends the wait.
+TAKEN_OVER_EVERY = 0.5
 
 
 class LossyChannel(Channel):
@@ -115,8 +117,13 @@ class DriverWait:
             f"the driver at {host}:{port} vanished; holding the state of unit {held.next_unit}, waiting up to "
             f"{self.wait:.0f} s for it to come back (FABRIC_MODEL_DRIVER_WAIT)"
         )
-        refused = 0
+        refused, looked = 0, 0.0
         while time.monotonic() < deadline:
+            if time.monotonic() - looked > TAKEN_OVER_EVERY:
+                looked = time.monotonic()
+                if self._taken_over():
+                    _say("the run's join.json no longer holds this job's secret: a newer run took its place; exiting")
+                    return None
             try:
                 new = control.connect(self.address, self.secret, min(TRY_WITHIN, max(0.1, deadline - time.monotonic())))
             except AuthenticationError:
@@ -142,6 +149,19 @@ class DriverWait:
         _say(f"no driver came back within {self.wait:.0f} s (FABRIC_MODEL_DRIVER_WAIT)")
         self._forget_secret()
         return None
+
+    def _taken_over(self) -> bool:
+        """Whether the run's ``join.json`` (a local worker's) is gone or holds another secret: a new
+        run in its place, or one that released this worker's, has started; no driver will come."""
+        if self.join_file is None:
+            return False
+        try:
+            with open(self.join_file) as f:
+                return bytes.fromhex(json.load(f)["secret"]) != self.secret
+        except FileNotFoundError:
+            return True
+        except (OSError, ValueError, KeyError, TypeError):
+            return False  # being replaced (written aside, then renamed): look again later
 
     def _forget_secret(self) -> None:
         """Remove the run's ``join.json`` when it still holds this job's secret: no driver will

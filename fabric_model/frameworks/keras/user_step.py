@@ -52,9 +52,9 @@ def computes_own_loss(model: Any) -> bool:
 # -- how the user's code travels --------------------------------------------------------------
 def _pickler_class() -> type:
     # The job's pickler, which keeps each function's file for the worker's tracebacks.
-    from ...setup.job import _Pickler
+    from ...setup.job import JobPickler
 
-    return _Pickler
+    return JobPickler
 
 
 def pack_user_code(code: UserCode, live: dict[str, Any]) -> bytes:

@@ -1,0 +1,113 @@
+"""A job's identity: one digest for each part of what the caller ships, so that a restarted
+driver knows whether the workers that waited for it run the job its command built.
+
+A worker keeps the identity of the job it received and says it when it comes back to a
+restarted driver (:class:`~fabric_model.transport.protocol.Held`). The driver compares it with
+its own: the parts that differ are named on the console, and the workers do not go on with
+the old code (docs/elasticity.md, "A lost driver"; driver/take_back.py).
+
+What a digest covers: everything pickled with the job (classes and functions by value or by
+name, their code and the values they capture), but tensors and arrays only by shape, dtype and
+whether they train, never their values: the model's initial weights differ from run to run
+unless the script seeds them, and the state the workers hold replaces them anyway, under the
+rule of a resume from a checkpoint (same names and shapes). Sets are taken in sorted order, so
+the digest does not depend on the process's hash seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import types
+from collections import ChainMap
+from typing import Any
+
+from .job import Job, JobPickler
+
+#: The parts of a job, as the console names them.
+MODEL = "the model, loss, metrics and optimizer"
+DATA = "datasets_function"
+CALLBACKS = "the callbacks and loggers"
+SCHEDULE = "the learning-rate schedule"
+ARGUMENTS = "train()'s arguments"
+PLAN = "the plan (samples, batch sizes, seed)"
+#: Not a digest: the state layout in clear ("sharded" or "replicated"), which says whether one
+#: member can hand over the whole state.
+LAYOUT = "state layout"
+
+#: TrainConfig fields that say how a run is operated, not what it trains: left out of its digest.
+_OPERATIONAL = ("timeouts", "snapshots", "preemption", "profile", "num_dataloader_threads", "keep_freed_memory")
+
+Identity = dict[str, str]
+
+
+def _code_identity(code: types.CodeType) -> tuple[Any, ...]:
+    """A code object by what it does, not where it stands: its bytecode, constants (nested code
+    included) and names, without its file, line numbers or column positions, which moving the code
+    in its file, or a test runner recompiling the module (pytest's assertion rewriting), changes."""
+    what = (
+        code.co_code,
+        code.co_consts,
+        code.co_names,
+        code.co_varnames,
+        code.co_freevars,
+        code.co_cellvars,
+        code.co_argcount,
+        code.co_posonlyargcount,
+        code.co_kwonlyargcount,
+        code.co_flags,
+        code.co_name,
+    )
+    return tuple, (what,)
+
+
+class _DigestPickler(JobPickler):
+    """Pickles as the job is shipped, with tensors, arrays and sets replaced by what identifies
+    them (the module docstring)."""
+
+    dispatch_table = ChainMap({types.CodeType: _code_identity}, JobPickler.dispatch_table)
+
+    def persistent_id(self, obj: Any) -> Any:  # noqa: PLR0911 - one return per kind
+        kind = type(obj)
+        if isinstance(obj, (set, frozenset)):
+            return ("set", tuple(sorted(repr(x) for x in obj)))
+        module = kind.__module__
+        if module.startswith("torch") and hasattr(obj, "shape") and hasattr(obj, "dtype"):
+            return ("tensor", tuple(obj.shape), str(obj.dtype), bool(getattr(obj, "requires_grad", False)))
+        if module == "numpy" and hasattr(obj, "shape") and hasattr(obj, "dtype") and getattr(obj, "ndim", 0) > 0:
+            return ("array", tuple(obj.shape), str(obj.dtype))
+        return None
+
+
+def digest(obj: Any) -> str:
+    """The digest of ``obj`` as a part of a job (the module docstring); "unknown" when it cannot
+    be pickled that way (it differs from any other, so the job counts as changed)."""
+    buffer = io.BytesIO()
+    try:
+        _DigestPickler(buffer).dump(obj)
+    except Exception:  # the job itself pickled: only the digest's replacements can fail here
+        return "unknown"
+    return hashlib.sha256(buffer.getvalue()).hexdigest()[:32]
+
+
+def identify(job: Job, config: Any, plan: Any) -> Identity:
+    """The identity of ``job`` run with ``config`` (a TrainConfig) and ``plan``."""
+    arguments = {
+        f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in _OPERATIONAL
+    }
+    return {
+        MODEL: digest(job.adapter),
+        DATA: digest(job.get_datasets),
+        CALLBACKS: digest(job.hooks),
+        SCHEDULE: digest(job.lr_scheduling),
+        ARGUMENTS: digest(arguments),
+        PLAN: digest(dataclasses.asdict(plan)),
+        LAYOUT: "sharded" if config.shard_optimizer_state else "replicated",
+    }
+
+
+def differences(ours: Identity, theirs: Identity) -> list[str]:
+    """The parts of ``theirs`` (a returning worker's job) that differ from ``ours``; every part
+    when ``theirs`` is empty (a worker of a release that did not say it)."""
+    return [part for part in ours if theirs.get(part) != ours[part]]

@@ -1,4 +1,5 @@
-"""A real training job under a hostile network (docs/architecture.md, "Processes").
+"""A real training job under a hostile network (docs/architecture.md, "Processes"), and the
+control plane's connections under a man in the middle (docs/clusters.md, "Security").
 
 While a job trains (and a worker is killed, so a new generation forms over the store), or a
 ``cluster="ray"`` job trains on a local Ray cluster, a driver logger aims at the job's one
@@ -7,17 +8,26 @@ an HTTP request, a pickle that would run code, and a torch ``TCPStore`` client w
 secret. The job finishes with the undisturbed result, nothing is unpickled, the TCPStore
 client reads and writes nothing, and an honest worker registers within a second of the idle
 socket opening.
+
+On the path between an honest worker and the driver (a relay on loopback, in this process), a
+frame altered, injected or replayed after the handshake ends the connection unread, either way
+and on the store's connections as on the control plane's. And ``join.json`` gets the secret
+through a file of its own, whatever was planted in the run directory.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
+import queue
 import socket
+import stat
 import struct
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,16 +35,22 @@ import psutil
 import pytest
 import torch.distributed as dist
 
+from fabric_model.run.rundir import RunDirectory
 from fabric_model.testing import Kill
 from fabric_model.transport import control
 from fabric_model.transport import protocol as p
+from fabric_model.transport.reader import Frames
+from fabric_model.transport.sealed import TAG, TamperedFrame
+from fabric_model.transport.store.client import RemoteStore
+from fabric_model.transport.store.server import StoreService
+from fabric_model.transport.store.wire import Op, decode, encode
 
 from . import ray_job
 from .helpers import fresh_model_and_optimizer, max_rel_diff, reference_train
 from .ray_cluster import cluster_fixture, two_nodes_fixture  # noqa: F401 (fixtures)
 from .test_elastic import assert_invariants, generations, train, undisturbed  # noqa: F401 (a fixture)
 
-pytestmark = pytest.mark.processes
+SECRET = b"m" * 32
 
 
 class _RunsCode:
@@ -104,6 +120,7 @@ def _listening_ports(process: psutil.Process) -> list[tuple[str, int]]:
     return sorted((c.laddr.ip, c.laddr.port) for c in process.net_connections("tcp") if c.status == psutil.CONN_LISTEN)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(180)
 def test_a_job_finishes_correctly_under_a_hostile_network(undisturbed, run_dir, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.setenv("EDT_REPLACE_WORKERS", "0")
@@ -121,6 +138,7 @@ def test_a_job_finishes_correctly_under_a_hostile_network(undisturbed, run_dir, 
     assert sizes == [3, 2], f"no generation formed under attack: {sizes}"
 
 
+@pytest.mark.processes
 def test_a_ray_job_finishes_correctly_under_a_hostile_network(two_nodes, run_dir, tmp_path):
     """The same attacks on the control port of a ``cluster="ray"`` job (workers as actors)."""
     import torch.nn.functional as F
@@ -152,3 +170,261 @@ def test_a_ray_job_finishes_correctly_under_a_hostile_network(two_nodes, run_dir
     assert not proof.exists(), "something was unpickled from an unauthenticated peer"
     assert found["tcpstore"][0] == "refused" and found["tcpstore_seconds"] < 10.0, found
     assert [g["workers"] for g in generations(run_dir)] == [2]  # the attacks cost no worker
+
+
+# -- a man in the middle --------------------------------------------------------------------------
+
+#: Frames of the handshake each way (multiprocessing's challenge both ways, then the nonce): the
+#: frames after them are sealed. Upstream (worker to driver): its digest, its challenge, WELCOME,
+#: its nonce; downstream: the challenge, WELCOME, the digest, the nonce.
+HANDSHAKE_FRAMES = 4
+UP_HANDSHAKE = DOWN_HANDSHAKE = HANDSHAKE_FRAMES
+
+#: What the relay does with a frame: (direction "up" or "down", its index that way, its body) ->
+#: the bodies to pass on instead.
+Edit = Callable[[str, int, bytes], list[bytes]]
+
+
+class Relay:
+    """A man in the middle on loopback: relays every frame between one client and ``target``,
+    as ``edit`` says (each way on a thread; every read bounded)."""
+
+    def __init__(self, target: tuple[str, int], edit: Edit) -> None:
+        self.target, self.edit = target, edit
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(10)
+        self.address = self._listener.getsockname()[:2]
+        self._sockets: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            client, _ = self._listener.accept()
+            server = socket.create_connection(self.target, timeout=10)
+        except OSError:
+            return
+        self._sockets += [client, server]
+        for source, sink, way in ((client, server, "up"), (server, client, "down")):
+            source.settimeout(10)
+            threading.Thread(target=self._relay, args=(source, sink, way), daemon=True).start()
+
+    def _relay(self, source: socket.socket, sink: socket.socket, way: str) -> None:
+        frames, index = Frames(), 0
+        try:
+            while data := source.recv(1 << 16):
+                for frame in frames.feed(data):
+                    for body in self.edit(way, index, frame):
+                        sink.sendall(struct.pack("!i", len(body)) + body)
+                    index += 1
+            sink.shutdown(socket.SHUT_WR)
+        except OSError:
+            for sock in (source, sink):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        for sock in (self._listener, *self._sockets):
+            sock.close()
+
+
+def _evil(proof: Path) -> bytes:
+    return pickle.dumps(_RunsCode(str(proof)))
+
+
+def _refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "integrity check" in r.getMessage()]
+
+
+@pytest.fixture
+def server():
+    srv = control.ControlServer(SECRET, allocate_id=lambda: 100)
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def relay():
+    relays: list[Relay] = []
+
+    def make(target: tuple[str, int], edit: Edit) -> Relay:
+        relays.append(Relay(target, edit))
+        return relays[-1]
+
+    yield make
+    for r in relays:
+        r.close()
+
+
+def _step(step: int) -> p.StepDone:
+    return p.StepDone(0, 0, step, 0, 1, (0,), (1.0, 8.0), 1)
+
+
+def _ends_after(server: control.ControlServer, worker_id: int, steps: list[int]) -> None:
+    """``worker_id``'s events: its Hello, the StepDone of ``steps``, then its connection's end; no more."""
+    events = []
+    while not events or not isinstance(events[-1], p.ConnectionLost):
+        got_id, message = server.events.get(timeout=5)
+        assert got_id == worker_id
+        events.append(message)
+    assert isinstance(events[0], p.Hello)
+    assert [m.step for m in events[1:-1]] == steps, events
+    with pytest.raises(queue.Empty):
+        server.events.get(timeout=0.2)
+
+
+@pytest.mark.parametrize("attack", ["inject", "alter"])
+def test_a_frame_injected_or_altered_on_the_way_to_the_driver_ends_the_connection_unpickled(
+    server, relay, tmp_path, caplog, attack
+):
+    """After the worker's Hello, the relay puts a code-running pickle before its next frame: as a
+    frame of its own (with a made-up tag) or as the payload of the honest frame (with its tag).
+    The driver unpickles neither, says so once, and ends the connection: the worker sees it end."""
+    proof = tmp_path / "unpickled"
+
+    def edit(way: str, index: int, frame: bytes) -> list[bytes]:
+        if way == "up" and index == UP_HANDSHAKE + 1:  # the frame after Hello
+            forged = bytes(TAG) + _evil(proof) if attack == "inject" else frame[:TAG] + _evil(proof)
+            return [forged, forged, frame]
+        return [frame]
+
+    channel = control.connect(relay(server.address, edit).address, SECRET, timeout=5)
+    caplog.set_level(logging.WARNING, logger="fabric_model.transport.sealed")
+    channel.send(p.Hello(7, os.getpid(), "host"))
+    channel.send(_step(0))
+    _ends_after(server, 7, [])
+    assert not proof.exists(), "a frame injected after the handshake was unpickled"
+    assert len(_refusals(caplog)) == 1, caplog.text
+    with pytest.raises((EOFError, OSError)):
+        channel.recv(timeout=5)  # the driver closed it
+    channel.close()
+
+
+@pytest.mark.parametrize("source", ["this connection", "another connection"])
+def test_a_replayed_frame_is_refused(server, relay, source):
+    """A frame sent again (a step report counted twice), or a frame of another connection put in
+    this one's place (its Hello, with its valid tag), ends the connection: the sequence number and
+    the connection's own key are in every tag."""
+    recorded: list[bytes] = []
+
+    def record(way: str, index: int, frame: bytes) -> list[bytes]:
+        if way == "up" and index == UP_HANDSHAKE:
+            recorded.append(frame)
+        return [frame]
+
+    first = control.connect(relay(server.address, record).address, SECRET, timeout=5)
+    first.send(p.Hello(7, os.getpid(), "host"))
+    assert isinstance(server.events.get(timeout=5)[1], p.Hello)
+    if source == "another connection":
+
+        def replay(way: str, index: int, frame: bytes) -> list[bytes]:
+            return recorded if way == "up" and index == UP_HANDSHAKE else [frame]
+
+        second = control.connect(relay(server.address, replay).address, SECRET, timeout=5)
+        second.send(p.Hello(8, os.getpid(), "host"))  # replaced by the first connection's Hello
+        with pytest.raises((EOFError, OSError)):
+            second.recv(timeout=5)  # closed before it said anything
+        second.close()
+        with pytest.raises(queue.Empty):
+            server.events.get(timeout=0.2)
+        assert server.connection(8) == "none"
+        first.close()
+        assert server.events.get(timeout=5) == (7, p.ConnectionLost("EOFError()"))  # nothing before it
+        return
+
+    first.close()
+    server.events.get(timeout=5)  # its ConnectionLost
+
+    def twice(way: str, index: int, frame: bytes) -> list[bytes]:
+        return [frame, frame] if way == "up" and index == UP_HANDSHAKE + 1 else [frame]
+
+    channel = control.connect(relay(server.address, twice).address, SECRET, timeout=5)
+    channel.send(p.Hello(9, os.getpid(), "host"))
+    channel.send(_step(0))  # arrives twice: the second is refused
+    channel.send(_step(1))
+    _ends_after(server, 9, [0])
+    channel.close()
+
+
+def test_a_frame_injected_on_the_way_to_a_worker_is_never_unpickled(server, relay, tmp_path, caplog):
+    """The driver's answer to a Hello (its id) comes after a forged frame: the worker refuses it
+    unread, and its connection ends."""
+    proof = tmp_path / "unpickled"
+
+    def edit(way: str, index: int, frame: bytes) -> list[bytes]:
+        return [bytes(TAG) + _evil(proof), frame] if way == "down" and index == DOWN_HANDSHAKE else [frame]
+
+    channel = control.connect(relay(server.address, edit).address, SECRET, timeout=5)
+    caplog.set_level(logging.WARNING, logger="fabric_model.transport.sealed")
+    channel.send(p.Hello(None, os.getpid(), "host"))
+    with pytest.raises(TamperedFrame):
+        channel.recv(timeout=5)
+    with pytest.raises(TamperedFrame):
+        channel.recv(timeout=5)  # the honest Assigned behind it is not read either
+    assert not proof.exists(), "a frame injected after the handshake was unpickled"
+    assert len(_refusals(caplog)) == 1, caplog.text
+    channel.close()
+
+
+@pytest.mark.parametrize("attack", ["alter", "replay"])
+def test_a_store_request_altered_or_replayed_on_the_way_is_refused(relay, attack):
+    """The store's connections are sealed as the control plane's: a ``set`` whose value the relay
+    rewrites (keeping the tag), or an ``add`` it sends twice, is not applied; the connection ends
+    and the worker's call fails instead of waiting."""
+    service = StoreService()
+    server = control.ControlServer(SECRET, store=service)
+    service.admit(0, [1])
+
+    def edit(way: str, index: int, frame: bytes) -> list[bytes]:
+        if way != "up" or index <= UP_HANDSHAKE:  # the handshake, then StoreOpen
+            return [frame]
+        code, request, fields = decode(frame[TAG:])
+        if attack == "alter" and code == Op.SET and fields[1] == b"honest":
+            return [frame[:TAG] + encode(code, request, [fields[0], b"evil"])]
+        return [frame, frame] if attack == "replay" and code == Op.ADD else [frame]
+
+    store = RemoteStore(relay(server.address, edit).address, SECRET, 1, timedelta(seconds=5))
+    try:
+        store.set("generation/0/before", b"kept")
+        started = time.monotonic()
+        with pytest.raises(dist.DistStoreError):
+            if attack == "alter":
+                store.set("generation/0/k", b"honest")
+            else:
+                store.add("generation/0/n", 1)
+            store.get("generation/0/before")  # the first call's reply may have come before the end
+        assert time.monotonic() - started < 5.0
+        assert service.keys() == [b"generation/0/before"] + ([b"generation/0/n"] if attack == "replay" else [])
+        assert attack == "alter" or service._data[b"generation/0/n"] == b"1"  # added once, not twice
+    finally:
+        store.close()
+        server.close()
+
+
+# -- join.json ------------------------------------------------------------------------------------
+
+
+def test_join_json_gets_the_secret_through_a_file_of_its_own(tmp_path):
+    """A file and a symlink planted where ``join.json``'s temporary file was (``.join.json.<pid>.tmp``),
+    and a symlink planted as ``join.json`` itself: none receives the secret, the symlinks' targets are
+    untouched, and ``join.json`` is a file of mode 0600."""
+    run = RunDirectory(tmp_path / "run").create()
+    target = tmp_path / "elsewhere"
+    target.write_text("untouched")
+    planted_file = run.path / f".join.json.{os.getpid()}.tmp"
+    planted_file.write_text("planted")
+    planted_file.chmod(0o666)
+    planted_link = run.path / f".join.json.{os.getpid() + 1}.tmp"
+    planted_link.symlink_to(target)
+    (run.path / "join.json").symlink_to(target)
+    secret = os.urandom(32)
+    run.write_join_info(("127.0.0.1", 1234), secret)
+    join = run.path / "join.json"
+    assert not join.is_symlink() and stat.S_IMODE(join.stat().st_mode) == 0o600
+    assert run.read_join_info() == (("127.0.0.1", 1234), secret)
+    assert target.read_text() == "untouched"
+    assert planted_file.read_text() == "planted" and planted_link.is_symlink()
+    leftovers = sorted(p.name for p in run.path.iterdir() if p.name.startswith(".join.json"))
+    assert leftovers == sorted([planted_file.name, planted_link.name])  # its own temporary file is gone

@@ -186,11 +186,27 @@ class RunDirectory:
             return None
         return end if isinstance(end, dict) and isinstance(end.get("state"), str) else None
 
+    def record_background_failures(self, failures: list[dict[str, str]]) -> bool:
+        """Append ``failures`` to ``run.json``'s ``background_failures`` (run/background.py), atomically.
+
+        Best effort, like :meth:`record_end`: a failure to record is logged, never raised (the
+        warning that reported the failure has been given already)."""
+        try:
+            record = json.loads(self.run_json.read_text())
+            if not isinstance(record, dict):
+                raise ValueError("run.json holds no JSON object")
+            record["background_failures"] = [*record.get("background_failures", []), *failures]
+            self.write_run_record(record)
+        except (OSError, ValueError, TypeError) as exc:
+            log.warning("run.json not updated with %d background failure(s): %s", len(failures), exc)
+            return False
+        return True
+
     # -- join.json -------------------------------------------------------------------------
     def write_join_info(self, address: tuple[str, int], secret: bytes) -> None:
         """Where a worker started by hand connects, readable by this user only (it holds the secret)."""
         info = {"driver": f"{address[0]}:{address[1]}", "secret": secret.hex()}
-        atomic_write(self.join_json, lambda f: f.write(json.dumps(info).encode()), mode=0o600)
+        write_private(self.join_json, json.dumps(info).encode())
 
     def remove_join_info(self) -> None:
         self.join_json.unlink(missing_ok=True)
@@ -225,6 +241,32 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], Any], *, mode: int = 0
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
         with os.fdopen(fd, "wb") as f:
             write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_directory(path.parent)
+    return path
+
+
+def write_private(path: Path, data: bytes) -> Path:
+    """Write a file that holds a secret (``join.json``): mode 0600, whole or not at all.
+
+    Unlike :func:`atomic_write`, whose temporary name is predictable, the temporary file has a
+    random name and is created exclusively (``O_EXCL``, ``O_NOFOLLOW``): a file or symlink
+    planted in the directory is never opened, so the secret neither lands in a file that keeps
+    its planter's permissions nor is written through a link. It is fsynced and renamed over
+    ``path`` (a symlink there is replaced, its target untouched).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o600)  # whatever the umask
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -28,11 +28,12 @@ import subprocess
 import sys
 import threading
 import time
-from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from ..transport import protocol as p
+from ..transport import sealed
 from ..transport.descriptors import allow_many_descriptors
 
 #: Units in the simulated schedule: one epoch of this many steps, never reached.
@@ -161,7 +162,7 @@ class SimulatedWorkers:
         with self._lock:
             self.auto_ready = ready
         for _ in range(count):
-            conn = Client(self.address, family="AF_INET", authkey=self.secret)
+            conn = sealed.dial(self.address, self.secret, timeout=10)
             worker = SimWorker(conn)
             with self._lock:
                 self.workers.append(worker)

@@ -1,8 +1,10 @@
 """The control plane: authenticated message channels between the driver and its workers.
 
-Built on :mod:`multiprocessing.connection`, whose ``Listener(authkey=...)`` runs an HMAC
-challenge-response before the first message, so nothing is unpickled from a peer that has
-not proven it holds the job's secret. Messages are the dataclasses of
+Each connection is a :class:`~fabric_model.transport.sealed.SealedConnection`: multiprocessing's
+HMAC challenge-response runs both ways before the first message, and every frame after it
+carries a MAC under a key derived for that connection, checked before it is unpickled. So
+nothing is unpickled from a peer that has not proven it holds the job's secret, nor any frame
+injected or replayed on the way. Messages are the dataclasses of
 :mod:`fabric_model.transport.protocol` (docs/architecture.md, "The protocol").
 """
 
@@ -17,12 +19,14 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
+from multiprocessing.connection import Connection
 from typing import Any, Literal, Protocol
 
 from . import protocol as p
 from .descriptors import allow_many_descriptors
 from .reader import ConnectionReader
+from .sealed import SealedConnection, dial, handshake
+from .sealed import shut_down as _shut_down
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +97,11 @@ class Channel:
 
     def recv(self, timeout: float | None = None) -> Any:
         """Next message; raises ``TimeoutError`` after ``timeout`` seconds, ``EOFError`` on close."""
-        if timeout is not None and not self._conn.poll(timeout):
+        conn = self._conn
+        if timeout is not None and not conn.poll(timeout):
             raise TimeoutError(f"no message from the peer within {timeout:.1f} s")
-        return pickle.loads(self._conn.recv_bytes())
+        # A sealed connection's payload is unpickled from the buffer it was read into (no copy).
+        return pickle.loads(conn.recv_buffer() if isinstance(conn, SealedConnection) else conn.recv_bytes())
 
     def send_bytes(self, data: bytes) -> None:
         """Send one raw frame (the store's, :mod:`fabric_model.transport.store.wire`)."""
@@ -160,22 +166,7 @@ def connect(
     accepts and then stays silent would otherwise hold the caller for ever); None: no bound.
     Raises ``OSError``/``EOFError``, or ``AuthenticationError`` when the peer does not hold
     ``secret`` (nothing it sent has been unpickled then)."""
-    if timeout is None:
-        return kind(Client(address, family="AF_INET", authkey=secret))
-    sock = socket.create_connection(address, timeout=timeout)
-    sock.settimeout(None)  # the Connection reads blocking; the timer below bounds the handshake
-    conn = Connection(sock.detach())
-    timer = threading.Timer(timeout, _shut_down, args=(conn,))
-    timer.start()
-    try:
-        answer_challenge(conn, secret)
-        deliver_challenge(conn, secret)
-    except BaseException:
-        conn.close()
-        raise
-    finally:
-        timer.cancel()
-    return kind(conn)
+    return kind(dial(address, secret, timeout))
 
 
 class StoreHandler(Protocol):
@@ -208,11 +199,10 @@ class ControlServer:
         self._allocate_id = allocate_id
         self._store = store
         self._secret = secret
-        # No authkey here: Listener.accept() would then run the handshake on the accept thread,
-        # where one idle or garbage-sending peer stalls (or, on OSError, ends) all registration.
-        # A deep backlog: with the default of 1, a burst of connections (honest or not) waits
-        # for SYN retransmits while the accept thread is busy.
-        self._listener = Listener((host, port), family="AF_INET", backlog=64)
+        # The handshake runs on each connection's thread, never the accept thread, where one idle
+        # or garbage-sending peer would stall all registration. A deep backlog: with a backlog of
+        # 1, a burst of connections (honest or not) waits for SYN retransmits while it is busy.
+        self._listener = socket.create_server((host, port), family=socket.AF_INET, backlog=64)
         # A SimpleQueue: its put and get are C, with no Python-level lock the reader thread and the
         # driver's loop would contend for at thousands of messages a second (docs/architecture.md, "Scale").
         self.events: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
@@ -240,14 +230,15 @@ class ControlServer:
 
     @property
     def address(self) -> tuple[str, int]:
-        host, port = self._listener.address
+        host, port = self._listener.getsockname()
         return str(host), int(port)
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
             try:
-                conn = self._listener.accept()
-                peer = self._listener.last_accepted  # this thread alone accepts: it is this connection's
+                sock, peer = self._listener.accept()
+                sock.setblocking(True)
+                conn = SealedConnection(sock.detach(), accepting=True)
             except OSError:
                 if self._closed.is_set():
                     return  # listener closed
@@ -256,30 +247,25 @@ class ControlServer:
             host = peer[0] if isinstance(peer, tuple) and peer else None
             threading.Thread(target=self._serve, args=(conn, host), name="fabric-conn", daemon=True).start()
 
-    def _serve(self, conn: Connection, host: str | None = None) -> None:
+    def _serve(self, conn: SealedConnection, host: str | None = None) -> None:
         """A new connection, on a thread of its own: the handshake and its first message; then
         the reader thread reads it (a store connection keeps this thread)."""
         if self._authenticate(conn):
-            self._read_loop(Channel(conn), host)
+            self._read_loop(Channel(conn), conn, host)
 
-    def _authenticate(self, conn: Connection) -> bool:
-        """The HMAC challenge both ways, within ``HANDSHAKE_TIMEOUT`` seconds; nothing is
-        unpickled before it succeeds. A peer that fails it or stays silent is cut off."""
-        timer = threading.Timer(HANDSHAKE_TIMEOUT, _shut_down, args=(conn,))
-        timer.start()
+    def _authenticate(self, conn: SealedConnection) -> bool:
+        """The HMAC challenge both ways and the connection's key, within ``HANDSHAKE_TIMEOUT``
+        seconds; nothing is unpickled before it succeeds. A peer that fails it or stays silent is
+        cut off."""
         try:
-            deliver_challenge(conn, self._secret)
-            answer_challenge(conn, self._secret)
+            handshake(conn, self._secret, HANDSHAKE_TIMEOUT)  # closes conn on failure
             return True
         except (AuthenticationError, EOFError, OSError, ValueError) as exc:
             if not self._closed.is_set():
                 log.warning("control plane: rejected a connection that failed authentication (%s)", type(exc).__name__)
-            conn.close()
             return False
-        finally:
-            timer.cancel()
 
-    def _read_loop(self, channel: Channel, host: str | None = None) -> None:
+    def _read_loop(self, channel: Channel, conn: SealedConnection, host: str | None = None) -> None:
         worker_id = -1
         try:
             hello = channel.recv(timeout=60.0)
@@ -304,23 +290,25 @@ class ControlServer:
                 if host is not None:
                     self._peers[worker_id] = host
             self.events.put((worker_id, hello))
-            self._reader.add(channel.fileno(), self._on_frame(worker_id), self._on_end(worker_id, channel))
+            self._reader.add(channel.fileno(), self._on_frame(worker_id, conn), self._on_end(worker_id, channel))
         except (EOFError, OSError, TimeoutError, ValueError, KeyError, TypeError) as exc:
             if worker_id >= 0:
                 self._on_end(worker_id, channel)(exc)
             else:
                 channel.close()
 
-    def _on_frame(self, worker_id: int) -> Callable[[bytes], None]:
-        """What the reader thread does with each of ``worker_id``'s frames: the time heard, and its
-        messages but heartbeats, queued."""
-        put, heard, clock = self.events.put, self.heard, time.monotonic
+    def _on_frame(self, worker_id: int, conn: SealedConnection) -> Callable[[bytes], None]:
+        """What the reader thread does with each of ``worker_id``'s frames: its MAC checked (a frame
+        that fails raises, which ends the connection unread), the time heard, and its messages but
+        heartbeats, queued."""
+        put, heard, clock, open_frame = self.events.put, self.heard, time.monotonic, conn.open_frame
 
         def on_frame(frame: bytes) -> None:
+            payload = open_frame(frame)
             heard[worker_id] = clock()
-            if frame == HEARTBEAT_FRAME:
+            if payload == HEARTBEAT_FRAME:
                 return
-            message = pickle.loads(frame)
+            message = pickle.loads(payload)
             for one in message.messages if isinstance(message, p.Batch) else (message,):
                 if type(one) is not p.Heartbeat:
                     put((worker_id, one))
@@ -399,17 +387,3 @@ class ControlServer:
             for channel in self.channels.values():
                 channel.close()
             self.channels.clear()
-
-
-def _shut_down(conn: Connection) -> None:
-    """Wake a thread blocked reading ``conn`` (closing the descriptor alone does not)."""
-    try:
-        sock = socket.socket(fileno=os.dup(conn.fileno()))
-    except OSError:
-        return  # already closed
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    finally:
-        sock.close()

@@ -1,7 +1,8 @@
 """A worker's rendezvous store: a ``torch.distributed.Store`` served by the driver.
 
-The connection is a control-plane connection (HMAC-authenticated both ways, to the same
-address and port as the worker's own) opened with :class:`~fabric_model.transport.protocol.StoreOpen`;
+The connection is a control-plane connection (HMAC-authenticated both ways, then every frame
+MAC'd, :mod:`fabric_model.transport.sealed`; to the same address and port as the worker's own)
+opened with :class:`~fabric_model.transport.protocol.StoreOpen`;
 requests and replies are the frames of :mod:`fabric_model.transport.store.wire`. ``ProcessGroupGloo``
 and ``ProcessGroupNCCL`` use it through a ``PrefixStore`` (docs/architecture.md,
 "Processes"); gloo's rendezvous calls only ``set``, ``wait`` and ``get``, the others follow

@@ -1,6 +1,7 @@
 """The driver's rendezvous store, served to the members of the current generation only.
 
-Workers reach it over the control plane: a second authenticated connection whose first
+Workers reach it over the control plane: a second authenticated connection (its frames MAC'd,
+so none is injected or replayed on the way: :mod:`fabric_model.transport.sealed`) whose first
 message is :class:`~fabric_model.transport.protocol.StoreOpen`, then the frames of
 :mod:`fabric_model.transport.store.wire`. Each connection is served on its own thread (the control
 server's); a request for a key that is not set yet waits here, as a registered waiter, and is

@@ -1,7 +1,8 @@
 """The rendezvous store's wire format: small explicit frames, never pickle.
 
-A store connection is a control-plane connection (HMAC-authenticated both ways) whose first
-message is :class:`~fabric_model.transport.protocol.StoreOpen`; after it, each request and each reply is
+A store connection is a control-plane connection (HMAC-authenticated both ways, then every
+frame MAC'd: :mod:`fabric_model.transport.sealed`) whose first message is
+:class:`~fabric_model.transport.protocol.StoreOpen`; after it, each request and each reply is
 one frame (docs/architecture.md, "Processes")::
 
     frame  = code:u8  request:u32  then, per field,  length:u32  bytes

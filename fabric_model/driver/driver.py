@@ -266,12 +266,14 @@ class Driver:
         try:
             watch.__enter__()  # the preemption signals are caught from here (docs/architecture.md, "Preemption")
             held = self._take_back() if rejoin is not None else {}
+            self.checkpoints.prepare(self.setup.resume, self.progress.iteration, record=not held)
+            self.durable.remove()  # an earlier run's, or one older than the state resumed from
             handed: p.FinalState | None = None
             if held and (changed := self._changed_parts(held)):  # they must not go on with the old code
                 handed = self._replace_changed(held, changed)
                 held = {}
-            self.checkpoints.prepare(self.setup.resume, self.progress.iteration, record=not held and handed is None)
-            self.durable.remove()  # an earlier run's, or one older than the state resumed from
+                if handed is None and self.setup.resume is not None:  # a resume from disk after all
+                    self.checkpoints.say_resumed(self.setup.resume, self.progress.iteration)
             self.setup.startup.mark("run directory and driver")
             if held:  # the loggers hear of training before the steps recorded from what the workers kept
                 self.hooks.on_train_begin()
@@ -464,7 +466,7 @@ class Driver:
         """Ask the worker that holds the furthest unit for its state (it answers as to a halt:
         worker/main.py) and wait for it, bounded; what else arrives meanwhile is handled later."""
         holder = max(held, key=lambda w: (held[w].next_unit, -w))
-        if not self._server.send(holder, p.SendFinalState()):
+        if not self._server.send(holder, p.SendFinalState(unconfirmed=True)):
             return None
         deadline = time.monotonic() + self.setup.config.timeouts.recovery
         later: list[tuple[int, Any]] = []
@@ -477,6 +479,9 @@ class Driver:
             if worker_id == holder and isinstance(message, p.FinalState):
                 handed = message
                 break
+            if worker_id == holder and isinstance(message, p.StateChunk):  # a checkpoint never written
+                self.states.chunk(holder, message, message.generation, [holder])
+                continue
             if worker_id == holder and isinstance(message, (p.ConnectionLost, p.WorkerFailed)):
                 break
             later.append((worker_id, message))

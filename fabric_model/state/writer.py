@@ -101,8 +101,11 @@ class CheckpointBook:
         self.by_unit = dict(checkpoint.list_checkpoints(self.directory))
         self.by_unit[resumed.unit] = resumed.path
         self.accepted = resumed.unit
-        if not record:
-            return
+        if record:
+            self.say_resumed(resumed, iteration)
+
+    def say_resumed(self, resumed: checkpoint.CheckpointInfo, iteration: int) -> None:
+        """Say the resume from ``resumed`` in the metrics and the log."""
         self.metrics.resume(
             checkpoint=resumed.path.name, resume_unit=resumed.unit, epoch=resumed.epoch, iteration=iteration
         )

@@ -288,7 +288,11 @@ class StopTogether:
 @dataclasses.dataclass(frozen=True)
 class SendFinalState:
     """Send :class:`FinalState`: at the end, or, while training, in place of entering a next
-    generation (replicas diverged: training ends with rank 0's state)."""
+    generation (replicas diverged: training ends with rank 0's state). ``unconfirmed``: first
+    send again the checkpoint kept unconfirmed, if any (a restarted driver whose job changed
+    takes the state of a worker that waited for it: driver/driver.py)."""
+
+    unconfirmed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

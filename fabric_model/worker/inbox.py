@@ -39,7 +39,9 @@ EXPECT_SLICE = 0.5
 
 class TrainingHalted(Exception):
     """The driver asked for this worker's state before the schedule's end, in place of a next
-    generation: replicas diverged (docs/architecture.md, "Replica checks")."""
+    generation: replicas diverged (docs/architecture.md, "Replica checks"), the driver was
+    preempted, or a restarted driver runs a changed job. Its argument: the
+    :class:`~fabric_model.transport.protocol.SendFinalState`."""
 
 
 #: Run before the process ends from the inbox's thread (``os._exit`` runs no ``finally`` or ``atexit``).
@@ -151,7 +153,7 @@ class Inbox:
         finally:
             self.parked.clear()
         if isinstance(message, p.SendFinalState) and kind is not p.SendFinalState:
-            raise TrainingHalted()
+            raise TrainingHalted(message)
         if not isinstance(message, kind):
             raise RuntimeError(f"expected {kind.__name__} from the driver, received {type(message).__name__}")
         return message

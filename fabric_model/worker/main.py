@@ -193,8 +193,11 @@ def _train(
         release_free_memory()
     try:
         loop.run_joined()
-    except TrainingHalted:  # replicas diverged, or a restarted driver runs a changed job: it takes this state
+    except TrainingHalted as halted:  # replicas diverged, or a restarted driver runs a changed job: it takes this state
         log.warning("the driver asked for this worker's state at unit %d, in place of a generation", loop.next_unit)
+        asked = halted.args[0] if halted.args else p.SendFinalState()
+        if asked.unconfirmed and loop.uploads.send_unconfirmed(loop.collective.generation, -1):
+            loop.uploads.flush(timeouts.recovery)  # before the state: the driver writes it first
         model_state, optimizer_state, omitted = job.adapter.final_state()
         optimizer_state = loop.loop_state.pack(optimizer_state)
     else:

@@ -4,13 +4,19 @@ the optimizer's variables bitwise equal on 1 worker and on 3, 2 then 3 through a
 
 from __future__ import annotations
 
+import os
+import signal
+import textwrap
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from fabric_model import FabricModel, quiet_tensorflow
 from fabric_model.testing import FaultInjector, HoldForJoin, Kill
 
-from .helpers import records
+from .helpers import records, run_script
+from .load import scaled
 
 pytestmark = pytest.mark.processes
 
@@ -30,7 +36,7 @@ def samples(n: int = 144) -> list[tuple[np.ndarray, int]]:
 DATA = samples()
 
 
-def train(run_dir, workers, faults=(), marker_dir=None):
+def train(run_dir, workers, faults=(), marker_dir=None, driver_logger=None, **kwargs):
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
         [
@@ -44,8 +50,10 @@ def train(run_dir, workers, faults=(), marker_dir=None):
     optimizer = keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     injector = FaultInjector(list(faults), marker_dir) if faults else None
-    FabricModel(model, lambda: (DATA, None), loss, optimizer, worker_logger_callback=injector).train(
-        EPOCHS, BATCH, workers, effective_batch_size=GLOBAL, seed=SEED, run_dir=run_dir, deterministic=True
+    loggers = {"worker_logger_callback": injector, "driver_logger_callback": driver_logger}
+    fm = FabricModel(model, lambda: (DATA, None), loss, optimizer, **loggers)
+    fm.train(
+        EPOCHS, BATCH, workers, effective_batch_size=GLOBAL, seed=SEED, run_dir=run_dir, deterministic=True, **kwargs
     )
     # Weights, BatchNorm statistics, then the optimizer's iteration count and momenta.
     return [v.numpy() for v in model.variables] + [v.numpy() for v in optimizer.variables]
@@ -68,3 +76,41 @@ def test_bitwise_equal_after_a_kill_and_a_replacement(reference, run_dir, tmp_pa
     assert_bitwise_equal(state, reference)
     sizes = [g["workers"] for g in records(run_dir, "generation")]
     assert sizes[:2] == [3, 2] and sizes[-1] == 3, sizes  # the kill happened, the replacement joined
+
+
+KILLED = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {repo!r})
+    from pathlib import Path
+    from tests.helpers import KilledAt
+    from tests.test_deterministic_keras import train
+
+    train(Path({run_dir!r}), 2, driver_logger=KilledAt({at}), resume="auto")
+""")
+
+
+def test_a_killed_driver_run_again_goes_on_bitwise(reference, tmp_path, monkeypatch):
+    """SIGKILL to a Keras job's driver at step 12 of 30; the same call again takes its 2 workers'
+    state back: every step committed once, and the weights and optimizer variables are the
+    1-worker run's, bitwise."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, FABRIC_MODEL_DRIVER_WAIT="120")
+    script = KILLED.format(repo=str(Path(__file__).resolve().parents[1]), run_dir=str(run_dir), at=12)
+    code, out, started = run_script(script, scaled(180), env)
+    try:
+        assert code == -signal.SIGKILL, out[-3000:]
+        monkeypatch.setenv("FABRIC_MODEL_DRIVER_WAIT", "120")
+        state = train(run_dir, 2, resume="auto")
+    finally:
+        import psutil
+
+        _, alive = psutil.wait_procs(started, timeout=scaled(30))
+        for process in alive:
+            process.kill()
+    assert not alive, f"still running: {[p.pid for p in alive]}"
+    assert_bitwise_equal(state, reference)
+    iterations = sorted(r["iteration"] for r in records(run_dir, "train"))
+    assert iterations == list(range(1, 31)), iterations  # each step committed once: none redone
+    back = [g for g in records(run_dir, "generation") if g["reason"] == "the driver restarted"]
+    assert len(back) == 1 and back[0]["members"] == [0, 1], records(run_dir, "generation")  # taken back
+    assert not (run_dir / "join.json").exists()

@@ -145,6 +145,11 @@ class FrameworkAdapter(abc.ABC):
         tensors, not copies), and every state name in order. This default: none."""
         return {}, []
 
+    def identity_view(self) -> Any:
+        """What identifies this adapter's part of the job (setup/identity.py digests it): itself,
+        unless the way it travels holds what differs between two builds of the same script."""
+        return self
+
     def track_frozen(self, names: Collection[str]) -> None:
         """After ``setup``: ``names`` (the job's frozen parameters, as the driver counted them) hold
         the job's values, which the driver and every worker have; the state that travels may leave

@@ -11,7 +11,9 @@ name, their code and the values they capture), but tensors and arrays only by sh
 whether they train, never their values: the model's initial weights differ from run to run
 unless the script seeds them, and the state the workers hold replaces them anyway, under the
 rule of a resume from a checkpoint (same names and shapes). Sets are taken in sorted order, so
-the digest does not depend on the process's hash seed.
+the digest does not depend on the process's hash seed. Code counts by what it does (bytecode,
+constants, names), not where it stands; Keras objects by class, config without names, and
+variable shapes (their own pickling is an archive with the save's date and object ids).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import json
 import types
 from collections import ChainMap
 from typing import Any
@@ -68,6 +71,11 @@ class _DigestPickler(JobPickler):
 
     dispatch_table = ChainMap({types.CodeType: _code_identity}, JobPickler.dispatch_table)
 
+    def reducer_override(self, obj: Any) -> Any:
+        if _is_keras(obj):  # its own pickling is a saved archive: dates, object ids, the weights' bytes
+            return tuple, ((type(obj), _keras_config(obj), _variable_shapes(obj)),)
+        return super().reducer_override(obj)
+
     def persistent_id(self, obj: Any) -> Any:  # noqa: PLR0911 - one return per kind
         kind = type(obj)
         if isinstance(obj, (set, frozenset)):
@@ -78,6 +86,40 @@ class _DigestPickler(JobPickler):
         if module == "numpy" and hasattr(obj, "shape") and hasattr(obj, "dtype") and getattr(obj, "ndim", 0) > 0:
             return ("array", tuple(obj.shape), str(obj.dtype))
         return None
+
+
+def _is_keras(obj: Any) -> bool:
+    """A Keras 3 or tf-keras object with a config (a model, layer, optimizer, loss, metric)."""
+    if isinstance(obj, type) or not hasattr(obj, "get_config"):
+        return False
+    return any(c.__module__.startswith(("keras", "tf_keras")) for c in type(obj).__mro__)
+
+
+def _keras_config(obj: Any) -> str:
+    """A Keras object's config as canonical JSON, without what differs between two builds of the
+    same script: names (``dense_4`` where another model was built first) and object ids."""
+
+    def strip(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k not in ("name", "shared_object_id")}
+        if isinstance(value, (list, tuple)):
+            return [strip(v) for v in value]
+        return value
+
+    try:
+        config = obj.get_config()
+    except Exception:  # a subclassed model without get_config: its class (by value) and variables say it
+        config = {}
+    return json.dumps(strip(config), sort_keys=True, default=lambda o: type(o).__qualname__)
+
+
+def _variable_shapes(obj: Any) -> list[tuple[tuple[int, ...], str]]:
+    """The shapes and dtypes of a Keras object's variables (a model's weights, an optimizer's slots)."""
+    try:
+        variables = list(getattr(obj, "variables", None) or getattr(obj, "weights", None) or [])
+    except Exception:
+        return []
+    return [(tuple(int(d) for d in v.shape), str(v.dtype)) for v in variables]
 
 
 def digest(obj: Any) -> str:
@@ -97,7 +139,7 @@ def identify(job: Job, config: Any, plan: Any) -> Identity:
         f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in _OPERATIONAL
     }
     return {
-        MODEL: digest(job.adapter),
+        MODEL: digest(job.adapter.identity_view()),
         DATA: digest(job.get_datasets),
         CALLBACKS: digest(job.hooks),
         SCHEDULE: digest(job.lr_scheduling),

@@ -1,0 +1,103 @@
+"""A job's identity (setup/identity.py): the same script's job has the same identity in any
+process, seeded or not, and a change to what trains is named by the part it changed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from fabric_model.run.hooks import Hooks
+from fabric_model.setup import identity
+from fabric_model.setup.job import Job
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Logger:
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+
+    def log_train_metrics(self, metrics, iteration, epoch, workers) -> None:
+        print(self.tag, iteration)
+
+
+def datasets():
+    return [(torch.zeros(4), 0)] * 8, None
+
+
+def job_of(loss=torch.nn.functional.cross_entropy, lr: float = 0.1, tag: str = "v1", seed: int | None = 0) -> Job:
+    """A torch job as train() ships it (the adapter stands for the model, loss and optimizer)."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    adapter = {"model": model, "loss": loss, "optimizer": optimizer}
+    return Job(adapter, datasets, Hooks.for_worker(Logger(tag), []))
+
+
+class Adapter(dict):
+    def identity_view(self):
+        return self
+
+
+def ident(job: Job) -> identity.Identity:
+    """The job's parts as identify() digests them (its config and plan are train()'s)."""
+    return {
+        identity.MODEL: identity.digest(Adapter(job.adapter).identity_view()),
+        identity.DATA: identity.digest(job.get_datasets),
+        identity.CALLBACKS: identity.digest(job.hooks),
+    }
+
+
+def scaled_loss(output, target):
+    return 2 * torch.nn.functional.cross_entropy(output, target)
+
+
+def test_the_same_job_has_the_same_identity_whatever_its_initial_weights():
+    assert ident(job_of(seed=0)) == ident(job_of(seed=0)) == ident(job_of(seed=None))
+
+
+@pytest.mark.parametrize(
+    ("changed", "part"),
+    [
+        ({"loss": scaled_loss}, identity.MODEL),
+        ({"lr": 0.2}, identity.MODEL),
+        ({"tag": "v2"}, identity.CALLBACKS),
+    ],
+)
+def test_a_change_is_named_by_its_part(changed, part):
+    before, after = ident(job_of()), ident(job_of(**changed))
+    assert identity.differences(before, after) == [part]
+
+
+def test_code_moved_in_its_file_is_the_same_code():
+    source = "def loss(output, target):\n    return output.sum() * 2\n"
+    first, moved = {}, {}
+    exec(compile(source, "script.py", "exec"), first)
+    exec(compile("\n\n# a comment\n" + source, "elsewhere.py", "exec"), moved)
+    changed = {}
+    exec(compile(source.replace("* 2", "* 3"), "script.py", "exec"), changed)
+    assert identity.digest(first["loss"]) == identity.digest(moved["loss"])
+    assert identity.digest(first["loss"]) != identity.digest(changed["loss"])
+
+
+@pytest.mark.processes
+def test_sets_do_not_depend_on_the_hash_seed():
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(REPO)!r})
+        from fabric_model.setup.identity import digest
+        print(digest({{"names": {{"alpha", "beta", "gamma", "delta", "epsilon"}}}}))
+    """)
+    seen = {
+        subprocess.run(
+            [sys.executable, "-c", script], env={"PYTHONHASHSEED": seed}, capture_output=True, text=True, timeout=120
+        ).stdout
+        for seed in ("1", "2", "3")
+    }
+    assert len(seen) == 1 and "" not in seen, seen

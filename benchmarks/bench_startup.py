@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/bench_startup.py              # 5 interleaved rounds
     PYTHONPATH=. python benchmarks/bench_startup.py --rounds 3 --no-replace
+    PYTHONPATH=. python benchmarks/bench_startup.py --only datasets  # the rows of a caller that imported datasets
 
 Each round starts, in turn, fresh interpreters that run:
 
@@ -16,6 +17,9 @@ Each round starts, in turn, fresh interpreters that run:
   ``FABRIC_MODEL_WARM_START=fresh``) trains the 2-engine job twice; from its second
   ``FabricModel(...)`` to that job's first committed step, with the warm process the first job
   kept (``launchers/warm_spare.py``) and with none kept (``FABRIC_MODEL_WARM_KEEP=0``);
+- ``datasets``: the plain loop and ``fm-2`` in a script whose first line is ``import datasets``
+  (Hugging Face's; pyarrow under it starts jemalloc's background thread, which once made the
+  caller unfit to fork);
 - ``replace`` (unless ``--no-replace``): 2 engines, worker 1 SIGKILLed inside step 3; from the
   kill to the next committed step (the survivor alone) and to the first committed step the
   replacement worker takes part in.
@@ -128,12 +132,14 @@ def _phases(run_dir: Path) -> list[list]:
     return [*startup["phases"], ["total: train() -> first commit", startup["total"]]]
 
 
-def _fabric(engines: int, tmp: Path, name: str, env: dict[str, str], kill: bool = False) -> tuple[float, Path, Path]:
+def _fabric(
+    engines: int, tmp: Path, name: str, env: dict[str, str], kill: bool = False, prefix: str = ""
+) -> tuple[float, Path, Path]:
     run_dir, markers = tmp / name / "run", tmp / name / "markers"
     markers.mkdir(parents=True)
     steps = 50 if kill else 2  # paced at 0.1 s: room for the replacement to join
     header = f"STEPS={steps}\nENGINES={engines}\nKILL={kill}\nRUN_DIR={str(run_dir)!r}\nMARKERS={str(markers)!r}\n"
-    seconds, _ = _run(header + FABRIC, env)
+    seconds, _ = _run(prefix + header + FABRIC, env)
     return seconds, run_dir, markers
 
 
@@ -163,7 +169,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-replace", action="store_true")
+    groups = ("basic", "fm", "again", "datasets", "replace")
+    parser.add_argument("--only", nargs="+", choices=groups, default=groups, help="the groups of rows to run")
     args = parser.parse_args()
+    only = set(args.only) - ({"replace"} if args.no_replace else set())
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("EDT_REPLACE_WORKERS", None)
     rows: dict[str, list[float]] = {}
@@ -171,10 +180,17 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         for r in range(args.rounds):
-            rows.setdefault("python", []).append(_run("pass", env)[0])
-            rows.setdefault("import torch", []).append(_run("import torch", env)[0])
+            if "basic" in only:
+                rows.setdefault("python", []).append(_run("pass", env)[0])
+                rows.setdefault("import torch", []).append(_run("import torch", env)[0])
             rows.setdefault("plain loop: start -> first step", []).append(_run(PLAIN, env)[0])
-            for engines in (1, 2):
+            if "datasets" in only:
+                plain = _run("import datasets\n" + PLAIN, env)[0]
+                rows.setdefault("import datasets + plain loop", []).append(plain)
+                seconds = _fabric(2, tmp, f"datasets-{r}", env, prefix="import datasets\n")[0]
+                rows.setdefault("import datasets + fm 2 engines", []).append(seconds)
+                rows.setdefault("  beyond its plain loop", []).append(seconds - plain)
+            for engines in (1, 2) if "fm" in only else ():
                 seconds, run_dir, _ = _fabric(engines, tmp, f"fm{engines}-{r}", env)
                 rows.setdefault(f"fm {engines} engine(s): start -> first commit", []).append(seconds)
                 for phase, took in _phases(run_dir):
@@ -183,10 +199,10 @@ def main() -> int:
                     seconds = _fabric(engines, tmp, f"{mode}{engines}-{r}", {**env, "FABRIC_MODEL_WARM_START": mode})[0]
                     rows.setdefault(f"fm {engines} engine(s), {label}", []).append(seconds)
             notebook = {**env, "FABRIC_MODEL_WARM_START": "fresh"}
-            for keep, label in (("600", "kept warm process"), ("0", "none kept")):
+            for keep, label in (("600", "kept warm process"), ("0", "none kept")) if "again" in only else ():
                 seconds = _again(tmp, f"again{keep}-{r}", {**notebook, "FABRIC_MODEL_WARM_KEEP": keep})
                 rows.setdefault(f"again: 2nd train(), {label}", []).append(seconds)
-            if not args.no_replace:
+            if "replace" in only:
                 nxt, new = _replacement(tmp, f"kill-{r}", env)
                 rows.setdefault("SIGKILL -> next committed step", []).append(nxt)
                 rows.setdefault("SIGKILL -> replacement training", []).append(new)
@@ -194,7 +210,7 @@ def main() -> int:
     base = rows["plain loop: start -> first step"]
     print(f"{args.rounds} rounds, {os.cpu_count()} cores; median [min-max]")
     for name, values in rows.items():
-        ratio = name.startswith(("fm", "import", "plain"))
+        ratio = name.startswith(("fm", "import", "plain")) and name != "import datasets + plain loop"
         print(_row(name, values, base if ratio else None))
         if name.startswith("fm"):
             beyond = [v - b for v, b in zip(values, base)]

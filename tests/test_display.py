@@ -76,6 +76,8 @@ def test_a_pipe_gets_plain_lines_start_up_lines_first(piped_run):
         (line,) = [line for line in lines if line.startswith(f"epoch {epoch}/2:")]
         assert re.match(rf"epoch {epoch}/2: loss=\d\.\d{{4}} accuracy=\d\.\d{{4}} val_loss=\d\.\d{{4}} ", line), line
     assert "generation" not in text and "checkpoint" not in text  # said in logs/driver.log
+    assert "warm process" not in text  # how the start-up went: run.json and driver.log
+    assert "local workers fork from the warm process: " in (run_dir / "logs" / "driver.log").read_text()
     assert "checkpoint ckpt-unit-" in (run_dir / "logs" / "driver.log").read_text()
     assert "run directory" in (run_dir / "logs" / "driver.log").read_text()  # the full log on disk
 

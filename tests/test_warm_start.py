@@ -233,6 +233,17 @@ def test_a_caller_without_thread_pools_is_forked_into_the_warm_process_and_train
     assert job["digests"] == fresh["digests"] and len(job["digests"]) == 1  # the same training, bit for bit
 
 
+def test_a_caller_that_imported_datasets_is_forked_beside_jemallocs_background_thread(tmp_path):
+    """``import datasets`` (pyarrow) starts jemalloc's background thread, which jemalloc stops and
+    restarts around a fork itself: the caller is still forked (0.1 s, not a fresh interpreter's
+    seconds), and the workers train."""
+    job, workers, run = run_warm_job(tmp_path, "--datasets")
+    assert "jemalloc_bg_thd" in job["threads"], job["threads"]  # the thread was there to be judged
+    assert job["warm"][0]["cmdline"] == job["cmdline"]  # a fork of the script
+    assert len(workers) == 2 and all(w["parent"] == job["warm"][0]["pid"] for w in workers)
+    assert "local workers fork from the warm process: a fork of the caller" in (run / "logs" / "driver.log").read_text()
+
+
 def test_a_caller_whose_openmp_threads_have_started_gets_a_fresh_warm_process(tmp_path):
     job, workers, _ = run_warm_job(tmp_path, "--forward")
     assert job["warm"][0]["cmdline"][-3:] == ["-m", WARM, "torch"]

@@ -1,10 +1,11 @@
 """A script whose FabricModel may fork it into the warm process, run as its own process.
 
-python -m tests.warm_job OUT_DIR RUN_DIR [--forward]
+python -m tests.warm_job OUT_DIR RUN_DIR [--forward] [--datasets]
 
 Before building ``FabricModel`` it sets up what a worker must not inherit (a log file on the
 root logger, the package's loggers at ERROR, a SIGTERM handler, grad mode off, an open file);
-``--forward`` runs the model first, so torch's OpenMP threads exist. It writes ``OUT_DIR/job.json``
+``--forward`` runs the model first, so torch's OpenMP threads exist; ``--datasets`` imports Hugging
+Face's ``datasets`` first (pyarrow starts jemalloc's background thread). It writes ``OUT_DIR/job.json``
 (its own pid and command line, its warm process's right after ``FabricModel(...)``, the
 replicas' digests), and every worker writes ``OUT_DIR/worker-<pid>.json`` (tests/test_warm_start.py).
 """
@@ -61,7 +62,22 @@ def datasets():
     return make_data(128), None
 
 
-def main(out: Path, run_dir: str, forward: bool) -> None:
+def thread_names() -> list[str]:
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            names.append(f.read().strip())
+    return names
+
+
+def main(out: Path, run_dir: str, forward: bool, with_datasets: bool = False) -> None:
+    if with_datasets:
+        import time
+
+        import datasets as hf_datasets  # noqa: F401  (what almost every Hugging Face script imports)
+
+        time.sleep(0.2)  # jemalloc's background thread starts as pyarrow allocates
+    threads = thread_names()
     torch.manual_seed(0)
     model = MLP()
     if forward:
@@ -90,9 +106,10 @@ def main(out: Path, run_dir: str, forward: bool) -> None:
         "cmdline": psutil.Process().cmdline(),
         "warm": warm,
         "digests": sorted(set(result.replica_digests.values())),
+        "threads": threads,  # the caller's, before FabricModel(...)
     }
     (out / "job.json").write_text(json.dumps(job))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], "--forward" in sys.argv[3:])
+    main(Path(sys.argv[1]), sys.argv[2], "--forward" in sys.argv[3:], "--datasets" in sys.argv[3:])

@@ -4,7 +4,8 @@ A fork keeps one thread: a library whose threads existed in the parent finds the
 child. Most libraries cope (OpenBLAS shuts its pool down around a fork); GNU libgomp does not:
 once torch has run a parallel operation, a fork hangs in its first one. CUDA contexts and
 TensorFlow's runtime break under a fork too. So the caller is forked only while it has no
-thread but its main one and OpenBLAS's pool, no CUDA context and no TensorFlow; anything
+thread but its main one, OpenBLAS's pool and the idle threads of libraries known to handle a
+fork themselves (``FORK_SAFE_THREADS``: jemalloc's), no CUDA context and no TensorFlow; anything
 else, or anything this module cannot read, starts a fresh interpreter instead. (The warm
 process still checks OpenMP itself before it serves: :func:`fabric_model.launchers.warm.from_fork`.)
 """
@@ -44,6 +45,15 @@ def fork_blockers() -> list[str]:
 #: The futex system call's number, by machine: an idle pool thread waits in it.
 _FUTEX = {"x86_64": 202, "aarch64": 98, "ppc64le": 221, "s390x": 238}
 
+#: Library threads that a fork leaves safely behind, by the name their library gives them, while
+#: they wait idle: each library stops and restarts them around a fork itself (pthread_atfork).
+FORK_SAFE_THREADS = {
+    # jemalloc's background purging thread: pyarrow's allocator, so any script that imported
+    # pyarrow, `datasets` or pandas with pyarrow has one. Its prefork and postfork handlers stop
+    # it and start it again on demand in the child.
+    "jemalloc_bg_thd": "jemalloc's background thread (pyarrow's allocator)",
+}
+
 
 def _native_thread_blockers() -> list[str]:
     """Threads other than the main one and OpenBLAS's pool: each is a reason not to fork.
@@ -74,11 +84,22 @@ def _native_thread_blockers() -> list[str]:
             if "openblas" in os.path.basename(owner).lower():
                 known += 1  # OpenBLAS stops its pool around a fork (pthread_atfork)
                 continue
+            if _name_of(tid) in FORK_SAFE_THREADS:  # idle, and its library handles a fork itself
+                continue
         others.append(f"thread {tid} waits in {os.path.basename(library) or 'unknown code'}")
     pool = max(0, _openblas_pool_threads(libraries) - known)  # what its count allows besides those known
     if len(others) > pool:
         return [f"{len(others)} native threads, {pool} of them OpenBLAS's: " + "; ".join(others)]
     return []
+
+
+def _name_of(tid: str) -> str:
+    """The name a thread was given (``pthread_setname_np``), or "" where it cannot be read."""
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def _mapped_libraries() -> list[tuple[int, int, str]]:

@@ -37,11 +37,16 @@ SAID_BY_THE_DISPLAY = (
 )
 
 
+#: Messages for the log file only: how the start-up went is in ``run.json`` and ``driver.log``
+#: (``fabric-model status`` and the start-up record read them), not a line on every run's screen.
+LOG_FILE_ONLY = ("local workers fork from the warm process: %s",)
+
+
 class ScreenHandler(logging.Handler):
     """One short line per message on stderr, fitted to its width, above the progress bar."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.msg in SAID_BY_THE_DISPLAY:
+        if record.msg in SAID_BY_THE_DISPLAY or record.msg in LOG_FILE_ONLY:
             return
         try:
             # The first line, its indentation kept (a table's rows: the profile's summary).

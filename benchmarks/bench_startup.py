@@ -216,6 +216,8 @@ def main() -> int:
             beyond = [v - b for v, b in zip(values, base)]
             print(f"{'':<34} +{statistics.median(beyond):.2f} s [{min(beyond):.2f}-{max(beyond):.2f}] beyond plain")
     for engines, table in phases.items():
+        if not table:
+            continue  # the fm group did not run
         print(f"\nrun.json's start-up phases, {engines} engine(s) (median s over the rounds)")
         for phase, values in table.items():
             print(f"  {phase:<44} {statistics.median(values):7.3f}")

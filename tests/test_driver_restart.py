@@ -10,6 +10,8 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -43,8 +45,11 @@ class PacedLoss:
     are mid-run, not done) and leaves the pid of each worker process that computes it in
     ``directory`` (not the driver's: it calls the loss once to check it, before any worker)."""
 
-    def __init__(self, directory: Path, scale: float = 1.0, scale_from: int = 0) -> None:
-        self.directory = str(directory)
+    def __init__(
+        self, directory: Path, scale: float = 1.0, scale_from: int = 0, pace: float = 0.02, until_two: bool = False
+    ) -> None:
+        self.directory, self.pace = str(directory), pace
+        self.until_two = until_two  # a lone worker waits (bounded) for a second one to be ready to join
         self.marked_by = -1
         self.scale, self.scale_from = scale, scale_from  # a changed script's loss: scaled from that step
 
@@ -53,7 +58,11 @@ class PacedLoss:
         if self.marked_by != os.getpid() and context is not None:
             Path(self.directory, f"pid-{os.getpid()}").touch()
             self.marked_by = os.getpid()
-        time.sleep(0.02)
+        time.sleep(self.pace)
+        if self.until_two and context is not None and context.world_size < 2:
+            deadline = time.monotonic() + scaled(60)
+            while not context.join_pending and time.monotonic() < deadline:
+                time.sleep(0.05)
         loss = torch.nn.functional.cross_entropy(output, target)
         if context is None:
             return loss
@@ -70,6 +79,8 @@ def train(
     batch: int = BATCH,
     loss_scale: float = 1.0,
     scale_from: int = 0,
+    pace: float = 0.02,
+    until_two: bool = False,
     **kwargs,
 ) -> dict[str, torch.Tensor]:
     """The paced run, deterministic, on ``workers`` in micro-batches of ``batch`` (the global batch
@@ -78,7 +89,7 @@ def train(
     run_dir.mkdir(parents=True, exist_ok=True)
     model, opt = fresh_model_and_optimizer()
     data = make_data(SAMPLES)
-    loss = PacedLoss(run_dir, loss_scale, scale_from)
+    loss = PacedLoss(run_dir, loss_scale, scale_from, pace, until_two)
     fm = FabricModel(model, lambda: (data, None), loss, opt, driver_logger_callback=driver_logger)
     fm.train(
         EPOCHS,
@@ -100,7 +111,7 @@ KILLED = textwrap.dedent("""
     torch.set_num_threads(1)
     from pathlib import Path
     from tests.helpers import KilledAt
-    from tests.test_driver_restart import KilledWritingCheckpoint, train
+    from tests.test_driver_restart import KilledWithTwo, KilledWritingCheckpoint, train
 
     train(Path({run_dir!r}), {logger}, resume="auto", **{kwargs!r})
 """)
@@ -118,13 +129,24 @@ class KilledWritingCheckpoint:
         return stream
 
 
-def run_killed(run_dir: Path, at: int, logger: str = "", **kwargs) -> list[psutil.Process]:
+class KilledWithTwo:
+    """A driver logger that SIGKILLs the driver at the first step two workers committed."""
+
+    def log_train_metrics(self, metrics, iteration, epoch, workers) -> None:
+        if workers >= 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_killed(
+    run_dir: Path, at: int, logger: str = "", env: dict[str, str] | None = None, **kwargs
+) -> list[psutil.Process]:
     """The job in a process of its own, its driver SIGKILLed once step ``at`` is committed (or by
     ``logger``, an expression); returns the processes it started (the warm process and the
     workers, which stay)."""
     logger = logger or f"KilledAt({at})"
     script = KILLED.format(repo=str(REPO), run_dir=str(run_dir), logger=logger, kwargs=kwargs)
-    code, out, started = run_script(script, scaled(120), dict(os.environ, FABRIC_MODEL_DRIVER_WAIT=str(WAIT)))
+    env = dict(os.environ, FABRIC_MODEL_DRIVER_WAIT=str(WAIT), **(env or {}))
+    code, out, started = run_script(script, scaled(120), env)
     if code != -signal.SIGKILL:
         assert_gone(started, within=10)
     assert code == -signal.SIGKILL, out[-3000:]
@@ -286,3 +308,47 @@ def test_a_checkpoint_lost_with_the_driver_is_written_after_the_restart(undistur
     if not changed:
         expected = undisturbed(BATCH)
         assert all(torch.equal(state[k], expected[k]) for k in expected)
+
+
+def test_a_worker_started_by_hand_starts_again_for_a_changed_job(tmp_path, monkeypatch):
+    """One local worker and one started by hand (``fabric-model worker --join``); SIGKILL to the
+    driver, then a changed script with ``resume="auto"``: the local worker hands over its state
+    and exits; the one started by hand runs its command line anew and joins the new job, so both
+    hosts train again, every step committed once."""
+    run_dir = tmp_path / "run"
+    env = {"FABRIC_MODEL_CPU_WORKERS": "1"}  # one local slot: engines_number=2 leaves one to a hand
+    log = open(tmp_path / "hand.log", "wb")  # noqa: SIM115  (the hand-started worker's, as its user's console)
+    hand: list[subprocess.Popen] = []
+
+    def start_by_hand() -> None:
+        deadline = time.monotonic() + scaled(60)
+        while not (run_dir / "join.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        command = [sys.executable, "-m", "fabric_model", "worker", "--join", str(run_dir / "join.json")]
+        worker_env = dict(os.environ, FABRIC_MODEL_DRIVER_WAIT=str(WAIT), PYTHONPATH=str(REPO))
+        hand.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=worker_env))
+
+    thread = threading.Thread(target=start_by_hand)
+    thread.start()
+    try:
+        started = run_killed(run_dir, at=-1, logger="KilledWithTwo()", env=env, pace=0.3)
+        thread.join(timeout=scaled(60))
+        assert hand and hand[0].poll() is None, "the worker started by hand did not wait"
+        monkeypatch.setenv("FABRIC_MODEL_DRIVER_WAIT", str(WAIT))
+        monkeypatch.setenv("FABRIC_MODEL_CPU_WORKERS", "1")
+        train(run_dir, resume="auto", loss_scale=2.0, until_two=True)  # waits for the one started again
+        assert_gone(started, within=scaled(10))
+        assert hand[0].wait(timeout=scaled(30)) == 0  # it ended with the job (its Stop)
+    finally:
+        thread.join(timeout=scaled(60))
+        for process in hand:
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=10)
+        log.close()
+    said = (tmp_path / "hand.log").read_text()
+    assert "starting again as a new worker of the restarted driver" in said, said[-3000:]
+    generations = records(run_dir, "generation")
+    assert generations[-1]["workers"] == 2, generations  # both hosts train again
+    iterations = sorted(r["iteration"] for r in records(run_dir, "train"))
+    assert iterations == list(range(1, TOTAL_STEPS + 1)), iterations  # each step committed once

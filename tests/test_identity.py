@@ -101,3 +101,28 @@ def test_sets_do_not_depend_on_the_hash_seed():
         for seed in ("1", "2", "3")
     }
     assert len(seen) == 1 and "" not in seen, seen
+
+
+@pytest.mark.processes
+def test_a_class_the_script_defines_has_the_same_identity_in_every_process():
+    """cloudpickle sends a class defined in ``__main__`` by value, under a random id per process:
+    the identity leaves that id out, so a script's own model or logger class is the same job."""
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(REPO)!r})
+        from fabric_model.setup.identity import digest
+
+        class Logger:
+            def __init__(self, flag):
+                self.flag = flag
+
+            def log_train_metrics(self, metrics, iteration, epoch, workers):
+                print(self.flag, iteration)
+
+        print(digest([Logger("pace"), Logger("pace")]))
+    """)
+    seen = {
+        subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120).stdout
+        for _ in range(2)
+    }
+    assert len(seen) == 1 and "" not in seen and "unknown" not in next(iter(seen)), seen

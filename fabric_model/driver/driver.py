@@ -65,6 +65,8 @@ EXIT_DRAIN = 1.0
 #: Seconds a restarted driver waits for the workers of its vanished predecessor before it goes
 #: on without those that did not come (they retry every 0.1 s: worker/reattach.py).
 REJOIN_WINDOW = 5.0
+#: What a worker of a vanished driver is told when the restarted driver's job differs from its own.
+CHANGED = "replaced: the job changed since its driver vanished"
 #: Makes the launcher of a job from the control plane's address and the job's secret.
 LauncherFactory = Callable[[tuple[str, int], bytes], Launcher]
 
@@ -441,7 +443,7 @@ class Driver:
                 why = "none handed its state over in time"
             else:  # the steps the vanished driver did not record, from what the workers kept
                 self._record_kept_reports(came)
-        self._stop_taken_back(sorted(came))
+        self._stop_taken_back(held)
         if handed is not None:
             log.warning(
                 "the job changed since its driver vanished (%s): the %d worker(s) that waited handed over their "
@@ -489,11 +491,14 @@ class Driver:
             self._server.events.put(event)
         return handed
 
-    def _stop_taken_back(self, worker_ids: list[int]) -> None:
+    def _stop_taken_back(self, held: dict[int, p.Held]) -> None:
         """Tell the workers that came back to exit, and wait (bounded) until they did: on a GPU their
         memory must be free before this driver's workers start. Their ids are not reused."""
+        worker_ids = sorted(held)
         for worker_id in worker_ids:
-            self._server.send(worker_id, p.Stop(ended="replaced: the job changed since its driver vanished"))
+            # One started by hand runs its command line anew, joining as a new worker: its user
+            # started it for this job's host, and would otherwise have to again.
+            self._server.send(worker_id, p.Stop(ended=CHANGED, rejoin=not held[worker_id].launched))
         self.membership.given_up(worker_ids, time.monotonic())
         waiting, later = set(worker_ids), []
         deadline = time.monotonic() + self.setup.config.timeouts.stop
@@ -653,7 +658,7 @@ class Driver:
         changed = differences(self.setup.identity, held.identity)
         if changed:  # it must not train the old code (docs/elasticity.md, "A lost driver")
             log.warning("worker %d of the vanished driver came back late, running a changed job: it exits", worker_id)
-            self._server.send(worker_id, p.Stop(ended="replaced: the job changed since its driver vanished"))
+            self._server.send(worker_id, p.Stop(ended=CHANGED, rejoin=not held.launched))
             self.membership.given_up([worker_id], time.monotonic())
         elif held.finished is None and held.generation < self.membership.generation:
             log.warning("worker %d of the vanished driver came back late: it joins", worker_id)

@@ -24,7 +24,10 @@ import io
 import json
 import types
 from collections import ChainMap
+from collections.abc import Mapping
 from typing import Any
+
+import cloudpickle
 
 from .job import Job, JobPickler
 
@@ -43,6 +46,13 @@ LAYOUT = "state layout"
 _OPERATIONAL = ("timeouts", "snapshots", "preemption", "profile", "num_dataloader_threads", "keep_freed_memory")
 
 Identity = dict[str, str]
+
+
+def _class_tracker_ids() -> Mapping[str, Any]:
+    """The ids cloudpickle gave, in this process, the classes it pickles by value (its own
+    registry, read live: a class gets its id as it is first pickled)."""
+    tracker: Mapping[str, Any] = getattr(cloudpickle.cloudpickle, "_DYNAMIC_CLASS_TRACKER_BY_ID", {})
+    return tracker
 
 
 def _code_identity(code: types.CodeType) -> tuple[Any, ...]:
@@ -78,6 +88,10 @@ class _DigestPickler(JobPickler):
 
     def persistent_id(self, obj: Any) -> Any:  # noqa: PLR0911 - one return per kind
         kind = type(obj)
+        if kind is str and obj in _class_tracker_ids():
+            # cloudpickle names a class it sends by value (one a script defines) with a random id
+            # per process, so that one process's copies unpickle as one class: not the class's.
+            return ("class tracker id",)
         if isinstance(obj, (set, frozenset)):
             return ("set", tuple(sorted(repr(x) for x in obj)))
         module = kind.__module__

@@ -300,10 +300,13 @@ class Stop:
     """Exit now. A ``reason`` means the driver turned this worker away (a join refused, or a
     worker removed from the job and fenced out): it prints it and exits non-zero. ``ended``
     says how a job that did not finish ended (preempted, interrupted, failed), for the console
-    of a worker started by hand: it prints it and exits 0."""
+    of a worker started by hand: it prints it and exits 0. ``rejoin``: a worker started by hand
+    whose job was replaced by a restarted driver's changed one starts again as a new worker of
+    that driver (it runs its own command line anew), as its user would have."""
 
     reason: str = ""
     ended: str = ""
+    rejoin: bool = False
 
 
 # -- worker -> driver: the state, uploaded (docs/architecture.md, "Elasticity", "Run directory") --

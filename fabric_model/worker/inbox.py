@@ -67,6 +67,24 @@ def _exit(code: int, reason: str) -> None:
     os._exit(code)
 
 
+def _start_again(why: str) -> None:
+    """A worker started by hand whose job a restarted driver replaced: run this command line anew
+    (a fresh process, which joins the driver as a new worker with the new job), as its user
+    would have; on failure it exits as any stopped worker does."""
+    for fn in _AT_EXIT:
+        try:
+            fn()
+        except Exception:
+            pass
+    sys.stderr.write(f"fabric_model worker: {why}; starting again as a new worker of the restarted driver\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execv(sys.executable, [sys.executable, "-m", "fabric_model", *sys.argv[1:]])
+    except OSError as exc:
+        sys.stderr.write(f"fabric_model worker: cannot start again ({exc})\n")
+
+
 class Inbox:
     """Reads the driver's messages on a thread; :class:`~fabric_model.transport.protocol.Stop`
     ends the process, and so does a closed link unless :attr:`driver_wait` takes the worker to
@@ -92,6 +110,8 @@ class Inbox:
                 while True:
                     message = self.channel.recv()
                     if isinstance(message, p.Stop):
+                        if message.rejoin:
+                            _start_again(message.ended)
                         ended = f"the job ended ({message.ended}); nothing left to train for" if message.ended else ""
                         _exit(REFUSED_EXIT if message.reason else 0, message.reason or ended)
                     elif isinstance(message, p.JoinPending):

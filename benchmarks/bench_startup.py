@@ -20,6 +20,15 @@ Each round starts, in turn, fresh interpreters that run:
 - ``datasets``: the plain loop and ``fm-2`` in a script whose first line is ``import datasets``
   (Hugging Face's; pyarrow under it starts jemalloc's background thread, which once made the
   caller unfit to fork);
+- ``keras``: a Keras MLP (12->64->64->3, batch 16): ``model.fit``'s first step in a fresh
+  interpreter; the same model through ``FabricModel.train`` with 2 engines, to the first
+  committed step; and a notebook's second ``train()`` of it (``FABRIC_MODEL_WARM_START=fresh``:
+  a Keras caller is never forked anyway), from the second ``FabricModel(...)`` to that job's first
+  committed step: with the warm process and its *spares* kept (children that have imported
+  TensorFlow: launchers/warm.py), right after the first job and after a pause of
+  ``--pause`` seconds (a notebook's reader; on a host with no core to spare beside the job's
+  workers, the spares import once the first job has ended), and with none kept
+  (``FABRIC_MODEL_WARM_KEEP=0``: each worker imports TensorFlow);
 - ``replace`` (unless ``--no-replace``): 2 engines, worker 1 SIGKILLed inside step 3; from the
   kill to the next committed step (the survivor alone) and to the first committed step the
   replacement worker takes part in.
@@ -103,11 +112,85 @@ for n in (1, 2):  # a notebook's two cells
 )
 
 
-def _again(tmp: Path, name: str, env: dict[str, str]) -> float:
+KERAS_MODEL = """
+import os, sys, time
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import numpy as np, keras
+rng = np.random.default_rng(0)
+X = rng.normal(size=(16 * 4, 12)).astype(np.float32)
+Y = (X @ rng.normal(size=(12, 3))).argmax(1)
+def model_and_optimizer():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(64, activation="relu"), keras.layers.Dense(3)])
+    return model, keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+"""
+
+KERAS_FIT = (
+    KERAS_MODEL
+    + """
+class Stamp(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 0:
+            print("STAMP", time.time(), flush=True)
+model, opt, loss = model_and_optimizer()
+model.compile(optimizer=opt, loss=loss)
+model.fit(X, Y, batch_size=16, epochs=1, verbose=0, callbacks=[Stamp()])
+"""
+)
+
+KERAS_FABRIC = (
+    KERAS_MODEL
+    + """
+from fabric_model import FabricModel
+DATA = [(X[i], int(Y[i])) for i in range(len(X))]
+class Stamp:
+    def __init__(self):
+        self.done = False
+    def log_train_metrics(self, metrics, iteration, epoch, workers):
+        if not self.done:
+            self.done = True
+            print("STAMP", time.time(), flush=True)
+for n in range(1, CELLS + 1):  # a notebook's cells
+    if n == 2:
+        time.sleep(PAUSE)
+        print("AGAIN", time.time(), flush=True)
+    model, opt, loss = model_and_optimizer()
+    fm = FabricModel(model, lambda: (DATA, None), loss, opt, driver_logger_callback=Stamp())
+    fm.train(1, 16, 2, seed=0, run_dir=RUN_DIR + str(n), verbose=0)
+"""
+)
+
+
+def _keras(tmp: Path, name: str, env: dict[str, str], cells: int, pause: float = 0.0) -> float:
+    """A Keras script training ``cells`` times: seconds from process start to the first job's
+    first committed step (1 cell), or from the second ``FabricModel(...)`` to its job's (2)."""
+    header = f"CELLS={cells}\nPAUSE={pause}\nRUN_DIR={str(tmp / name / 'run')!r}\n"
+    if cells == 1:
+        return _run(header + KERAS_FABRIC, env)[0]
+    return _again(tmp, name, env, header + KERAS_FABRIC)
+
+
+def _keras_round(
+    tmp: Path, r: int, env: dict[str, str], notebook: dict[str, str], pause: float
+) -> list[tuple[str, float]]:
+    """One round of the ``keras`` rows: (label, seconds)."""
+    none_kept = {**notebook, "FABRIC_MODEL_WARM_KEEP": "0"}
+    return [
+        ("keras model.fit: start -> first step", _run(KERAS_FIT, env)[0]),
+        ("keras fm 2 engines: start -> commit", _keras(tmp, f"k{r}", env, 1)),
+        ("keras again: spares kept", _keras(tmp, f"ka{r}", notebook, 2)),
+        (f"keras again: spares kept, {pause:g} s on", _keras(tmp, f"kp{r}", notebook, 2, pause)),
+        ("keras again: none kept", _keras(tmp, f"kn{r}", none_kept, 2)),
+    ]
+
+
+def _again(tmp: Path, name: str, env: dict[str, str], script: str | None = None) -> float:
     """Seconds from a second ``FabricModel(...)`` in the same caller to its job's first committed step."""
     run_dir = tmp / name / "run"
     header = f"STEPS=2\nENGINES=2\nKILL=False\nRUN_DIR={str(run_dir)!r}\nMARKERS=None\n"
-    out = subprocess.run([sys.executable, "-c", header + AGAIN], env=env, capture_output=True, text=True, timeout=300)
+    script = script if script is not None else header + AGAIN
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise RuntimeError(f"child failed ({out.returncode}):\n{out.stderr[-3000:]}")
     marks = [line.split() for line in out.stdout.splitlines() if line.startswith(("AGAIN", "STAMP"))]
@@ -169,8 +252,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-replace", action="store_true")
-    groups = ("basic", "fm", "again", "datasets", "replace")
+    groups = ("basic", "fm", "again", "datasets", "keras", "replace")
     parser.add_argument("--only", nargs="+", choices=groups, default=groups, help="the groups of rows to run")
+    parser.add_argument("--pause", type=float, default=30.0, help="keras: seconds between a notebook's two cells")
     args = parser.parse_args()
     only = set(args.only) - ({"replace"} if args.no_replace else set())
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -202,15 +286,22 @@ def main() -> int:
             for keep, label in (("600", "kept warm process"), ("0", "none kept")) if "again" in only else ():
                 seconds = _again(tmp, f"again{keep}-{r}", {**notebook, "FABRIC_MODEL_WARM_KEEP": keep})
                 rows.setdefault(f"again: 2nd train(), {label}", []).append(seconds)
+            if "keras" in only:
+                for label, seconds in _keras_round(tmp, r, env, notebook, args.pause):
+                    rows.setdefault(label, []).append(seconds)
             if "replace" in only:
                 nxt, new = _replacement(tmp, f"kill-{r}", env)
                 rows.setdefault("SIGKILL -> next committed step", []).append(nxt)
                 rows.setdefault("SIGKILL -> replacement training", []).append(new)
             print(f"round {r + 1}/{args.rounds} done (load {os.getloadavg()[0]:.2f})", file=sys.stderr)
     base = rows["plain loop: start -> first step"]
+    keras_base = rows.get("keras model.fit: start -> first step")
     print(f"{args.rounds} rounds, {os.cpu_count()} cores; median [min-max]")
     for name, values in rows.items():
         ratio = name.startswith(("fm", "import", "plain")) and name != "import datasets + plain loop"
+        if name.startswith("keras fm"):
+            print(_row(name, values, keras_base).replace("of plain", "of model.fit"))
+            continue
         print(_row(name, values, base if ratio else None))
         if name.startswith("fm"):
             beyond = [v - b for v, b in zip(values, base)]

@@ -72,6 +72,7 @@ print(json.dumps({"hooked_at_start": hooked_at_start, "before": before, "hooked_
 )
 
 
+@pytest.mark.processes  # a fresh interpreter: the fast tier stays in-process
 def test_a_subclass_of_adam_gets_the_same_verdict_in_a_fresh_process_and_after_an_adam_was_built():
     """torch wraps ``step`` on the class of the first optimizer it builds: a plain subclass built
     before any Adam then has a ``step`` of its own (the wrapper around Adam's). It is judged by

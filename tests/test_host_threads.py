@@ -129,6 +129,9 @@ def test_a_driver_with_no_local_workers_trains_with_workers_started_by_hand(tmp_
     with ``deterministic=True`` they take the run's fixed thread count instead."""
     monkeypatch.setenv("FABRIC_MODEL_LOCAL_WORKERS", "0")
     monkeypatch.setenv("FABRIC_MODEL_DETERMINISTIC_THREADS", "3")
+    # The workers' share of the host under this test's own temporary folder: another test's
+    # workers (a parallel run of the suite) may hold theirs in the shared one meanwhile.
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
     for deterministic, expected in ((False, max(1, usable_cores() // 2)), (True, 3)):
         record = tmp_path / f"threads-{deterministic}"
         record.mkdir()
@@ -138,4 +141,4 @@ def test_a_driver_with_no_local_workers_trains_with_workers_started_by_hand(tmp_
         assert sorted(threads_by_pid(record)) == sorted(p.pid for p in starter.processes)  # no local worker trained
         # Both in the first generation, or the second joined it: either way the run ends with both.
         assert [g["workers"] for g in records(tmp_path / f"run-{deterministic}", "generation")][-1] == 2
-        assert not (Path(os.environ.get("TMPDIR", "/tmp")) / f"fabric-model-{os.getuid()}").exists()
+        assert not (tmp_path / f"fabric-model-{os.getuid()}").exists()

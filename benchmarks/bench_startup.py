@@ -22,13 +22,11 @@ Each round starts, in turn, fresh interpreters that run:
   caller unfit to fork);
 - ``keras``: a Keras MLP (12->64->64->3, batch 16): ``model.fit``'s first step in a fresh
   interpreter; the same model through ``FabricModel.train`` with 2 engines, to the first
-  committed step; and a notebook's second ``train()`` of it (``FABRIC_MODEL_WARM_START=fresh``:
-  a Keras caller is never forked anyway), from the second ``FabricModel(...)`` to that job's first
-  committed step: with the warm process and its *spares* kept (children that have imported
-  TensorFlow: launchers/warm.py), right after the first job and after a pause of
-  ``--pause`` seconds (a notebook's reader; on a host with no core to spare beside the job's
-  workers, the spares import once the first job has ended), and with none kept
-  (``FABRIC_MODEL_WARM_KEEP=0``: each worker imports TensorFlow);
+  committed step, with the workers forks of the warm process that imported TensorFlow
+  (launchers/warm.py) and as fresh interpreters that each import it (``FABRIC_MODEL_WARM_START=0``);
+  and a notebook's second ``train()`` of it (``FABRIC_MODEL_WARM_START=fresh``: a Keras caller is
+  never forked anyway), from the second ``FabricModel(...)`` to that job's first committed step,
+  with the warm process kept and with none kept (``FABRIC_MODEL_WARM_KEEP=0``);
 - ``replace`` (unless ``--no-replace``): 2 engines, worker 1 SIGKILLed inside step 3; from the
   kill to the next committed step (the survivor alone) and to the first committed step the
   replacement worker takes part in.
@@ -153,7 +151,6 @@ class Stamp:
             print("STAMP", time.time(), flush=True)
 for n in range(1, CELLS + 1):  # a notebook's cells
     if n == 2:
-        time.sleep(PAUSE)
         print("AGAIN", time.time(), flush=True)
     model, opt, loss = model_and_optimizer()
     fm = FabricModel(model, lambda: (DATA, None), loss, opt, driver_logger_callback=Stamp())
@@ -162,26 +159,23 @@ for n in range(1, CELLS + 1):  # a notebook's cells
 )
 
 
-def _keras(tmp: Path, name: str, env: dict[str, str], cells: int, pause: float = 0.0) -> float:
+def _keras(tmp: Path, name: str, env: dict[str, str], cells: int) -> float:
     """A Keras script training ``cells`` times: seconds from process start to the first job's
     first committed step (1 cell), or from the second ``FabricModel(...)`` to its job's (2)."""
-    header = f"CELLS={cells}\nPAUSE={pause}\nRUN_DIR={str(tmp / name / 'run')!r}\n"
+    header = f"CELLS={cells}\nRUN_DIR={str(tmp / name / 'run')!r}\n"
     if cells == 1:
         return _run(header + KERAS_FABRIC, env)[0]
     return _again(tmp, name, env, header + KERAS_FABRIC)
 
 
-def _keras_round(
-    tmp: Path, r: int, env: dict[str, str], notebook: dict[str, str], pause: float
-) -> list[tuple[str, float]]:
+def _keras_round(tmp: Path, r: int, env: dict[str, str], notebook: dict[str, str]) -> list[tuple[str, float]]:
     """One round of the ``keras`` rows: (label, seconds)."""
-    none_kept = {**notebook, "FABRIC_MODEL_WARM_KEEP": "0"}
     return [
         ("keras model.fit: start -> first step", _run(KERAS_FIT, env)[0]),
         ("keras fm 2 engines: start -> commit", _keras(tmp, f"k{r}", env, 1)),
-        ("keras again: spares kept", _keras(tmp, f"ka{r}", notebook, 2)),
-        (f"keras again: spares kept, {pause:g} s on", _keras(tmp, f"kp{r}", notebook, 2, pause)),
-        ("keras again: none kept", _keras(tmp, f"kn{r}", none_kept, 2)),
+        ("keras fm 2 engines, fresh workers", _keras(tmp, f"kf{r}", {**env, "FABRIC_MODEL_WARM_START": "0"}, 1)),
+        ("keras again: kept warm process", _keras(tmp, f"ka{r}", notebook, 2)),
+        ("keras again: none kept", _keras(tmp, f"kn{r}", {**notebook, "FABRIC_MODEL_WARM_KEEP": "0"}, 2)),
     ]
 
 
@@ -254,7 +248,6 @@ def main() -> int:
     parser.add_argument("--no-replace", action="store_true")
     groups = ("basic", "fm", "again", "datasets", "keras", "replace")
     parser.add_argument("--only", nargs="+", choices=groups, default=groups, help="the groups of rows to run")
-    parser.add_argument("--pause", type=float, default=30.0, help="keras: seconds between a notebook's two cells")
     args = parser.parse_args()
     only = set(args.only) - ({"replace"} if args.no_replace else set())
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -287,7 +280,7 @@ def main() -> int:
                 seconds = _again(tmp, f"again{keep}-{r}", {**notebook, "FABRIC_MODEL_WARM_KEEP": keep})
                 rows.setdefault(f"again: 2nd train(), {label}", []).append(seconds)
             if "keras" in only:
-                for label, seconds in _keras_round(tmp, r, env, notebook, args.pause):
+                for label, seconds in _keras_round(tmp, r, env, notebook):
                     rows.setdefault(label, []).append(seconds)
             if "replace" in only:
                 nxt, new = _replacement(tmp, f"kill-{r}", env)

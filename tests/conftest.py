@@ -46,12 +46,12 @@ FIXTURE_PROCESSES: list[Callable[[], set[int]]] = []
 
 
 def _kept_warm_process() -> set[int]:
-    """The warm process kept for the next job (launchers/warm_spare.py) and its idle spares (a
-    Keras job's, launchers/warm.py): they outlive their job by design; a worker it still has is a
-    leak all the same."""
+    """The warm process kept for the next job (launchers/warm_spare.py): it outlives its job by
+    design; a worker it still has is a leak all the same."""
     from fabric_model.launchers import warm_spare
 
-    return warm_spare.kept_pids()
+    pid = warm_spare.kept_pid()
+    return set() if pid is None else {pid}
 
 
 FIXTURE_PROCESSES.append(_kept_warm_process)

@@ -286,5 +286,5 @@ def run_script(script: str, within: float, env: dict[str, str] | None = None) ->
 def started_processes() -> list[psutil.Process]:
     """This process's descendants but the warm process kept for its next job (launchers/warm_spare.py),
     which waits without a worker: what a check that fails before any worker starts must not leave."""
-    kept = warm_spare.kept_pids()  # and its idle spares (a Keras job's)
-    return [p for p in psutil.Process().children(recursive=True) if p.pid not in kept]
+    kept = warm_spare.kept_pid()
+    return [p for p in psutil.Process().children(recursive=True) if p.pid != kept]

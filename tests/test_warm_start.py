@@ -8,7 +8,6 @@ import importlib
 import json
 import logging
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -436,52 +435,3 @@ def test_a_kept_warm_process_ends_with_its_caller(tmp_path, ending):
     kept = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("kept ")]
     assert kept and kept[0] != "None", done.stdout + done.stderr
     assert _gone(int(kept[0]), 20), f"the kept warm process outlived its caller ({ending})"
-
-
-def test_spares_import_wait_become_the_requested_process_and_end_without_a_trace(tmp_path):
-    """The warm process's spares (launchers/warm.py), with a light import in place of TensorFlow:
-    kept at their count on the cores left free of workers, a dead one dropped and replaced, one
-    taken becomes the process its start request names (here ``fabric_model worker --help``, in
-    the request's environment and working directory, its output in the request's log), and
-    none is left once they are ended."""
-    from fabric_model.launchers.warm import Spares
-
-    events: list[dict] = []
-    spares = Spares("keras", lambda **event: events.append(event))
-    spares.imports, spares.cores = ("json",), 2
-
-    def settle() -> None:
-        deadline = time.monotonic() + 30
-        while spares.importing and time.monotonic() < deadline:
-            readable, _, _ = select.select(list(spares.importing), [], [], 1.0)
-            spares.heard(readable)
-
-    try:
-        spares.keep(3, (), workers=1)  # one core holds a worker: one spare imports now
-        assert len(spares.idle) == 1 and events[-1]["pids"] == list(spares.idle)
-        settle()
-        assert all(spare.ready for spare in spares.idle.values())
-        spares.top_up((), workers=0)
-        assert len(spares.idle) == 3
-        settle()
-        victim = next(iter(spares.idle))
-        os.kill(victim, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while victim in spares.idle and time.monotonic() < deadline:
-            spares.reap()
-            time.sleep(0.02)
-        assert victim not in spares.idle and events[-1]["pids"] == list(spares.idle)
-        log = tmp_path / "worker.log"
-        request = {"argv": ["worker", "--help"], "env": {"SPARE_TEST": "1"}, "log": str(log), "cwd": str(tmp_path)}
-        taken = spares.take(json.dumps(request).encode())
-        assert taken is not None and taken.ready and taken.pid not in spares.idle
-        _, status = os.waitpid(taken.pid, 0)
-        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
-        assert "usage:" in log.read_text()
-        spares.keep(3, (), workers=0)  # replaced: the dead one and the taken one
-        assert len(spares.idle) == 3
-    finally:
-        spares.end_all()
-    assert not spares.idle and not spares.importing and events[-1]["pids"] == []
-    forked = {pid for event in events for pid in event["pids"]}
-    assert not forked & {child.pid for child in psutil.Process().children()}  # each one reaped

@@ -26,6 +26,10 @@ _OPENBLAS_THREADS = (
 )
 
 
+#: The caller's blocker a warm process that imported TensorFlow itself does not have (below).
+TENSORFLOW_LOADED = "TensorFlow is loaded"
+
+
 def fork_blockers() -> list[str]:
     """Why this process must not be forked now; empty when it may be."""
     if not sys.platform.startswith("linux"):
@@ -34,12 +38,22 @@ def fork_blockers() -> list[str]:
     if threading.active_count() > 1 or threading.current_thread() is not threading.main_thread():
         blockers.append(f"{threading.active_count()} Python threads")
     if "tensorflow" in sys.modules:
-        blockers.append("TensorFlow is loaded")
+        blockers.append(TENSORFLOW_LOADED)
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         blockers.append("CUDA is initialized")
     blockers += _native_thread_blockers()
     return blockers
+
+
+def blockers_after_imports() -> list[str]:
+    """Why the warm process, its imports done, must not fork its workers: :func:`fork_blockers`
+    but for TensorFlow being loaded. Imported, TensorFlow has no thread and nothing a fork breaks:
+    its runtime (thread pools, devices) starts with its first operation, which only a worker runs;
+    the caller's TensorFlow has run operations (it built the model). Had an import started the
+    runtime, or any thread of its own, its threads would be named here (docs/architecture.md,
+    "Start-up")."""
+    return [reason for reason in fork_blockers() if reason != TENSORFLOW_LOADED]
 
 
 #: The futex system call's number, by machine: an idle pool thread waits in it.

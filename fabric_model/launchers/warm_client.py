@@ -23,14 +23,10 @@ import warnings
 from pathlib import Path
 from typing import IO, Any
 
-from ..setup.settings import WARM_KEEP
 from .base import module_command
-from .warm import SPARE_IMPORTS, exit_code, from_fork
+from .warm import exit_code, from_fork
 
 log = logging.getLogger(__name__)
-
-#: Seconds :meth:`WarmProcess.park` waits for the warm process to say it has forked its spares.
-PARK_TIMEOUT = 5.0
 
 
 class ForkedWorker:
@@ -40,7 +36,6 @@ class ForkedWorker:
         self.warm, self.worker_id = warm, worker_id
         self.pid: int | None = None
         self.returncode: int | None = None
-        self.spare: str | None = None  # "ready" or "importing": a spare became it (launchers/warm.py)
 
     def poll(self) -> int | None:
         return self.returncode
@@ -166,9 +161,6 @@ class WarmProcess:
         self.closed = False
         self.parked = False  # kept between jobs (launchers/warm_spare.py)
         self.kept_before = False  # taken from there
-        self.spare_pids: list[int] = []  # its idle spares (a Keras job's: launchers/warm.py)
-        self.spare_count = 0  # how many it was last asked to keep
-        self._parks = 0  # "parked" events: park() waits for its own
         self._workers: dict[int, ForkedWorker] = {}
         self._write = threading.Lock()
         self._reader = threading.Thread(target=self._read, name="fabric-model-warm", daemon=True)
@@ -181,31 +173,10 @@ class WarmProcess:
             self.parked = False
         self.request(op="log", path=str(path))
 
-    def spares(self, count: int) -> None:
-        """Keep ``count`` spares ready, replaced as workers take them, so that the caller's next
-        Keras job's workers start with TensorFlow imported (launchers/warm.py). Nothing for other
-        frameworks, nor for a process that will not be kept (a fork of the caller, or
-        ``FABRIC_MODEL_WARM_KEEP=0``): the spares work for the next job."""
-        if self.framework in SPARE_IMPORTS and not self.forked and WARM_KEEP.get() > 0:
-            # Sent again when unchanged: it replaces spares that died.
-            self.spare_count = count
-            self.request(op="spares", n=count)
-
-    def spare_note(self) -> str:
-        """How this job's workers started, for run.json's start-up notes (a Keras job's)."""
-        with self.changed:
-            started = [w.spare for w in self._workers.values() if w.pid is not None]
-        ready, importing = started.count("ready"), started.count("importing")
-        return (
-            f"{ready} of {len(started)} worker(s) started from a spare with TensorFlow imported, "
-            f"{importing} from one still importing, {len(started) - ready - importing} forked anew"
-        )
-
     def park(self, idle: float) -> bool:
         """Keep it for a next job, its job over: True if it is alive, a fresh interpreter and
         every worker it forked has exited (their exits reported); it ends by itself after
-        ``idle`` seconds without a request, and keeps :attr:`spare_count` spares meanwhile (their
-        pids known when this returns). Its output goes nowhere until :meth:`move_log`."""
+        ``idle`` seconds without a request. Its output goes nowhere until :meth:`move_log`."""
         with self.changed:
             if self.closed or self.forked or not self.alive:
                 return False
@@ -213,13 +184,10 @@ class WarmProcess:
                 return False
             self._workers.clear()
             self.parked = True
-            parks = self._parks
-        if not self.request(op="park", idle=idle, spares=self.spare_count):
+        if not self.request(op="park", idle=idle):
             with self.changed:
                 self.parked = False
             return False
-        with self.changed:  # forking spares takes milliseconds; the caller's leak checks want their pids
-            self.changed.wait_for(lambda: self._parks > parks or not self.alive, PARK_TIMEOUT)
         return True
 
     def fork(
@@ -271,18 +239,13 @@ class WarmProcess:
                 worker = self._workers.get(event.get("id", -1))
                 if event["ev"] == "ready":
                     self.ready = True
-                elif event["ev"] == "spares":
-                    self.spare_pids = list(event["pids"])
-                elif event["ev"] == "parked":
-                    self._parks += 1
                 elif worker is not None and event["ev"] == "started":
-                    worker.pid, worker.spare = event["pid"], event.get("spare")
+                    worker.pid = event["pid"]
                 elif worker is not None and event["ev"] == "exited":
                     worker.returncode = event["code"]
                 self.changed.notify_all()
         with self.changed:
             self.alive = False
-            self.spare_pids = []  # each died with it (PR_SET_PDEATHSIG), or it killed them
             for worker in self._workers.values():
                 if worker.returncode is None:  # its PR_SET_PDEATHSIG fired with the warm process
                     worker.returncode = -signal.SIGKILL

@@ -5,10 +5,7 @@ kernel, a test runner) spent seconds importing torch. When its job ends with eve
 gone, it is kept, idle, for the next ``train()`` of the same caller with the same framework and
 the same worker environment, for ``FABRIC_MODEL_WARM_KEEP`` seconds; then it ends by itself. At
 most one is kept. It holds nothing of its job (its workers were its forks and have been reaped;
-it never ran the job's code), and it ends with the caller, as every warm process does. A Keras
-job's keeps as many *spares* as the job had local workers (children that have imported
-TensorFlow, none of which ran a job: launchers/warm.py), so that the next job's workers start
-without that import; they end with it.
+it never ran the job's code), and it ends with the caller, as every warm process does.
 """
 
 from __future__ import annotations
@@ -82,15 +79,6 @@ def kept_pid() -> int | None:
     """The kept process's pid (None when none is kept): tests tell it from a leaked one."""
     warm = _kept
     return warm.process.pid if warm is not None and warm.alive else None
-
-
-def kept_pids() -> set[int]:
-    """The kept process's pid and its idle spares' (a Keras job's: launchers/warm.py), which
-    outlive their job by design: tests tell them from leaked ones."""
-    warm = _kept
-    if warm is None or not warm.alive:
-        return set()
-    return {warm.process.pid, *warm.spare_pids}
 
 
 def fits(warm: WarmProcess, framework: str, env: dict[str, str]) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -33,12 +33,11 @@ class StartUp:
         self.began = time.monotonic() if began is None else began
         self._marks: dict[str, float] = {}
         self._worker: dict[str, dict[str, float]] = {"worker set-up": {}, "entering it": {}}
-        self.notes: dict[str, str | Callable[[], str]] = {}
+        self.notes: dict[str, str] = {}
         self.recorded = False
 
-    def note(self, name: str, text: str | Callable[[], str]) -> None:
-        """A fact that explains the phases (``"warm process"``: how the local workers' processes
-        start); a callable is asked when the record is written (what only the start showed)."""
+    def note(self, name: str, text: str) -> None:
+        """A fact that explains the phases (``"warm process"``: how the local workers' processes start)."""
         self.notes[name] = text
 
     def mark(self, phase: str) -> None:
@@ -71,7 +70,7 @@ class StartUp:
                 rows.append([f"  the rest of {phase}", round(max(0.0, seconds - sum(parts.values())), 4)])
         record: dict[str, Any] = {"phases": rows, "total": round(last - self.began, 4)}
         if self.notes:
-            record["notes"] = {name: text() if callable(text) else text for name, text in self.notes.items()}
+            record["notes"] = dict(self.notes)
         return record
 
     def record(self, run_json: Any) -> None:

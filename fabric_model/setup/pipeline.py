@@ -210,11 +210,6 @@ def run_job(
         from ..launchers.local import local_launcher_factory
         from ..run.display import run_with_display
 
-        # A Keras job's warm process keeps spares with TensorFlow imported, one per local slot, for
-        # this job's workers and the next job's (launchers/warm.py): asked for here, the first place
-        # that has both the slots and the job's own warm process (api.train takes it just before).
-        if warm is not None:
-            warm.spares(len(setup.devices))
         launcher = (
             ray_cluster.launcher_factory(run.worker_log)
             if ray_cluster
@@ -230,8 +225,6 @@ def run_job(
                 # A fresh interpreter imports torch and the job's modules again: seconds of start-up.
                 log.info("local workers fork from the warm process: %s", warm.how)
                 setup.startup.note("warm process", warm.how)
-                if warm.spare_count:  # read when the record is written: the workers have started by then
-                    setup.startup.note("spares", warm.spare_note)
             if setup.rejoin is None:  # waiting workers this run does not take back hold the machine
                 from ..driver.waiting import release_waiting
 

@@ -306,9 +306,8 @@ WARM_KEEP: Setting[float] = declare(
         _seconds_or_zero,
         "a number of seconds, 0 or more",
         "Seconds a job's warm process, when it is a fresh interpreter, is kept after the job for the next "
-        "`train()` of the same process (a notebook, a sweep) before it ends (`0`: it ends with its job); a "
-        "Keras job's keeps as many spares, processes with TensorFlow imported, as it had local workers, so "
-        'that the next job\'s workers start without that import (`0`: none); docs/architecture.md, "Start-up".',
+        "`train()` of the same process (a notebook, a sweep) before it ends (`0`: it ends with its job); "
+        'docs/architecture.md, "Start-up".',
     )
 )
 KEEP_FREED_MEMORY: Setting[bool] = declare(

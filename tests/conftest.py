@@ -26,9 +26,38 @@ def pytest_report_header(config) -> str:
     return f"fabric-model: bounds stretched x{scale():.2f} for this machine's load (tests/load.py)"
 
 
+#: The files that take longest (a quiet 2-core machine, `--durations`), longest first. They are
+#: collected first, so that tox's two test processes, which take whole files in collection order
+#: (`pytest-xdist --dist loadfile`), do not end with one of them alone on a long file. A file left
+#: out or out of date costs only that balance.
+LONGEST_FIRST = (
+    "test_tf_keras.py",
+    "test_keras.py",
+    "test_recipes.py",
+    "models/test_keras_models.py",
+    "test_warm_start.py",
+    "test_ibm_runtime.py",
+    "test_elastic.py",
+    "test_ray.py",
+    "test_ibm_scripts.py",
+    "test_failures.py",
+    "test_driver_restart.py",
+    "test_deterministic_keras.py",
+    "test_multihost_ray.py",
+    "test_preemption.py",
+)
+
+
+def _longest_first(item: pytest.Item) -> int:
+    path = item.path.as_posix()
+    return next((i for i, name in enumerate(LONGEST_FIRST) if path.endswith("tests/" + name)), len(LONGEST_FIRST))
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """Every test's pytest-timeout bound (its marker's, else the configured one) stretched by
-    how busy the machine is (tests/load.py)."""
+    """The longest files first (:data:`LONGEST_FIRST`; the order within each file kept), and every
+    test's pytest-timeout bound (its marker's, else the configured one) stretched by how busy the
+    machine is (tests/load.py)."""
+    items.sort(key=_longest_first)  # stable
     factor = scale()
     if factor == 1.0:
         return

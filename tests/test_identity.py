@@ -86,6 +86,33 @@ def test_code_moved_in_its_file_is_the_same_code():
     assert identity.digest(first["loss"]) != identity.digest(changed["loss"])
 
 
+def test_equal_values_count_alike_whether_or_not_they_are_one_object():
+    """Which equal values are one object depends on the process's history (a string interned by
+    code that ran before): a Keras model's and its optimizer's dtype strings were one object in a
+    test runner and two in a fresh script, and the job counted as changed."""
+    interned, built = "float32", "".join(["float", "32"])
+    assert interned is not built
+    assert identity.digest({"model": [interned], "optimizer": [interned]}) == identity.digest(
+        {"model": [interned], "optimizer": [built]}
+    )
+    shared = torch.nn.Linear(4, 4)
+    assert identity.digest([shared, shared]) == identity.digest([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+
+
+def factorial(n: int) -> int:
+    return 1 if n < 2 else n * factorial(n - 1)
+
+
+def double_factorial(n: int) -> int:
+    return 1 if n < 2 else n * double_factorial(n - 2)
+
+
+def test_a_recursive_function_has_a_digest_of_its_own():
+    """A cycle (a function in its own globals) is pickled with the memo: a digest, not "unknown"."""
+    assert identity.digest(factorial) not in ("unknown", identity.digest(double_factorial))
+    assert identity.digest(factorial) == identity.digest(factorial)
+
+
 @pytest.mark.processes
 def test_sets_do_not_depend_on_the_hash_seed():
     script = textwrap.dedent(f"""

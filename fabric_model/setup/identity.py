@@ -138,13 +138,24 @@ def _variable_shapes(obj: Any) -> list[tuple[tuple[int, ...], str]]:
 
 def digest(obj: Any) -> str:
     """The digest of ``obj`` as a part of a job (the module docstring); "unknown" when it cannot
-    be pickled that way (it differs from any other, so the job counts as changed)."""
-    buffer = io.BytesIO()
-    try:
-        _DigestPickler(buffer).dump(obj)
-    except Exception:  # the job itself pickled: only the digest's replacements can fail here
-        return "unknown"
-    return hashlib.sha256(buffer.getvalue()).hexdigest()[:32]
+    be pickled that way (it differs from any other, so the job counts as changed).
+
+    Pickled without a memo where it can be: a pickle refers back to an object it has written
+    once, so equal values written twice give other bytes when they are one object than when they
+    are two, and which they are depends on the process's history (two equal dtype strings of a
+    Keras model and its optimizer were one interned object in a test runner that had trained other
+    models first, and two in a fresh script). Only a cyclic object (a recursive function) needs
+    the memo; it is pickled with it."""
+    for fast in (True, False):
+        buffer = io.BytesIO()
+        pickler = _DigestPickler(buffer)
+        pickler.fast = fast
+        try:
+            pickler.dump(obj)
+        except Exception:  # a cycle (ValueError; cloudpickle's PicklingError when it recursed), or
+            continue  # a replacement of the digest's that fails (the job itself pickled): "unknown"
+        return hashlib.sha256(buffer.getvalue()).hexdigest()[:32]
+    return "unknown"
 
 
 def identify(job: Job, config: Any, plan: Any) -> Identity:

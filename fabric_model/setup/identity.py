@@ -83,7 +83,10 @@ class _DigestPickler(JobPickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if _is_keras(obj):  # its own pickling is a saved archive: dates, object ids, the weights' bytes
-            return tuple, ((type(obj), _keras_config(obj), _variable_shapes(obj)),)
+            # Each as one new string: a pickle refers back to an object it has written once, and
+            # whether two equal dtype strings are one object depends on what the process ran
+            # before (a test runner that trained other models had them interned; a script not).
+            return tuple, ((type(obj), _keras_config(obj), json.dumps(_variable_shapes(obj))),)
         return super().reducer_override(obj)
 
     def persistent_id(self, obj: Any) -> Any:  # noqa: PLR0911 - one return per kind
@@ -138,24 +141,13 @@ def _variable_shapes(obj: Any) -> list[tuple[tuple[int, ...], str]]:
 
 def digest(obj: Any) -> str:
     """The digest of ``obj`` as a part of a job (the module docstring); "unknown" when it cannot
-    be pickled that way (it differs from any other, so the job counts as changed).
-
-    Pickled without a memo where it can be: a pickle refers back to an object it has written
-    once, so equal values written twice give other bytes when they are one object than when they
-    are two, and which they are depends on the process's history (two equal dtype strings of a
-    Keras model and its optimizer were one interned object in a test runner that had trained other
-    models first, and two in a fresh script). Only a cyclic object (a recursive function) needs
-    the memo; it is pickled with it."""
-    for fast in (True, False):
-        buffer = io.BytesIO()
-        pickler = _DigestPickler(buffer)
-        pickler.fast = fast
-        try:
-            pickler.dump(obj)
-        except Exception:  # a cycle (ValueError; cloudpickle's PicklingError when it recursed), or
-            continue  # a replacement of the digest's that fails (the job itself pickled): "unknown"
-        return hashlib.sha256(buffer.getvalue()).hexdigest()[:32]
-    return "unknown"
+    be pickled that way (it differs from any other, so the job counts as changed)."""
+    buffer = io.BytesIO()
+    try:
+        _DigestPickler(buffer).dump(obj)
+    except Exception:  # the job itself pickled: only the digest's replacements can fail here
+        return "unknown"
+    return hashlib.sha256(buffer.getvalue()).hexdigest()[:32]
 
 
 def identify(job: Job, config: Any, plan: Any) -> Identity:

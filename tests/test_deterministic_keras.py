@@ -114,3 +114,31 @@ def test_a_killed_driver_run_again_goes_on_bitwise(reference, tmp_path, monkeypa
     back = [g for g in records(run_dir, "generation") if g["reason"] == "the driver restarted"]
     assert len(back) == 1 and back[0]["members"] == [0, 1], records(run_dir, "generation")  # taken back
     assert not (run_dir / "join.json").exists()
+
+
+def augmenting_train(run_dir, workers):
+    """Preprocessing layers that augment inside the model, drawing as dropout does."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            keras.layers.RandomFlip("horizontal"),
+            keras.layers.RandomRotation(0.1),
+            keras.layers.Conv2D(4, 3, activation="relu"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(2),
+        ]
+    )
+    rng = np.random.default_rng(1)
+    x = rng.random((72, 8, 8, 1)).astype(np.float32)
+    y = (x[:, :, :4].mean(axis=(1, 2, 3)) > 0.5).astype(int)
+    data = [(x[i], int(y[i])) for i in range(72)]
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    fm = FabricModel(model, lambda: (data, None), loss, keras.optimizers.SGD(learning_rate=0.05))
+    fm.train(2, 8, workers, effective_batch_size=24, seed=SEED, run_dir=run_dir, deterministic=True)
+    return [v.numpy() for v in model.variables]
+
+
+def test_random_preprocessing_layers_train_bitwise_alike_on_1_and_2_workers(tmp_path):
+    one, two = augmenting_train(tmp_path / "one", 1), augmenting_train(tmp_path / "two", 2)
+    assert_bitwise_equal(two, one)

@@ -511,3 +511,41 @@ def test_fabric_model_writes_a_checked_onnx_file_for_tf_keras(run_dir):
     assert result.onnx_max_diff is not None and result.onnx_max_diff < 1e-4
     batch = rng.normal(size=(5, 8, 8, 1)).astype("float32")
     assert onnx_max_diff(run_dir / "model" / "model.onnx", "tf_keras", model, [batch]) < 1e-4
+
+
+# -- augmentation (step/sample_seeds.py) -----------------------------------------------------------
+IMAGES = np.random.default_rng(3).random((96, 8, 8, 1)).astype("float32")
+IMAGE_LABELS = np.eye(2, dtype=np.float32)[(IMAGES[:, :, :4].mean(axis=(1, 2, 3)) > 0.5).astype(int)]
+
+
+def augmented_flow():
+    """An ImageDataGenerator that flips and shifts at random (NumPy's global generator), shuffled."""
+    generator = tf_keras.preprocessing.image.ImageDataGenerator(
+        horizontal_flip=True, width_shift_range=0.2, height_shift_range=0.2
+    )
+    return generator.flow(IMAGES, IMAGE_LABELS, batch_size=8, shuffle=True), None
+
+
+def augmented_train(run_dir, workers):
+    tf_keras.utils.set_random_seed(0)
+    model = tf_keras.Sequential(
+        [
+            tf_keras.layers.Conv2D(4, 3, activation="relu", input_shape=(8, 8, 1)),
+            tf_keras.layers.Flatten(),
+            tf_keras.layers.Dropout(0.2),
+            tf_keras.layers.Dense(2, activation="softmax"),
+        ]
+    )
+    FabricModel(model, augmented_flow, "categorical_crossentropy", tf_keras.optimizers.legacy.SGD(0.05)).train(
+        2, 8, workers, effective_batch_size=24, seed=4, run_dir=run_dir, deterministic=True, num_dataloader_threads=2
+    )
+    return [v.numpy() for v in model.variables]
+
+
+@pytest.mark.processes
+def test_an_augmenting_image_data_generator_trains_bitwise_alike_on_1_and_2_workers(tmp_path):
+    """Each batch of the flow is read after its seeds are set: its flips and shifts are the same
+    whichever worker reads it, on whichever reader thread."""
+    one, two = augmented_train(tmp_path / "one", 1), augmented_train(tmp_path / "two", 2)
+    differ = [i for i, (a, b) in enumerate(zip(one, two)) if not np.array_equal(a, b)]
+    assert not differ, f"not bitwise equal: variables {differ}"

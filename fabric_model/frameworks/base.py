@@ -15,6 +15,7 @@ from ..step.data import Reader, is_batch_level
 from ..step.digest import state_fingerprint
 from ..step.layout import LEAVE_VOTE, STOP_VOTE
 from ..step.options import StepOptions
+from ..step.sample_seeds import Generator
 
 #: The keys under which a dict sample holds its target, looked for in this order (every framework).
 TARGET_KEYS = ("target", "label", "labels", "y")
@@ -66,6 +67,17 @@ class FrameworkAdapter(abc.ABC):
         """A way to read a micro-batch of ``dataset`` in one go, faster than item by item and
         ``collate`` with the same result; None where there is none (``data.fetch`` then)."""
         return None
+
+    @property
+    def own_collate(self) -> bool:
+        """Whether ``collate`` is the framework's own, no user code (then a list of samples is
+        read without seeds: nothing in the read can draw)."""
+        return False
+
+    def read_generators(self, dataset: Any) -> list[Generator]:
+        """The framework's generators a read of ``dataset`` may draw from, seeded before each
+        sample as NumPy's and Python's are (step/sample_seeds.py); none by default."""
+        return []
 
     @abc.abstractmethod
     def begin_step(self, collective: Any = None) -> None:

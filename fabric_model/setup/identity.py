@@ -152,9 +152,7 @@ def digest(obj: Any) -> str:
 
 def identify(job: Job, config: Any, plan: Any) -> Identity:
     """The identity of ``job`` run with ``config`` (a TrainConfig) and ``plan``."""
-    arguments = {
-        f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in _OPERATIONAL
-    }
+    arguments = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in _OPERATIONAL}
     return {
         MODEL: digest(job.adapter.identity_view()),
         DATA: digest(job.get_datasets),

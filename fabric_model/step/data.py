@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from .sample_seeds import SeededReads
+
 Collate = Callable[[Sequence[Any]], Any]
 #: Reads a whole micro-batch at once, given its indices (a framework's gather, see ``FrameworkAdapter.reader``).
 Reader = Callable[[np.ndarray], Any]
@@ -55,25 +57,45 @@ class PrefetchLoader:
     collating overlap with compute. With ``threads=0`` batches are read on the caller's
     thread. The loader never reads a batch the schedule does not name, so what a worker
     reads is exactly what its plan assigns it.
+
+    With ``seeded`` every read sets its samples' seeds (step/sample_seeds.py; ``epoch_of`` gives
+    a key's epoch): the first read is made on the caller's thread, and so is every later one
+    when that read drew from a generator the caller's thread uses too.
     """
 
-    def __init__(self, dataset: Any, collate: Collate, threads: int, reader: Reader | None = None) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        collate: Collate,
+        threads: int,
+        reader: Reader | None = None,
+        seeded: SeededReads | None = None,
+        epoch_of: Callable[[Hashable], int] | None = None,
+    ) -> None:
         self._dataset = dataset
         self._collate = collate
         self._reader = reader
+        self._seeded = seeded
+        self._epoch_of = epoch_of
         self._threads = threads
-        self._pool: ThreadPoolExecutor | None = (
-            ThreadPoolExecutor(threads, thread_name_prefix="fabric-data") if threads > 0 else None
-        )
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _on_caller(self) -> bool:
+        return self._threads == 0 or (self._seeded is not None and self._seeded.on_caller is not False)
 
     def iterate(self, schedule: Iterable[tuple[Hashable, np.ndarray]]) -> Iterator[tuple[Hashable, np.ndarray, Any]]:
         """``(key, indices, batch)`` for each schedule entry, in order."""
-        if self._pool is None:
-            for key, indices in schedule:
-                yield key, indices, self._read(indices)
-            return
-        pending: collections.deque[tuple[Hashable, np.ndarray, Future[Any]]] = collections.deque()
         entries = iter(schedule)
+        while self._on_caller():
+            entry = next(entries, None)
+            if entry is None:
+                return
+            key, indices = entry
+            yield key, indices, self._read(key, indices)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="fabric-data")
+        pool = self._pool
+        pending: collections.deque[tuple[Hashable, np.ndarray, Future[Any]]] = collections.deque()
         depth = 2 * self._threads
         try:
             while True:
@@ -82,7 +104,7 @@ class PrefetchLoader:
                     if entry is None:
                         break
                     key, indices = entry
-                    pending.append((key, indices, self._pool.submit(self._read, indices)))
+                    pending.append((key, indices, pool.submit(self._read, key, indices)))
                 if not pending:
                     return
                 key, indices, future = pending.popleft()
@@ -91,7 +113,10 @@ class PrefetchLoader:
             for _, _, future in pending:
                 future.cancel()
 
-    def _read(self, indices: np.ndarray) -> Any:
+    def _read(self, key: Hashable, indices: np.ndarray) -> Any:
+        if self._seeded is not None:
+            assert self._epoch_of is not None
+            return self._seeded.read(self._epoch_of(key), indices)
         return self._reader(indices) if self._reader is not None else fetch(self._dataset, indices, self._collate)
 
     def close(self) -> None:

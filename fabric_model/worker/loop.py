@@ -17,6 +17,7 @@ agreed unit with that step's micro-batches re-divided among the new members.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterator
@@ -38,6 +39,7 @@ from ..state.uploader import StateUploader
 from ..step.data import (
     EpochShuffledBatches,
     PrefetchLoader,
+    fetch,
     first_of,
     is_batch_level,
     loader_threads,
@@ -56,6 +58,7 @@ from ..step.plan import (
     eval_batches,
     eval_segment_batches,
 )
+from ..step.sample_seeds import VALIDATION, SampleSeeds, SeededReads, global_generators, numpy_generators_of
 from ..streams.reader import StreamedDataset
 from ..transport import protocol as p
 from ..transport.collective import Collective, CollectiveError
@@ -115,6 +118,7 @@ class TrainingLoop:
         if own_shuffle(self.train_set):
             self.train_set = EpochShuffledBatches(self.train_set, plan.seed)
         self.context = context
+        self._seeded_reads: dict[int, SeededReads] = {}  # by dataset: step/sample_seeds.py
         # This worker's core budget (its intra-op threads): the data loader's threads are a share of it.
         self.cores = threads if threads is not None else threads_per_worker(config.sizing.max_workers)
         # A hand-started worker's share of its host, asked again at each generation: every member
@@ -424,17 +428,33 @@ class TrainingLoop:
         self.next_unit = self.schedule.total_units
         return True
 
-    def _loader_for(self, dataset: Any) -> PrefetchLoader:
+    def _loader_for(self, dataset: Any, validation: bool = False) -> PrefetchLoader:
         """Reads ``dataset``'s micro-batches: in one gather where the framework can, and with
-        the loader threads the user asked for, else a share of this worker's cores (step/data.py)."""
+        the loader threads the user asked for, else a share of this worker's cores (step/data.py);
+        every sample a user's code reads after its seeds are set (step/sample_seeds.py)."""
         batch_level = is_batch_level(dataset) or isinstance(dataset, EpochShuffledBatches)
         collate: Callable[[Any], Any] = first_of if batch_level else self.adapter.collate
         reader = None if batch_level else self.adapter.reader(dataset)
+        at_once = reads_at_once(dataset, reader) or batch_level
         threads = loader_threads(self.config.num_dataloader_threads, reads_at_once(dataset, reader), self.cores)
         if isinstance(dataset, StreamedDataset):
             # A stream is read front to back: one thread reads ahead, in the plan's order.
             threads = min(threads, 1) if self.config.num_dataloader_threads is not None else 1
-        return PrefetchLoader(dataset, collate, threads, reader)
+        if reader is not None or (type(dataset) in (list, tuple) and self.adapter.own_collate):
+            return PrefetchLoader(dataset, collate, threads, reader)  # no user code reads: none draws
+        seeded = self._seeded_reads.get(id(dataset))
+        if seeded is None:  # one per dataset: its first read, made once, says where the rest run
+            seeds = SampleSeeds(
+                self.plan.seed,
+                [*global_generators(), *numpy_generators_of(dataset), *self.adapter.read_generators(dataset)],
+            )
+            whole: Callable[[np.ndarray], Any] | None = None
+            if at_once:
+                whole = reader if reader is not None else functools.partial(fetch, dataset, collate=collate)
+            seeded = SeededReads(seeds, None if at_once else dataset.__getitem__, whole, collate)
+            self._seeded_reads[id(dataset)] = seeded
+        epoch_of = _validation_epoch if validation else _training_epoch
+        return PrefetchLoader(dataset, collate, threads, reader, seeded, epoch_of)
 
     def _check_abort(self) -> None:
         """Leave a long step or validation early when the driver ends this generation."""
@@ -536,7 +556,7 @@ class TrainingLoop:
 
     def _validate(self, epoch: int) -> list[float]:
         adapter, collective = self.adapter, self.collective
-        loader = self._loader_for(self.test_set)
+        loader = self._loader_for(self.test_set, validation=True)
         try:
             # A batch-level dataset's items are batches already: one item per evaluation batch.
             chunk = 1 if is_batch_level(self.test_set) else self.config.batch_size
@@ -555,3 +575,11 @@ class TrainingLoop:
         if self._logs_test:
             self.hooks.log_test_metrics(validation_means(adapter.stat_names, stats), self.iterations, epoch)
         return stats
+
+
+def _training_epoch(key: Hashable) -> int:
+    return int(key[0])  # type: ignore[index]  # the training schedule's keys: (epoch, step, j)
+
+
+def _validation_epoch(key: Hashable) -> int:
+    return VALIDATION

@@ -288,6 +288,10 @@ class KerasAdapter(FrameworkAdapter):
         self._view: torch.Tensor | None = None
         self._in_step = False
 
+    @property
+    def own_collate(self) -> bool:
+        return self._collate_fn is None
+
     def collate(self, samples: Sequence[Any]) -> Any:
         return self._collate_fn(samples) if self._collate_fn is not None else collate_numpy(samples)
 

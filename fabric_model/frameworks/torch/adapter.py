@@ -17,6 +17,7 @@ from ...step.data import Reader
 from ...step.digest import state_fingerprint
 from ...step.layout import StepLayout, StepResult
 from ...step.options import StepOptions
+from ...step.sample_seeds import Generator
 from ...step.tree import map_tree
 from ..base import FrameworkAdapter, metric_name
 from .batches import cpu_copy, scalar, to_device
@@ -24,7 +25,7 @@ from .calling import ModelCall, detached
 from .evaluation import TorchEvaluation
 from .frozen import FrozenParameters, frozen_names
 from .gather import tensor_reader
-from .generators import OwnedGenerators
+from .generators import OwnedGenerators, read_generators
 from .ibm import Eva, accuracy, forbidden_step
 from .precision import GradientStep
 from .sharded import ShardedOptimizer
@@ -363,6 +364,10 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         except Exception as exc:  # raised out of autograd it would lose its type: keep it for all_reduce
             self._overlap, self._deferred_error = False, exc
 
+    @property
+    def own_collate(self) -> bool:
+        return self._collate_fn is None
+
     def collate(self, samples: Sequence[Any]) -> Any:
         if self._collate_fn is not None:
             return self._collate_fn(samples)
@@ -370,6 +375,9 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
 
     def reader(self, dataset: Any) -> Reader | None:
         return tensor_reader(dataset, self._collate_fn)
+
+    def read_generators(self, dataset: Any) -> list[Generator]:
+        return read_generators(dataset)
 
     # -- a step ---------------------------------------------------------------------------
     @property

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ...step import sample_seeds
 from ...step.plan import generator_seed
 
 
@@ -59,3 +60,17 @@ class OwnedGenerators:
     def seed(self, seed: int) -> None:
         for name, generator in self.generators:
             generator.manual_seed(generator_seed(seed, name))
+
+
+def _global_state() -> bytes:
+    return torch.default_generator.get_state().numpy().tobytes()
+
+
+def read_generators(dataset: Any) -> list[sample_seeds.Generator]:
+    """The torch generators a read of ``dataset`` may draw from (step/sample_seeds.py): torch's
+    global one, contended (dropout draws from it on the training thread), and each
+    ``torch.Generator`` the dataset holds, which only its reads use."""
+    found = [sample_seeds.Generator("torch", torch.default_generator.manual_seed, _global_state, contended=True)]
+    for path, generator in sample_seeds.held_by(dataset, (torch.Generator,)):
+        found.append(sample_seeds.Generator(f"dataset.{path}", generator.manual_seed))
+    return found

@@ -810,6 +810,7 @@ class Driver:
         at the next report (driver/ledger.py), so a state one step past the committed unit is the
         furthest any member held, its steps all done."""
         self._held = restore = self.states.restore_point(self.schedule.total_units)
+        log.info("the newest state held: %s", restore.name if restore is not None else "none (the initial weights)")
         if restore is None:
             return FinalState({}, {}, -1, 0, source="the initial weights")
         return FinalState({}, {}, -1, restore.unit, source=f"the {restore.name}")

@@ -135,7 +135,8 @@ class StateBook:
             name = checkpoint_name(upload.unit)
             self.checkpoints.store(worker_id, upload.generation, upload.unit, record)
         self._hold(_Held(upload.unit, upload.kind, name, record))
-        log.debug("%s from worker %d: %d bytes", name, worker_id, len(data))
+        # In driver.log: which state a halt or a preemption could fall back on, and since when.
+        log.info("%s from worker %d: %d bytes (generation %d)", name, worker_id, len(data), upload.generation)
 
     def _hold(self, state: _Held) -> None:
         if self.held and state.unit <= self.held[-1].unit:

@@ -165,6 +165,7 @@ class FabricModel(InferenceMixin):
         deterministic: bool = False,
         profile: bool | int | tuple[int, int] | range | None = None,
         shard_optimizer_state: bool = False,
+        num_dataloader_processes: int | None = None,
     ) -> TrainResult:
         """Train for ``epoch_number`` epochs; the user's ``model`` then holds the trained weights.
 
@@ -219,6 +220,11 @@ class FabricModel(InferenceMixin):
                 exist from a step's backward to its update); the weights are those of an unsharded
                 run, a killed worker loses nothing, checkpoints hold the whole state (torch, elementwise optimizers:
                 docs/elasticity.md, "Sharded optimizer state"). Default: off.
+            num_dataloader_processes: processes per worker reading its micro-batches, for a dataset
+                whose reading is bound by Python (PIL decoding, transforms), as
+                ``DataLoader(num_workers=N)`` reads; every sample seeded as on threads, so the
+                result is the same bits (torch; docs/training.md, "Reading in processes").
+                Default: none (threads, ``num_dataloader_threads``).
         """
         from .run.display import check_verbose
         from .run.startup import StartUp
@@ -239,6 +245,7 @@ class FabricModel(InferenceMixin):
                 deterministic,
                 profile,
                 shard_optimizer_state,
+                num_dataloader_processes,
             )
             ignored = {"worker_memory": worker_memory, "driver_memory": driver_memory}
             sizes = pipeline.RunSizes(epoch_number, batch_size, engines_number, effective_batch_size)

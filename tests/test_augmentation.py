@@ -11,9 +11,11 @@ registry does not import beside the CPU build of torch the tests pin, so they ar
 from __future__ import annotations
 
 import copy
+import os
 import random
 
 import numpy as np
+import psutil
 import pytest
 import torch
 import torch.nn.functional as F
@@ -66,7 +68,8 @@ class AugmentedImages(torch.utils.data.Dataset):
     """Images of two classes; every read crops, flips, jitters and adds noise, drawing from
     torch's global generator (the transforms), NumPy's and Python's, and its own two."""
 
-    def __init__(self, n: int = 48) -> None:
+    def __init__(self, n: int = 48, record_dir: str | None = None) -> None:
+        self.record_dir = record_dir  # a file per process that reads, named by its pid
         g = torch.Generator().manual_seed(0)
         self.labels = torch.arange(n) % 2
         base = torch.rand(n, 1, 10, 10, generator=g)
@@ -80,6 +83,8 @@ class AugmentedImages(torch.utils.data.Dataset):
         return len(self.labels)
 
     def __getitem__(self, i: int):
+        if self.record_dir is not None:
+            open(os.path.join(self.record_dir, str(os.getpid())), "a").close()
         x = self.transform(self.images[i])
         x = x + 0.1 * torch.randn_like(x)  # torch's global generator
         x = x + 0.01 * torch.randn(x.shape, generator=self.noise)  # the dataset's own
@@ -99,16 +104,21 @@ class SmallCNN(torch.nn.Module):
         return self.fc(self.drop(x.flatten(1)))
 
 
-def datasets():
-    return AugmentedImages(), AugmentedImages(12)
-
-
-def train(run_dir, workers: int, deterministic: bool = True, faults=(), marker_dir=None) -> dict[str, torch.Tensor]:
+def train(
+    run_dir, workers: int, deterministic: bool = True, faults=(), marker_dir=None, record_dir=None, **kwargs
+) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = SmallCNN()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     injector = FaultInjector(list(faults), marker_dir) if faults else None
-    fm = FabricModel(model, datasets, F.cross_entropy, opt, worker_logger_callback=injector)
+    record = None if record_dir is None else str(record_dir)
+    fm = FabricModel(
+        model,
+        lambda: (AugmentedImages(48, record), AugmentedImages(12)),
+        F.cross_entropy,
+        opt,
+        worker_logger_callback=injector,
+    )
     fm.train(
         EPOCHS,
         BATCH,
@@ -118,6 +128,7 @@ def train(run_dir, workers: int, deterministic: bool = True, faults=(), marker_d
         deterministic=deterministic,
         effective_batch_size=GLOBAL,
         num_dataloader_threads=2,  # reader threads exist; the torch draws keep reads off them
+        **kwargs,
     )
     return copy.deepcopy(model.state_dict())
 
@@ -148,3 +159,19 @@ def test_without_deterministic_mode_augmented_training_agrees_to_rounding(tmp_pa
     two = train(tmp_path / "two", 2, deterministic=False)
     for k in one:
         assert torch.allclose(one[k], two[k], rtol=1e-4, atol=1e-5), k
+
+
+def test_reader_processes_read_the_same_bits_and_end_with_a_killed_worker(reference, tmp_path):
+    """``num_dataloader_processes=2``: the samples are read in processes forked from each worker,
+    seeded as on the training thread; a SIGKILLed worker's readers end with it."""
+    readers = tmp_path / "readers"
+    readers.mkdir()
+    state = train(
+        tmp_path / "run", 2, faults=[Kill(1, 5)], marker_dir=tmp_path, record_dir=readers, num_dataloader_processes=2
+    )
+    assert fired_at(tmp_path, 0) is not None
+    assert_bitwise(state, reference)
+    pids = [int(f.name) for f in readers.iterdir() if int(f.name) != os.getpid()]  # the caller checks 2 samples
+    assert len(pids) >= 4, pids  # 2 readers a worker, and more after the kill's new generation
+    alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"reader processes left running: {alive}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import torch
 from torch.utils.data import default_collate
 
@@ -130,3 +131,19 @@ def test_a_read_on_the_training_thread_leaves_the_models_generator_to_its_own_se
     reads.read(0, np.array([1, 2]))
     torch.manual_seed(11)
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_reader_processes_are_checked_and_refused_for_keras_before_any_worker_starts(tmp_path):
+    from fabric_model import FabricModel
+    from fabric_model.frameworks import framework_named
+
+    model = torch.nn.Linear(4, 2)
+    data = [(torch.randn(4), 0) for _ in range(8)]
+    fm = FabricModel(
+        model, lambda: (data, None), torch.nn.functional.cross_entropy, torch.optim.SGD(model.parameters())
+    )
+    with pytest.raises(ValueError, match=r"num_dataloader_processes.*Received: num_dataloader_processes=-1"):
+        fm.train(1, 4, 1, run_dir=tmp_path / "run", num_dataloader_processes=-1)
+    with pytest.raises(ValueError, match=r"for a keras model: reading in processes is for torch models"):
+        framework_named("keras").check_reader_processes(2)
+    framework_named("torch").check_reader_processes(2)  # torch reads in processes

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..profiling import phases as ph
-from ..step.data import Reader, is_batch_level
+from ..step.data import Loader, Reader, is_batch_level
 from ..step.digest import state_fingerprint
 from ..step.layout import LEAVE_VOTE, STOP_VOTE
 from ..step.options import StepOptions
-from ..step.sample_seeds import Generator
+from ..step.sample_seeds import Generator, SeededReads
 
 #: The keys under which a dict sample holds its target, looked for in this order (every framework).
 TARGET_KEYS = ("target", "label", "labels", "y")
@@ -73,6 +73,13 @@ class FrameworkAdapter(abc.ABC):
         """Whether ``collate`` is the framework's own, no user code (then a list of samples is
         read without seeds: nothing in the read can draw)."""
         return False
+
+    def process_loader(
+        self, dataset: Any, reads: SeededReads, processes: int, epoch_of: Callable[[Hashable], int]
+    ) -> Loader | None:
+        """A loader reading ``dataset`` in ``processes`` processes (``num_dataloader_processes``);
+        None where the framework has none (the caller refuses the argument first: setup/checks.py)."""
+        return None
 
     def read_generators(self, dataset: Any) -> list[Generator]:
         """The framework's generators a read of ``dataset`` may draw from, seeded before each
@@ -268,6 +275,14 @@ class Framework(abc.ABC):
             "Expected `shard_optimizer_state` to be False for a "
             f"{self.name} model: only a torch optimizer's state can be sharded so far. "
             "Received: shard_optimizer_state=True."
+        )
+
+    def check_reader_processes(self, processes: int) -> None:
+        """Raise unless the workers can read in ``processes`` processes (``train(num_dataloader_processes=...)``)."""
+        raise ValueError(
+            f"Expected `num_dataloader_processes` to be 0 or None for a {self.name} model: reading "
+            "in processes is for torch models so far (num_dataloader_threads reads on threads). "
+            f"Received: num_dataloader_processes={processes}."
         )
 
     @abc.abstractmethod

@@ -59,6 +59,7 @@ ARGUMENT_CHECKS: dict[str, dict[str, str]] = {
         "batch_size": f"{_SELF}:check_positive_int",
         "engines_number": f"{_SELF}:check_positive_int",
         "num_dataloader_threads": f"{_SELF}:check_positive_int",
+        "num_dataloader_processes": f"{_SELF}:check_positive_int",
         "validation_freq": f"{_SELF}:check_positive_int",
         "checkpoint_freq": f"{_SELF}:check_positive_int",
         "effective_batch_size": f"{_SELF}:check_effective_batch",
@@ -299,6 +300,7 @@ def check_train_arguments(
     check_positive_int("batch_size", batch_size)
     check_positive_int("engines_number", engines_number, allow_none=True)
     check_positive_int("num_dataloader_threads", loop.num_dataloader_threads, minimum=0, allow_none=True)
+    check_positive_int("num_dataloader_processes", loop.num_dataloader_processes, minimum=0, allow_none=True)
     check_positive_int("validation_freq", loop.validation_freq)
     check_positive_int("checkpoint_freq", loop.checkpoint_freq, minimum=0)
     check_resume("resume", resume)

@@ -176,3 +176,5 @@ class TrainConfig:
     #: Each member holds and updates its slices of the optimizer state only (docs/elasticity.md,
     #: "Sharded optimizer state").
     shard_optimizer_state: bool = False
+    #: Processes per worker reading its micro-batches (0: threads; frameworks/torch/reader_processes.py).
+    num_dataloader_processes: int = 0

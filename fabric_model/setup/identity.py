@@ -43,7 +43,15 @@ PLAN = "the plan (samples, batch sizes, seed)"
 LAYOUT = "state layout"
 
 #: TrainConfig fields that say how a run is operated, not what it trains: left out of its digest.
-_OPERATIONAL = ("timeouts", "snapshots", "preemption", "profile", "num_dataloader_threads", "keep_freed_memory")
+_OPERATIONAL = (
+    "timeouts",
+    "snapshots",
+    "preemption",
+    "profile",
+    "num_dataloader_threads",
+    "num_dataloader_processes",
+    "keep_freed_memory",
+)
 
 Identity = dict[str, str]
 

@@ -71,6 +71,8 @@ def prepare(
     framework = fm._framework
     if loop.shard_optimizer_state:
         framework.check_shardable(fm.optimizer)
+    if loop.num_dataloader_processes:
+        framework.check_reader_processes(loop.num_dataloader_processes)
     if fm.save_to_onnx:
         from ..frameworks.export import check_onnx_available
 

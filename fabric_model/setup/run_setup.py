@@ -48,6 +48,7 @@ class LoopOptions(NamedTuple):
     deterministic: Any = False
     profile: Any = None
     shard_optimizer_state: Any = False
+    num_dataloader_processes: Any = None
 
 
 def size_run(
@@ -123,6 +124,7 @@ def train_config(epoch_number: int, batch_size: int, sizing: EngineSizing, loop:
         keep_freed_memory=keep_freed_memory_setting(),
         replica_check_steps=DIVERGENCE_CHECK_STEPS.get(),
         shard_optimizer_state=bool(loop.shard_optimizer_state),
+        num_dataloader_processes=loop.num_dataloader_processes or 0,
     )
 
 

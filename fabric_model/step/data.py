@@ -6,7 +6,7 @@ import collections
 import functools
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -48,6 +48,17 @@ def loader_threads(requested: int | None, at_once: bool, cores: int) -> int:
     if requested is not None:
         return requested
     return 0 if at_once else max(1, min(4, cores // 2))
+
+
+class Loader(Protocol):
+    """What a worker reads its micro-batches through: :class:`PrefetchLoader` (the training thread,
+    reader threads) or a framework's reader processes (``FrameworkAdapter.process_loader``)."""
+
+    def iterate(self, schedule: Iterable[tuple[Hashable, np.ndarray]]) -> Iterator[tuple[Hashable, np.ndarray, Any]]:
+        """``(key, indices, batch)`` for each schedule entry, in order."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class PrefetchLoader:

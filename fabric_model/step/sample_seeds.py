@@ -178,8 +178,11 @@ class SeededReads:
         self._lock = threading.Lock()
         self.on_caller: bool | None = None if seeds.contended else False
 
-    def read(self, epoch: int, indices: np.ndarray) -> Any:
-        """The micro-batch ``indices`` of ``epoch``, each part read after its seeds are set."""
+    def read(self, epoch: int, indices: np.ndarray, isolated: bool = False) -> Any:
+        """The micro-batch ``indices`` of ``epoch``, each part read after its seeds are set;
+        ``isolated``: in a process of its own (a reader process), where no generator is contended."""
+        if isolated:
+            return self._read(epoch, indices, contended=True, drew=None)
         with self._lock:  # reader threads share the uncontended generators: one read at a time
             if self.on_caller is None:
                 drew: list[bool] = []

@@ -38,6 +38,7 @@ from ..state.transfer import broadcast_state
 from ..state.uploader import StateUploader
 from ..step.data import (
     EpochShuffledBatches,
+    Loader,
     PrefetchLoader,
     fetch,
     first_of,
@@ -428,7 +429,7 @@ class TrainingLoop:
         self.next_unit = self.schedule.total_units
         return True
 
-    def _loader_for(self, dataset: Any, validation: bool = False) -> PrefetchLoader:
+    def _loader_for(self, dataset: Any, validation: bool = False) -> Loader:
         """Reads ``dataset``'s micro-batches: in one gather where the framework can, and with
         the loader threads the user asked for, else a share of this worker's cores (step/data.py);
         every sample a user's code reads after its seeds are set (step/sample_seeds.py)."""
@@ -454,6 +455,11 @@ class TrainingLoop:
             seeded = SeededReads(seeds, None if at_once else dataset.__getitem__, whole, collate)
             self._seeded_reads[id(dataset)] = seeded
         epoch_of = _validation_epoch if validation else _training_epoch
+        processes = self.config.num_dataloader_processes
+        if processes and not isinstance(dataset, StreamedDataset):  # a stream's cursors are this process's
+            loader = self.adapter.process_loader(dataset, seeded, processes, epoch_of)
+            if loader is not None:
+                return loader
         return PrefetchLoader(dataset, collate, threads, reader, seeded, epoch_of)
 
     def _check_abort(self) -> None:

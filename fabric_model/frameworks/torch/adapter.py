@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -13,11 +13,11 @@ import torch
 from torch.utils.data import default_collate
 
 from ...profiling import phases as ph
-from ...step.data import Reader
+from ...step.data import Loader, Reader
 from ...step.digest import state_fingerprint
 from ...step.layout import StepLayout, StepResult
 from ...step.options import StepOptions
-from ...step.sample_seeds import Generator
+from ...step.sample_seeds import Generator, SeededReads
 from ...step.tree import map_tree
 from ..base import FrameworkAdapter, metric_name
 from .batches import cpu_copy, scalar, to_device
@@ -28,6 +28,7 @@ from .gather import tensor_reader
 from .generators import OwnedGenerators, read_generators
 from .ibm import Eva, accuracy, forbidden_step
 from .precision import GradientStep
+from .reader_processes import ProcessLoader
 from .sharded import ShardedOptimizer
 
 LossFn = Callable[[Any, Any], torch.Tensor] | None  # None: the model computes its loss (calling.model_loss)
@@ -378,6 +379,11 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
 
     def read_generators(self, dataset: Any) -> list[Generator]:
         return read_generators(dataset)
+
+    def process_loader(
+        self, dataset: Any, reads: SeededReads, processes: int, epoch_of: Callable[[Hashable], int]
+    ) -> Loader | None:
+        return ProcessLoader(dataset, reads, processes, epoch_of)
 
     # -- a step ---------------------------------------------------------------------------
     @property

@@ -34,6 +34,9 @@ class TorchFramework(Framework):
         """Metrics are callables ``metric(output, target)``; None keeps IBM's default accuracy, [] shows none."""
         return None if metrics is None else v.check_metrics(metrics)
 
+    def check_reader_processes(self, processes: int) -> None:
+        return None  # frameworks/torch/reader_processes.py
+
     def check_shardable(self, optimizer: Any) -> None:
         from .sharded import check_shardable
 

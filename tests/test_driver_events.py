@@ -21,6 +21,7 @@ import pytest
 from fabric_model.driver import driver as driver_module
 from fabric_model.driver.driver import EXIT_DRAIN, Driver, DriverSetup
 from fabric_model.driver.membership import WorkerState
+from fabric_model.driver.preemption import SignalWatch
 from fabric_model.errors import encode_exception
 from fabric_model.launchers.base import Launcher
 from fabric_model.run.hooks import Hooks
@@ -287,3 +288,24 @@ def test_the_same_user_error_on_every_worker_fails_the_job_with_the_users_except
     assert harness.acted_on_the_exit_of(0)
     with pytest.raises(ValueError, match="bad sample 7"):
         harness.driver.handle(1, failed)
+
+
+def test_a_halt_gives_up_on_the_asked_worker_s_exit_only_once_all_it_sent_was_read(harness: Harness):
+    """Preempted, the driver asks rank 0 for its state. Rank 0, leaving on a notice of its own,
+    uploads the snapshot of the unit it leaves at and exits: its process may end before the
+    snapshot is read. The exit alone does not make the driver ask the next member, or keep an
+    older state: only its connection's end, read behind the snapshot, or EXIT_DRAIN does."""
+    harness.start()
+    harness.step(0, 0)
+    watch = SignalWatch(("SIGTERM",), 20.0)
+    watch.signal_name, watch.received = "SIGTERM", harness.clock.now
+    harness.driver._watch = watch
+    harness.driver._preempt(watch)
+    asked = lambda: [w for w, _ in harness.sent(p.SendFinalState)]  # noqa: E731
+    assert asked() == [0]
+    harness.launcher.exited.return_value = {0: 0}
+    harness.driver.tick()
+    assert asked() == [0] and harness.driver._final is None  # what it sent may still be queued
+    harness.clock.now += EXIT_DRAIN * 1.1
+    harness.driver.tick()
+    assert asked() == [0, 1]  # nothing came within the bound: the next member is asked

@@ -598,7 +598,7 @@ class Driver:
             if self._final is None and self._halt.preempted and now > self._watch.deadline - self._watch.reserve:
                 log.warning("no member sent its state within the grace; keeping the newest state held")
                 self._final = self._held_state()
-            elif self._final is None and (self._halt.overdue(now) or self._halt.asked in self._launcher.exited()):
+            elif self._final is None and (self._halt.overdue(now) or self._asked_has_ended(now)):
                 self._ask_next(self._halt.asked)
             self.checkpoints.poll()
             return
@@ -608,6 +608,13 @@ class Driver:
                 self._execute(self.membership.process_exited(worker_id, code, now))
         self._execute(self.membership.tick(now, heartbeats))
         self.checkpoints.poll()
+
+    def _asked_has_ended(self, now: float) -> bool:
+        """The member asked for its state has ended and all it sent was read: a leaving rank 0's
+        snapshot, sent just before it exits, is the newest state (docs/architecture.md, "Preemption")."""
+        assert self._halt is not None
+        asked = self._halt.asked
+        return asked in self._launcher.exited() and self._drained(asked, now)
 
     def _drained(self, worker_id: int, now: float) -> bool:
         """Whether an ended process's exit can be acted on: everything it sent has been handled.

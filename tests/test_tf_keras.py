@@ -549,3 +549,28 @@ def test_an_augmenting_image_data_generator_trains_bitwise_alike_on_1_and_2_work
     one, two = augmented_train(tmp_path / "one", 1), augmented_train(tmp_path / "two", 2)
     differ = [i for i, (a, b) in enumerate(zip(one, two)) if not np.array_equal(a, b)]
     assert not differ, f"not bitwise equal: variables {differ}"
+
+
+def test_an_image_data_generator_flow_transforms_each_sample_by_its_own_seeds():
+    """In-process: a sample's flips and shifts are the same read again after other draws, and
+    the same in a batch of another size (each sample transformed after its own seeds are set)."""
+    from fabric_model.step.data import EpochShuffledBatches
+    from fabric_model.step.sample_seeds import SampleSeeds, global_generators
+
+    generator = tf_keras.preprocessing.image.ImageDataGenerator(horizontal_flip=True, width_shift_range=0.3)
+    labels = np.arange(len(IMAGES))
+
+    def batches(size: int) -> EpochShuffledBatches:
+        flow = generator.flow(IMAGES, labels, batch_size=size, shuffle=True)
+        return EpochShuffledBatches(flow, 3, SampleSeeds(3, global_generators()))
+
+    fours, eights = batches(4), batches(8)
+    x, y = fours[1]
+    np.random.rand(100)
+    again_x, again_y = fours[1]
+    assert np.array_equal(x, again_x) and np.array_equal(y, again_y)
+    x4, y4 = fours[0]
+    x8, y8 = eights[0]  # the same epoch order: its first 8 samples hold the first 4
+    for k, label in enumerate(y4):
+        assert np.array_equal(x4[k], x8[list(y8).index(label)])
+    assert not np.array_equal(x4, IMAGES[fours.order(0)[:4]])  # it did transform them

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .sample_seeds import SeededReads
+from .sample_seeds import SampleSeeds, SeededReads
 
 Collate = Callable[[Sequence[Any]], Any]
 #: Reads a whole micro-batch at once, given its indices (a framework's gather, see ``FrameworkAdapter.reader``).
@@ -172,13 +172,16 @@ class EpochShuffledBatches:
     and exactly-once would break. Here item ``epoch * len + i`` is batch ``i`` of epoch
     ``epoch``: samples ``order[i*b:(i+1)*b]`` of an order drawn from ``(seed, epoch)`` only, read
     through the iterator's own ``_get_batches_of_transformed_samples`` (augmentation included).
-    It keeps no state between calls, so prefetching threads and joining workers agree; each
-    sample is in exactly one batch per epoch, and the plan uses each batch exactly once.
+    With ``seeds``, each sample is transformed on its own after its seeds are set (step/sample_seeds.py),
+    so its flips and shifts do not depend on the batch it is in. It keeps no state between
+    calls, so prefetching threads and joining workers agree; each sample is in exactly one batch
+    per epoch, and the plan uses each batch exactly once.
     """
 
-    def __init__(self, inner: Any, seed: int) -> None:
+    def __init__(self, inner: Any, seed: int, seeds: SampleSeeds | None = None) -> None:
         self.inner = inner
         self.seed = seed
+        self.seeds = seeds
         self.items = (inner.n + inner.batch_size - 1) // inner.batch_size
 
     def __len__(self) -> int:
@@ -191,7 +194,24 @@ class EpochShuffledBatches:
     def __getitem__(self, item: int) -> Any:
         epoch, i = divmod(int(item), self.items)
         b = self.inner.batch_size
-        return self.inner._get_batches_of_transformed_samples(self.order(epoch)[i * b : (i + 1) * b])
+        samples = self.order(epoch)[i * b : (i + 1) * b]
+        if self.seeds is None:
+            return self.inner._get_batches_of_transformed_samples(samples)
+        parts = []
+        for k in range(len(samples)):  # the reads' lock is held (SeededReads): the generators are this thread's
+            self.seeds.seed(epoch, int(samples[k]), contended=False)
+            parts.append(self.inner._get_batches_of_transformed_samples(samples[k : k + 1]))
+        return _joined(parts)
+
+
+def _joined(parts: list[Any]) -> Any:
+    """One batch from one-sample batches of the same structure (arrays, tuples or lists of them, None)."""
+    first = parts[0]
+    if first is None:
+        return None
+    if isinstance(first, (tuple, list)):
+        return type(first)(_joined([part[k] for part in parts]) for k in range(len(first)))
+    return np.concatenate(parts, axis=0)
 
 
 @functools.lru_cache(maxsize=4)

@@ -117,7 +117,9 @@ class TrainingLoop:
         # (a sharded dataset's too: its epochs read the shards in different orders).
         self._epoch_items = own_shuffle(self.train_set) or isinstance(self.train_set, StreamedDataset)
         if own_shuffle(self.train_set):
-            self.train_set = EpochShuffledBatches(self.train_set, plan.seed)
+            generators = [*global_generators(), *numpy_generators_of(self.train_set)]
+            generators += self.adapter.read_generators(self.train_set)
+            self.train_set = EpochShuffledBatches(self.train_set, plan.seed, SampleSeeds(plan.seed, generators))
         self.context = context
         self._seeded_reads: dict[int, SeededReads] = {}  # by dataset: step/sample_seeds.py
         # This worker's core budget (its intra-op threads): the data loader's threads are a share of it.

@@ -21,7 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from fabric_model import FabricModel
+from fabric_model.step.plan import Plan
 from fabric_model.testing import FaultInjector, Kill, fired_at
+
+from .helpers import final_train_records, sample_indices_of_steps
 
 pytestmark = pytest.mark.processes
 
@@ -171,6 +174,8 @@ def test_reader_processes_read_the_same_bits_and_end_with_a_killed_worker(refere
     )
     assert fired_at(tmp_path, 0) is not None
     assert_bitwise(state, reference)
+    used = sample_indices_of_steps(Plan(48, BATCH, GLOBAL // BATCH, SEED), final_train_records(tmp_path / "run"))
+    assert all(sorted(used[epoch]) == list(range(48)) for epoch in range(EPOCHS))  # each sample once an epoch
     pids = [int(f.name) for f in readers.iterdir() if int(f.name) != os.getpid()]  # the caller checks 2 samples
     assert len(pids) >= 4, pids  # 2 readers a worker, and more after the kill's new generation
     alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]

@@ -233,16 +233,14 @@ def test_keras_flow_with_shuffle_uses_every_item_once_per_epoch_on_two_workers(r
         epochs, 8, 2, seed=5, run_dir=run_dir, num_dataloader_threads=1
     )
     assert len(result.replica_digests) == 2 and len(set(result.replica_digests.values())) == 1
-    per_worker = {
-        int(f.stem.split("-")[1]): [[int(i) for i in line.split()] for line in f.read_text().splitlines()]
-        for f in reads.glob("flow-*.txt")
-    }
+    # The samples each worker transformed, in order (one sample a call: each after its own seeds).
+    per_worker = {int(f.stem.split("-")[1]): [int(i) for i in f.read_text().split()] for f in reads.glob("flow-*.txt")}
     per_worker.pop(os.getpid(), None)  # the caller's check of the first batch
     assert len(per_worker) == 2
-    # 6 batches an epoch, 2 per step: each worker builds 3 an epoch, in the plan's order.
+    # 6 batches of 8 an epoch, 2 per step: each worker builds 3 an epoch (24 samples), in the plan's order.
     orders = []
     for epoch in range(epochs):
-        used = [i for batches in per_worker.values() for b in batches[3 * epoch : 3 * epoch + 3] for i in b]
+        used = [i for samples in per_worker.values() for i in samples[24 * epoch : 24 * epoch + 24]]
         assert sorted(used) == list(range(48)), f"epoch {epoch}: every sample exactly once"
         orders.append(used)
     assert orders[0] != orders[1]  # shuffled again for the next epoch

@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 from fabric_model import FabricModel
+from fabric_model.orchestrator.run_setup import DETERMINISTIC_THREADS_ENV
 from fabric_model.setup.config import threads_per_worker
-from fabric_model.setup.run_setup import DETERMINISTIC_THREADS_ENV
 
 BATCH = 64
 

@@ -1,5 +1,5 @@
 """The public face: ``FabricModel`` checks what the user gives and hands it to the pipeline
-(:mod:`fabric_model.setup.pipeline`); its warm process waits in a
+(:mod:`fabric_model.orchestrator.pipeline`); its warm process waits in a
 :class:`~fabric_model.launchers.warm_slot.WarmSlot` until ``train()`` takes it."""
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .callbacks import Callback
 from .inference import InferenceMixin
+from .launchers.cluster import check_cluster, open_cluster
+from .orchestrator.run_setup import open_run
 from .run.result import TrainResult
 from .setup import checks as v
 from .setup import compat
-from .setup.cluster import check_cluster, open_cluster
-from .setup.run_setup import LoopOptions, open_run
+from .setup.config import LoopOptions
 
 # Light modules only: `import fabric_model` must not import torch (and so torch.distributed).
 # The framework, checkpoints and the driver are imported inside the functions that use them.
@@ -226,9 +227,9 @@ class FabricModel(InferenceMixin):
                 result is the same bits (torch; docs/training.md, "Reading in processes").
                 Default: none (threads, ``num_dataloader_threads``).
         """
-        from .run.display import check_verbose
+        from .driver.display import check_verbose
+        from .orchestrator import pipeline
         from .run.startup import StartUp
-        from .setup import pipeline
 
         startup = StartUp()  # from here to the first committed step, in phases (run.json's "startup")
         ray_cluster = None

@@ -59,7 +59,7 @@ class Pace:
         # MH_PACE: the seconds a step sleeps, for a run by hand with more to do between steps.
         seconds = float(os.environ.get("MH_PACE", "0.25")) if seconds is None else seconds
         # Stretched for the load where it sleeps, not fixed here: the same command run again must
-        # ship the same job (a restarted driver takes its workers back only then: setup/identity.py).
+        # ship the same job (a restarted driver takes its workers back only then: driver/identity.py).
         self.flag, self.base = flag, seconds
 
     def on_train_begin(self) -> None:

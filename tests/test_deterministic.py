@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from fabric_model import FabricModel
 from fabric_model.frameworks.torch.exact import ExactTorchAdapter
 from fabric_model.frameworks.torch.ordered import MAX_TERMS, OrderedTorchAdapter
-from fabric_model.setup.run_setup import make_deterministic
+from fabric_model.orchestrator.run_setup import make_deterministic
 from fabric_model.step.exact_sum import HEADROOM_BITS, ExactSum
 from fabric_model.testing import FaultInjector, Hang, HoldForJoin, Kill
 

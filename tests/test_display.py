@@ -256,7 +256,7 @@ def test_a_resumed_run_s_csv_has_each_epoch_once(tmp_path):
 def test_a_script_that_imported_ipython_is_not_an_interactive_session(monkeypatch):
     """``import keras`` imports IPython: Ctrl-C and preemption must still end such a script with
     an exit status (130, 143) and no traceback; only a shell of IPython's is interactive."""
-    from fabric_model.run import display
+    from fabric_model.driver import display
 
     ipython = types.ModuleType("IPython")
     ipython.get_ipython = lambda: None  # type: ignore[attr-defined]

@@ -1,5 +1,6 @@
 """The driver's event loop (``driver/driver.py``) in-process: ``Driver.handle`` and ``Driver.tick``
-with autospec fakes of the control server, the rendezvous store and the launcher, and a clock.
+with autospec fakes of the control server, the rendezvous store and the launcher (made by the
+driver's factories, set up by ``Driver.listen``), and a clock.
 
 What a user relies on (docs/architecture.md, "Elasticity"): workers' messages reach membership
 and the ledger (a generation forms when every worker is ready, the store admitting its members
@@ -62,7 +63,8 @@ class Recorder:
 
 
 class Harness:
-    """A driver of two local workers (ids 0 and 1) over fakes, its clock and its logger."""
+    """A driver of two local workers (ids 0 and 1) over fakes, its clock, its logger and its
+    preemption watch (a test sets on it what a caught signal sets)."""
 
     def __init__(self, directory: Path, clock: Clock) -> None:
         self.clock = clock
@@ -104,6 +106,8 @@ class Harness:
         self.server.send.return_value = True
         self.server.connection.return_value = "open"
         self.server.peer.return_value = "127.0.0.1"  # local workers: named by their hostname
+        self.server.heard = {}
+        self.server.secret, self.server.address = b"the secret", ("127.0.0.1", 7000)
         self.store = mock.create_autospec(StoreService, instance=True)
         self.launcher = mock.create_autospec(Launcher, instance=True)
         self.launcher.exited.return_value = {}
@@ -111,10 +115,17 @@ class Harness:
         self.launcher.host.return_value = None
         self.launcher.log_tail.return_value = ""
         self.recorder = Recorder()
-        self.driver = Driver(setup, self.run_dir, Hooks([self.recorder]), launcher_factory=lambda a, s: self.launcher)
-        # The missing seam: Driver.run() makes its ControlServer and StoreService and calls the
-        # launcher factory itself, then loops until the end; handle() and tick() have no other way in.
-        self.driver._server, self.driver._store, self.driver._launcher = self.server, self.store, self.launcher
+        self.watch = SignalWatch(("SIGTERM",), 20.0)
+        self.driver = Driver(
+            setup,
+            self.run_dir,
+            Hooks([self.recorder]),
+            launcher_factory=lambda address, secret: self.launcher,
+            server_factory=lambda secret, port: self.server,
+            store_factory=lambda: self.store,
+            watch=self.watch,
+        )
+        self.driver.listen()  # the fakes, as the driver's start() takes them; no worker is started
 
     def start(self) -> None:
         """The launcher started workers 0 and 1; both connect and set up; generation 0 forms."""
@@ -297,15 +308,13 @@ def test_a_halt_gives_up_on_the_asked_worker_s_exit_only_once_all_it_sent_was_re
     older state: only its connection's end, read behind the snapshot, or EXIT_DRAIN does."""
     harness.start()
     harness.step(0, 0)
-    watch = SignalWatch(("SIGTERM",), 20.0)
-    watch.signal_name, watch.received = "SIGTERM", harness.clock.now
-    harness.driver._watch = watch
-    harness.driver._preempt(watch)
+    harness.watch.signal_name, harness.watch.received = "SIGTERM", harness.clock.now  # as a caught signal
+    harness.driver.preempt()
     asked = lambda: [w for w, _ in harness.sent(p.SendFinalState)]  # noqa: E731
     assert asked() == [0]
     harness.launcher.exited.return_value = {0: 0}
     harness.driver.tick()
-    assert asked() == [0] and harness.driver._final is None  # what it sent may still be queued
+    assert asked() == [0] and harness.driver.final is None  # what it sent may still be queued
     harness.clock.now += EXIT_DRAIN * 1.1
     harness.driver.tick()
     assert asked() == [0, 1]  # nothing came within the bound: the next member is asked

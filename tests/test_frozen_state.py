@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from fabric_model import Callback, FabricModel
+from fabric_model.driver.book import StateBook
 from fabric_model.frameworks.torch.adapter import TorchAdapter
 from fabric_model.frameworks.torch.frozen import FrozenParameters, frozen_names
 from fabric_model.setup.config import SnapshotCadence
-from fabric_model.state.book import StateBook
 from fabric_model.state.checkpoint import checkpoint_name, decode_state
 from fabric_model.state.frozen import FrozenBase
 from fabric_model.state.uploader import StateUploader

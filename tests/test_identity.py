@@ -1,4 +1,4 @@
-"""A job's identity (setup/identity.py): the same script's job has the same identity in any
+"""A job's identity (driver/identity.py): the same script's job has the same identity in any
 process, seeded or not, and a change to what trains is named by the part it changed."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import keras
 import pytest
 import torch
 
+from fabric_model.driver import identity
 from fabric_model.run.hooks import Hooks
-from fabric_model.setup import identity
 from fabric_model.setup.job import Job
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,7 +106,7 @@ def test_sets_do_not_depend_on_the_hash_seed():
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(REPO)!r})
-        from fabric_model.setup.identity import digest
+        from fabric_model.driver.identity import digest
         print(digest({{"names": {{"alpha", "beta", "gamma", "delta", "epsilon"}}}}))
     """)
     seen = {
@@ -125,7 +125,7 @@ def test_a_class_the_script_defines_has_the_same_identity_in_every_process():
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(REPO)!r})
-        from fabric_model.setup.identity import digest
+        from fabric_model.driver.identity import digest
 
         class Logger:
             def __init__(self, flag):

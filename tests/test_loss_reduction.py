@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from fabric_model.frameworks import detect_framework
 from fabric_model.frameworks.base import UserObjects
+from fabric_model.frameworks.torch.first_batch import check_summed_loss
 from fabric_model.setup.checks import check_loss_reduction
-from fabric_model.setup.first_batch import check_summed_loss
 
 from .helpers import MLP, make_data
 

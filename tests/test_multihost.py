@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fabric_model.setup.settings import SECRET
+from fabric_model.settings.registry import SECRET
 from fabric_model.transport import control
 from fabric_model.transport.network import (
     advertised_address,

@@ -14,9 +14,9 @@ from fabric_model import FabricModel
 from fabric_model.profiling import phases as ph
 from fabric_model.profiling.phases import Phases
 from fabric_model.profiling.summary import render
-from fabric_model.profiling.window import ProfileWindow, fit_to_run, parse_setting, profile_window
 from fabric_model.run.startup import CALLER_PHASES, DRIVER_PHASES, StartUp
-from fabric_model.setup.settings import PROFILE
+from fabric_model.settings.profile_window import ProfileWindow, fit_to_run, parse_setting, profile_window
+from fabric_model.settings.registry import PROFILE
 
 from .helpers import fresh_model_and_optimizer, make_data
 

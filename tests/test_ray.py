@@ -236,7 +236,7 @@ def test_rays_note_on_its_default_excludes_stays_off_the_console():
 @pytest.mark.processes
 def test_import_and_local_runs_never_import_ray():
     code = (
-        "import sys, fabric_model, fabric_model.setup.cluster as c; assert c.check_cluster(None) == 'local';"
+        "import sys, fabric_model, fabric_model.launchers.cluster as c; assert c.check_cluster(None) == 'local';"
         "from fabric_model.launchers import local; import fabric_model.driver.driver;"
         "print(json.dumps('ray' in sys.modules))"
     )

@@ -349,7 +349,7 @@ def test_a_divergence_aborts_the_generation_and_asks_rank_0_for_its_state(harnes
     assert harness.driver.progress.committed_unit == 2
 
     harness.driver.handle(0, final_state(2))
-    final = harness.driver._final
+    final = harness.driver.final
     assert final is not None and (final.worker, final.unit) == (0, 2)
     assert final.divergence is not None and final.divergence.tensors == ["model/fc1.bias"]
     assert final.divergence.where == "after epoch 0, step 2 (generation 0)"
@@ -359,11 +359,11 @@ def test_a_divergence_aborts_the_generation_and_asks_rank_0_for_its_state(harnes
 def test_when_rank_0_cannot_send_its_state_the_next_member_is_asked(harness: Harness):
     diverge(harness)
     harness.driver.handle(1, final_state(3))  # not asked: ignored
-    assert harness.driver._final is None
+    assert harness.driver.final is None
     harness.driver.handle(0, p.WorkerFailed("Traceback ...\nOSError: gone", None, collective=True))
     assert harness.sent(p.SendFinalState) == [(0, p.SendFinalState()), (1, p.SendFinalState())]
     harness.driver.handle(1, final_state(3))
-    final = harness.driver._final
+    final = harness.driver.final
     assert final is not None and final.worker == 1
     assert final.source == "training stopped; worker 1's state (after epoch 0, step 2)"
 
@@ -377,7 +377,7 @@ def test_a_silent_member_is_passed_over_and_with_no_state_at_all_the_error_says_
     assert [w for w, _ in harness.sent(p.SendFinalState)] == [0, 1]
     harness.launcher.exited.return_value = {1: -9}
     harness.driver.tick()  # its exit is seen; what it sent before may still be queued (Driver._drained)
-    assert harness.driver._final is None
+    assert harness.driver.final is None
     harness.clock.now += EXIT_DRAIN * 1.1
     with pytest.raises(ReplicaDivergenceError, match="no model was written") as caught:
         harness.driver.tick()  # worker 1 died: no member left, and the driver holds no saved state

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from fabric_model import FabricModel
+from fabric_model.driver.book import StateBook
 from fabric_model.setup.config import SnapshotCadence
 from fabric_model.state import wire
-from fabric_model.state.book import StateBook
 from fabric_model.state.checkpoint import checkpoint_name, decode_state, state_record
 from fabric_model.state.uploader import StateUploader
 from fabric_model.state.writer import CheckpointBook

@@ -1,4 +1,4 @@
-"""The settings registry (fabric_model/setup/settings.py): every environment variable the package
+"""The settings registry (fabric_model/settings/registry.py): every environment variable the package
 reads is declared there and read only through it; docs/configuration.md is generated from it; bad
 values fail naming the variable, the value and what is accepted. In-process and fast."""
 
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from fabric_model.setup import settings
+from fabric_model.settings import registry as settings
 from fabric_model.setup.config import SnapshotCadence, Timeouts
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fabric_model"
-REGISTRY_FILE = PACKAGE / "setup" / "settings.py"
+REGISTRY_FILE = PACKAGE / "settings" / "registry.py"
 
 #: Methods of ``os.environ`` that build an environment (for this process's libraries or its children).
 BUILDERS = {"setdefault", "pop", "update", "clear"}
@@ -131,13 +131,13 @@ def test_every_variable_the_package_names_or_reads_is_registered():
             read = None if uses.builds(node) else uses.literal_name(node)
             if read is not None and read not in settings.REGISTRY:
                 unknown.append(f"{rel}:{node.lineno}: reads {read}")
-    assert not unknown, "declare these in fabric_model/setup/settings.py:\n" + "\n".join(unknown)
+    assert not unknown, "declare these in fabric_model/settings/registry.py:\n" + "\n".join(unknown)
 
 
 def test_only_the_registry_reads_the_environment():
     reads = []
     for rel, source in sources():
-        if rel == "setup/settings.py":
+        if rel == "settings/registry.py":
             continue
         uses = environment_uses(source)
         if uses is None:
@@ -147,14 +147,13 @@ def test_only_the_registry_reads_the_environment():
             if uses.builds(node) or (rel, uses.function_of(node)) in HANDED_ON:
                 continue
             reads.append(f"{rel}:{node.lineno}: {source.splitlines()[node.lineno - 1].strip()}")
-    assert not reads, "read these through fabric_model.setup.settings (or build a child's environment):\n" + "\n".join(
-        reads
-    )
+    hint = "read these through fabric_model.settings.registry (or build a child's environment):\n"
+    assert not reads, hint + "\n".join(reads)
 
 
 def test_the_configuration_page_is_what_the_registry_generates():
     page = (ROOT / "docs" / "configuration.md").read_text()
-    assert page == settings.markdown(), "regenerate: python -m fabric_model.setup.settings > docs/configuration.md"
+    assert page == settings.markdown(), "regenerate: python -m fabric_model.settings.registry > docs/configuration.md"
     for setting in settings.public():
         assert f"| `{setting.name}` |" in page
     for setting in settings.internal():

@@ -25,8 +25,8 @@ from fabric_model.launchers import warm_spare
 from fabric_model.launchers.fork_safety import fork_blockers
 from fabric_model.launchers.local import worker_environment
 from fabric_model.launchers.warm_client import WarmProcess
+from fabric_model.settings.registry import LAUNCHED, SECRET
 from fabric_model.setup.config import threads_per_worker
-from fabric_model.setup.settings import LAUNCHED, SECRET
 from fabric_model.testing import FaultInjector
 
 from .helpers import fresh_model_and_optimizer, make_data

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fabric_model import Callback, FabricModel
-from fabric_model.setup.settings import KEEP_FREED_MEMORY
+from fabric_model.settings.registry import KEEP_FREED_MEMORY
 
 from .helpers import make_data, started_processes
 

@@ -90,7 +90,7 @@ Command = Send | AbortGeneration | Kill | Start | Settle | Formed | RollBack
 
 
 class Checkpoints(Protocol):
-    """What membership asks of the run's saved states (:class:`~fabric_model.state.book.StateBook`)."""
+    """What membership asks of the run's saved states (:class:`~fabric_model.driver.book.StateBook`)."""
 
     def restore_point(self, limit: int) -> RestorePoint | None:
         """The newest state the driver has (a checkpoint on disk or a snapshot in memory) at or

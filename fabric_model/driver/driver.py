@@ -5,17 +5,22 @@ It computes no gradients. One thread owns all of its state: the control server's
 threads only put ``(worker_id, message)`` on a queue, and this loop handles them one at a
 time, then ``tick``s (process deaths, heartbeats, replacements, deadlines). See
 docs/architecture.md, "Processes" and "Elasticity".
+
+``run()`` is ``start()``, ``iterate()`` until there is a ``final`` state, then ``finish()``. A
+test drives those, or ``listen()`` and then ``handle()`` and ``tick()``, over fakes that the
+constructor's factories make (docs/architecture.md, "Testing seams"). Taking back the workers of
+a vanished driver is ``reattach.py``'s.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import queue
-import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import rebuild_exception
@@ -29,9 +34,7 @@ from ..run.metrics_log import MetricsLog
 from ..run.rundir import RunDirectory
 from ..run.startup import StartUp
 from ..setup.config import TrainConfig
-from ..setup.identity import LAYOUT, PLAN, differences
 from ..state.best import BestCheckpoints, epoch_logs
-from ..state.book import StateBook
 from ..state.checkpoint import CheckpointInfo, decode_state, encode_state, state_record
 from ..state.durable import DurableSnapshot
 from ..state.frozen import FrozenBase
@@ -41,12 +44,14 @@ from ..transport import protocol as p
 from ..transport.control import ControlServer
 from ..transport.network import DEFAULT_BIND_ADDRESS, advertised_address
 from ..transport.store.server import StoreService
+from .book import StateBook
 from .commands import AbortGeneration, Command, Formed, Kill, Limits, RestorePoint, RollBack, Send, Settle, Start
 from .halt import Halt
 from .heap import long_lived_frozen
 from .ledger import Progress
 from .membership import Membership, WorkerState
 from .preemption import Preempted, SignalWatch
+from .reattach import Reattach, where
 from .replicas import Divergence, ReplicaChecks, ReplicaDivergenceError
 
 log = logging.getLogger(__name__)
@@ -62,13 +67,12 @@ MEMBERSHIP_MESSAGES = (p.LeftGeneration, p.Ready, p.WorkerFailed, p.ConnectionLo
 #: How long an ended process's connection may stay open (a child holding the socket, a host
 #: gone without a FIN) before the exit is acted on without reading what it sent last (seconds).
 EXIT_DRAIN = 1.0
-#: Seconds a restarted driver waits for the workers of its vanished predecessor before it goes
-#: on without those that did not come (they retry every 0.1 s: worker/reattach.py).
-REJOIN_WINDOW = 5.0
-#: What a worker of a vanished driver is told when the restarted driver's job differs from its own.
-CHANGED = "replaced: the job changed since its driver vanished"
 #: Makes the launcher of a job from the control plane's address and the job's secret.
 LauncherFactory = Callable[[tuple[str, int], bytes], Launcher]
+#: Makes the control server from the job's secret and the port to bind (0: any free one).
+ServerFactory = Callable[[bytes, int], ControlServer]
+#: Makes the rendezvous store that the control server serves.
+StoreFactory = Callable[[], StoreService]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +101,7 @@ class DriverSetup:
         startup: the start-up's phases so far (``train()``'s); the driver marks the rest and writes them.
         rejoin: the address and secret in the ``join.json`` of a driver of this run that vanished:
             its workers may wait there to be taken back (docs/elasticity.md, "A lost driver").
-        identity: what identifies the job (setup/identity.py), which the workers keep.
+        identity: what identifies the job (driver/identity.py), which the workers keep.
     """
 
     payload: bytes
@@ -149,6 +153,11 @@ class Driver:
         run_dir: the run directory (a :class:`~fabric_model.run.rundir.RunDirectory`).
         hooks: the driver's hooks (the user's logger, or the progress display).
         launcher_factory: where worker processes run; local processes by default.
+        server_factory: the control server; by default one at ``setup.bind_address`` that
+            serves the store and takes its worker ids from membership.
+        store_factory: the rendezvous store; a :class:`StoreService` by default.
+        watch: catches the preemption signals from ``start()`` to ``finish()``; by default one
+            of the job's settings. A test sets on it what a caught signal sets, then ``preempt()``.
     """
 
     def __init__(
@@ -157,6 +166,10 @@ class Driver:
         run_dir: RunDirectory,
         hooks: Hooks,
         launcher_factory: LauncherFactory | None = None,
+        *,
+        server_factory: ServerFactory | None = None,
+        store_factory: StoreFactory | None = None,
+        watch: SignalWatch | None = None,
     ) -> None:
         self.setup, self.run_dir, self.hooks = setup, run_dir, hooks
         config, timeouts = setup.config, setup.config.timeouts
@@ -204,11 +217,28 @@ class Driver:
             self.progress.start_at(setup.resume.unit, *history)
             self.progress.resume_epoch(epoch_so_far)  # resumed inside an epoch: its average so far
         self._launcher_factory = launcher_factory or self._local_launcher
+        self._server_factory = server_factory or self._control_server
+        self._store_factory = store_factory or StoreService
+        preemption = config.preemption
+        self._watch = watch or SignalWatch(preemption.signals, preemption.grace)
         self._hosts: dict[int, str] = {}  # worker id -> where it runs (its Hello, or the launcher's word)
+        self.reattach = Reattach(
+            setup=setup,
+            metrics=run_dir.metrics,
+            schedule=self.schedule,
+            membership=self.membership,
+            progress=self.progress,
+            states=self.states,
+            hosts=self._hosts,
+            make_server=self._server_factory,
+            moved_on=self._moved_on,
+            position=lambda unit: self._position(unit, screen=True),
+        )
+        self._rejoining = False  # listening where a vanished driver's workers wait (listen())
         self._final: FinalState | None = None
+        self._closed = False  # the run's ending is done (_close)
         self._ticked = 0.0  # when tick() last ran
         self._exits: dict[int, float] = {}  # ended processes whose last messages are awaited: since when
-        self._taken_back: set[int] = set()  # workers of a vanished driver of this run (not our processes)
         self._handlers: dict[type, Callable[[int, Any], None]] = {
             p.Hello: self._on_hello,
             p.Ready: self._on_ready,
@@ -238,295 +268,149 @@ class Driver:
     def replica_digests(self) -> dict[int, str]:
         return self.progress.replica_digests
 
+    @property
+    def final(self) -> FinalState | None:
+        """The state the run ends with, once it has one (the loop ends); None before."""
+        return self._final
+
     # -- the run ----------------------------------------------------------------------------
     def run(self) -> FinalState:
-        """Run the job to its end; returns the final state."""
+        """Run the job to its end: :meth:`start`, :meth:`iterate` until there is a :attr:`final`
+        state, :meth:`finish`; returns the final state."""
         with long_lived_frozen():  # what exists now outlives the run: no full GC pass reads it (heap.py)
-            return self._run()
+            self.start()
+            with self._ending_on_failure():  # a Ctrl-C between two turns of the loop too
+                while self._final is None:
+                    self.iterate()
+            return self.finish()
 
-    def _run(self) -> FinalState:
+    def start(self) -> None:
+        """Everything before the event loop: :meth:`listen`, the preemption signals caught, the
+        workers of a vanished driver taken back or the first workers started. A failure once
+        listening ends the run (as :meth:`finish` does after one) and is raised."""
+        self.listen()
+        with self._ending_on_failure():
+            self._watch.__enter__()  # the preemption signals are caught from here (docs/architecture.md, "Preemption")
+            self._begin()
+
+    def listen(self) -> None:
+        """The control plane up: the store, the control server (where a vanished driver's workers
+        wait, when they may), the launcher, and ``join.json`` for workers started by hand."""
         # One chosen address for everything that listens (docs/architecture.md, "Processes"):
         # the rendezvous store is served on the control plane's port; workers are told a
         # routable address when the bind address is a wildcard.
-        host = self.setup.bind_address
-        self._store = StoreService()
+        self._store = self._store_factory()
         rejoin = self.setup.rejoin if self.setup.config.timeouts.driver_wait > 0 else None
-        server = self._listen(host, rejoin)
-        if server is None:  # the port is taken: its workers cannot reach this driver
-            rejoin, server = None, self._listen(host, None)
-        assert server is not None
-        self._server = server
-        self.membership.heard = server.heard  # heartbeats end at the server (transport/control.py)
-        secret = server.secret
-        address = (advertised_address(host), self._server.address[1])
-        config = self.setup.config
-        timeouts = config.timeouts
+        self._server, self._rejoining = self.reattach.listen(rejoin)
+        self.membership.heard = self._server.heard  # heartbeats end at the server (transport/control.py)
+        secret = self._server.secret
+        address = (advertised_address(self.setup.bind_address), self._server.address[1])
         self._launcher = self._launcher_factory(address, secret)
         self.run_dir.write_join_info(address, secret)
-        stop = timeouts.stop
-        watch = self._watch = SignalWatch(config.preemption.signals, config.preemption.grace)
+
+    def _begin(self) -> None:
+        """The workers of a vanished driver taken back (or, for a changed job, their state), else
+        the first generation asked for."""
+        held = self.reattach.take_back() if self._rejoining else {}
+        self.checkpoints.prepare(self.setup.resume, self.progress.iteration, record=not held)
+        self.durable.remove()  # an earlier run's, or one older than the state resumed from
+        handed: p.FinalState | None = None
+        if held and (changed := self.reattach.changed_parts(held)):  # they must not go on with the old code
+            handed = self.reattach.replace_changed(held, changed)
+            held = {}
+            if handed is None and self.setup.resume is not None:  # a resume from disk after all
+                self.checkpoints.say_resumed(self.setup.resume, self.progress.iteration)
+        self.setup.startup.mark("run directory and driver")
+        if held:  # the loggers hear of training before the steps recorded from what the workers kept
+            self.hooks.on_train_begin()
+            self._execute(self.reattach.rejoined(held))
+            return
+        if handed is not None:  # the new job's workers load the state the old ones handed over
+            self.reattach.adopt(handed)
+        self._execute(self.membership.start(time.monotonic()))
+        self.hooks.on_train_begin()
+
+    def iterate(self) -> None:
+        """One turn of the event loop: the messages that arrived handled, then the periodic checks;
+        a preemption signal caught is acted on. A failure ends the run and is raised."""
+        with self._ending_on_failure():
+            self._next_event()
+            if self._watch.signal_name is not None and self._halt is None:
+                self.preempt()
+
+    def finish(self) -> FinalState:
+        """Everything after the loop: a preempted run's state written (``Preempted`` raised), else
+        the last checkpoint written, the replicas checked and the workers stopped; whatever
+        happens, the run is then closed. Returns the final state."""
+        stop = self.setup.config.timeouts.stop
         try:
-            watch.__enter__()  # the preemption signals are caught from here (docs/architecture.md, "Preemption")
-            held = self._take_back() if rejoin is not None else {}
-            self.checkpoints.prepare(self.setup.resume, self.progress.iteration, record=not held)
-            self.durable.remove()  # an earlier run's, or one older than the state resumed from
-            handed: p.FinalState | None = None
-            if held and (changed := self._changed_parts(held)):  # they must not go on with the old code
-                handed = self._replace_changed(held, changed)
-                held = {}
-                if handed is None and self.setup.resume is not None:  # a resume from disk after all
-                    self.checkpoints.say_resumed(self.setup.resume, self.progress.iteration)
-            self.setup.startup.mark("run directory and driver")
-            if held:  # the loggers hear of training before the steps recorded from what the workers kept
-                self.hooks.on_train_begin()
-                self._execute(self._rejoined(held))
-            else:
-                if handed is not None:  # the new job's workers load the state the old ones handed over
-                    self._adopt_handed_over(handed)
-                self._execute(self.membership.start(time.monotonic()))
-                self.hooks.on_train_begin()
-            while self._final is None:
-                self._next_event()
-                if watch.signal_name is not None and self._halt is None:
-                    self._preempt(watch)
+            assert self._final is not None, "finish() once the run has its final state"
             if self._halt is not None and self._halt.preempted:
-                stop = max(0.5, min(stop, watch.deadline - time.monotonic()))  # what the grace leaves
-                self._save_preempted(self._final, watch)  # raises Preempted
-            self.checkpoints.close(timeouts.stop)  # the last checkpoint is on disk when train() returns
-            final = self._final
-            if final.divergence is None:
-                final = self._final = self._check_finished_replicas(final)
-            if final.divergence is None and len(self.progress.train_history) < config.epochs:
-                # every replica skipped to the end alike
-                log.info("training stopped by a callback after epoch %d", len(self.progress.train_history))
-                self.hooks.note(f"training stopped by a callback after epoch {len(self.progress.train_history)}")
-            for worker_id in self.membership.alive():
-                self._server.send(worker_id, p.Stop())
-            self._launcher.wait_all(timeouts.stop)
-            if final.divergence is None:  # else train() hands the state back, then raises
-                self.durable.close(timeouts.stop)
-                self.durable.remove()  # finished: the checkpoints and the model hold the result
-                self.hooks.on_train_end()
+                stop = max(0.5, min(stop, self._watch.deadline - time.monotonic()))  # what the grace leaves
+                self._save_preempted(self._final, self._watch)  # raises Preempted
+            self._end_training()
         except BaseException as exc:
             self._tell_hand_started(exc)
             raise
         finally:
-            self.checkpoints.close(stop)  # a failed job's last write may serve its resume
-            self.durable.close(stop)
-            self.failures.record()
-            self._launcher.stop_all(stop)
-            self._server.close()
-            self.metrics.close()
-            self.run_dir.remove_join_info()
-            watch.__exit__()  # a signal caught but not acted on (training had ended) is raised again
+            self._close(stop)
         assert self._final is not None
         return self._final
 
-    def _listen(self, host: str, rejoin: tuple[tuple[str, int], bytes] | None) -> ControlServer | None:
-        """The control server: where a vanished driver of this run listened, with its secret,
-        when its workers may wait there (None when that port is taken), else anywhere afresh."""
-        if rejoin is None:
-            secret, port = secrets.token_bytes(32), 0
-        else:
-            (_, port), secret = rejoin
+    def _end_training(self) -> None:
+        """Training ended with a final state: the last checkpoint on disk, the replicas checked,
+        every worker told to stop."""
+        config = self.setup.config
+        timeouts = config.timeouts
+        self.checkpoints.close(timeouts.stop)  # the last checkpoint is on disk when train() returns
+        assert self._final is not None
+        final = self._final
+        if final.divergence is None:
+            final = self._final = self._check_finished_replicas(final)
+        if final.divergence is None and len(self.progress.train_history) < config.epochs:
+            # every replica skipped to the end alike
+            log.info("training stopped by a callback after epoch %d", len(self.progress.train_history))
+            self.hooks.note(f"training stopped by a callback after epoch {len(self.progress.train_history)}")
+        for worker_id in self.membership.alive():
+            self._server.send(worker_id, p.Stop())
+        self._launcher.wait_all(timeouts.stop)
+        if final.divergence is None:  # else train() hands the state back, then raises
+            self.durable.close(timeouts.stop)
+            self.durable.remove()  # finished: the checkpoints and the model hold the result
+            self.hooks.on_train_end()
+
+    @contextlib.contextmanager
+    def _ending_on_failure(self) -> Iterator[None]:
+        """A failure ends the run as one in :meth:`finish` does (workers started by hand told,
+        everything closed), once, then is raised."""
         try:
-            return ControlServer(
-                secret, host=host, port=port, allocate_id=self.membership.allocate_id, store=self._store
-            )
-        except OSError as exc:
-            if rejoin is None:
-                raise
-            log.warning(
-                "cannot listen on port %d, where the workers of this run's vanished driver would wait (%s): "
-                "starting new workers",
-                port,
-                exc,
-            )
-            return None
+            yield
+        except BaseException as exc:
+            if not self._closed:
+                self._tell_hand_started(exc)
+                self._close(self.setup.config.timeouts.stop)
+            raise
 
-    def _take_back(self) -> dict[int, p.Hello]:
-        """Workers of this run's vanished driver that waited for it, each with what it holds: they
-        reach this driver within a second of its listening (they try every 0.1 s); the wait ends
-        when every member of the run's last generation came, or after ``REJOIN_WINDOW`` seconds.
-        What else arrived meanwhile is handled afterwards, in order."""
-        _, expected = metrics_log.last_commit(self.run_dir.metrics, self.schedule)
-        deadline = time.monotonic() + REJOIN_WINDOW
-        came: dict[int, p.Hello] = {}
-        later: list[tuple[int, Any]] = []
-        while time.monotonic() < deadline and not (expected and set(expected) <= set(came)):
-            try:
-                worker_id, message = self._server.events.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            if isinstance(message, p.Hello) and message.held is not None:
-                came[worker_id] = message
-            elif isinstance(message, p.ConnectionLost) and worker_id in came:
-                del came[worker_id]
-            else:
-                later.append((worker_id, message))
-        for event in later:
-            self._server.events.put(event)
-        return came
+    def _close(self, stop: float) -> None:
+        """However the run ended: the last writes waited for (``stop`` seconds each), every worker
+        stopped, the listener and the log closed, ``join.json`` removed, the signals given back."""
+        if self._closed:
+            return
+        self._closed = True
+        self.checkpoints.close(stop)  # a failed job's last write may serve its resume
+        self.durable.close(stop)
+        self.failures.record()
+        self._launcher.stop_all(stop)
+        self._server.close()
+        self.metrics.close()
+        self.run_dir.remove_join_info()
+        self._watch.__exit__()  # a signal caught but not acted on (training had ended) is raised again
 
-    def _rejoined(self, came: dict[int, p.Hello]) -> list[Command]:
-        """Go on with the workers taken back (docs/elasticity.md, "A lost driver"): from the
-        vanished driver's last committed step, recording the steps whose reports it never
-        handled from what the workers kept, in a generation above theirs."""
-        unit = self._record_kept_reports(came)
-        slots: dict[int, int | None] = {}
-        free = list(range(len(self.setup.devices)))
-        for worker_id, hello in sorted(came.items()):
-            held = hello.held
-            assert held is not None
-            self._hosts[worker_id] = where(self._server.peer(worker_id), hello.host)
-            if held.finished is not None:
-                self.progress.finished(worker_id, held.finished)
-            slot = next((s for s in free if self.setup.devices[s] == held.device), None) if held.launched else None
-            if slot is not None:
-                free.remove(slot)
-            slots[worker_id] = slot
-            self._taken_back.add(worker_id)
-        log.warning("took back %d worker(s) that waited for the vanished driver", len(came))
-        log.info(
-            "taken back: %s; the vanished driver's last committed step was unit %d",
-            ", ".join(f"worker {w} (pid {h.pid}, unit {h.held.next_unit})" for w, h in sorted(came.items()) if h.held),
-            unit - 1,
+    def _control_server(self, secret: bytes, port: int) -> ControlServer:
+        """The control server at the bind address, serving the store; membership allocates its ids."""
+        return ControlServer(
+            secret, host=self.setup.bind_address, port=port, allocate_id=self.membership.allocate_id, store=self._store
         )
-        now = time.monotonic()
-        commands = self.membership.rejoined({w: h.held for w, h in came.items() if h.held}, slots, now)
-        taken = {s for s in slots.values() if s is not None}
-        return commands + self.membership.start(now, taken)
-
-    def _record_kept_reports(self, came: dict[int, p.Hello]) -> int:
-        """Go on from the vanished driver's last committed step, recording the steps whose reports
-        it never handled from what the workers that came back kept; returns that step's unit."""
-        path, schedule = self.run_dir.metrics, self.schedule
-        unit, _ = metrics_log.last_commit(path, schedule)
-        unit = max(unit, self.setup.resume.unit if self.setup.resume is not None else 0)
-        self.progress.restart_at(
-            unit, MetricsLog.replay(path, schedule, unit), metrics_log.epoch_so_far(path, schedule, unit)
-        )
-        reports = sorted(
-            (r for h in came.values() if h.held for r in h.held.reports if schedule.unit(r.epoch, r.step) >= unit),
-            key=lambda r: (schedule.unit(r.epoch, r.step), r.rank),
-        )
-        for report in reports:
-            self.progress.step_done(report)
-        return unit
-
-    # -- a changed job (docs/elasticity.md, "A lost driver": "A changed script") --------------
-    def _changed_parts(self, came: dict[int, p.Hello]) -> list[str]:
-        """The parts of the job (setup/identity.py) in which what the workers that came back run
-        differs from what this driver's command built; empty: the same job."""
-        ours = self.setup.identity
-        parts = {part for h in came.values() if h.held is not None for part in differences(ours, h.held.identity)}
-        return [part for part in ours if part in parts]  # in the identity's order, for the console
-
-    def _replace_changed(self, came: dict[int, p.Hello], changed: list[str]) -> p.FinalState | None:
-        """The workers that came back run another job than this command's: one holding the
-        furthest state hands it over (the job's own state layout permitting), then every one of
-        them exits; this driver's own workers go on from that state (:meth:`_adopt_handed_over`),
-        or, when none could be handed over, from the newest state on disk, as after a resume."""
-        what = ", ".join(changed)
-        held = {w: h.held for w, h in came.items() if h.held is not None}
-        handed: p.FinalState | None = None
-        if any(h.finished is not None for h in held.values()):
-            why = "they had finished the schedule"
-        elif any(h.identity.get(LAYOUT) == "sharded" for h in held.values()):
-            why = "their optimizer state is sharded, so no one of them holds it whole"
-        elif PLAN in changed:
-            why = "the plan changed, so their units are not this run's"
-        else:
-            why = ""
-            handed = self._hand_over(held)
-            if handed is None:
-                why = "none handed its state over in time"
-            else:  # the steps the vanished driver did not record, from what the workers kept
-                self._record_kept_reports(came)
-        self._stop_taken_back(held)
-        if handed is not None:
-            log.warning(
-                "the job changed since its driver vanished (%s): the %d worker(s) that waited handed over their "
-                "state %s and exited; new workers run the new job from there, no step redone",
-                what,
-                len(came),
-                self._position(handed.unit, screen=True),
-            )
-        else:
-            source = self.setup.resume.path.name if self.setup.resume is not None else "the start"
-            log.warning(
-                "the job changed since its driver vanished (%s): the %d worker(s) that waited exited (%s); new "
-                "workers run the new job from %s",
-                what,
-                len(came),
-                why,
-                source,
-            )
-        return handed
-
-    def _hand_over(self, held: dict[int, p.Held]) -> p.FinalState | None:
-        """Ask the worker that holds the furthest unit for its state (it answers as to a halt:
-        worker/main.py) and wait for it, bounded; what else arrives meanwhile is handled later."""
-        holder = max(held, key=lambda w: (held[w].next_unit, -w))
-        if not self._server.send(holder, p.SendFinalState(unconfirmed=True)):
-            return None
-        deadline = time.monotonic() + self.setup.config.timeouts.recovery
-        later: list[tuple[int, Any]] = []
-        handed: p.FinalState | None = None
-        while time.monotonic() < deadline:
-            try:
-                worker_id, message = self._server.events.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            if worker_id == holder and isinstance(message, p.FinalState):
-                handed = message
-                break
-            if worker_id == holder and isinstance(message, p.StateChunk):  # a checkpoint never written
-                self.states.chunk(holder, message, message.generation, [holder])
-                continue
-            if worker_id == holder and isinstance(message, (p.ConnectionLost, p.WorkerFailed)):
-                break
-            later.append((worker_id, message))
-        for event in later:
-            self._server.events.put(event)
-        return handed
-
-    def _stop_taken_back(self, held: dict[int, p.Held]) -> None:
-        """Tell the workers that came back to exit, and wait (bounded) until they did: on a GPU their
-        memory must be free before this driver's workers start. Their ids are not reused."""
-        worker_ids = sorted(held)
-        for worker_id in worker_ids:
-            # One started by hand runs its command line anew, joining as a new worker: its user
-            # started it for this job's host, and would otherwise have to again.
-            self._server.send(worker_id, p.Stop(ended=CHANGED, rejoin=not held[worker_id].launched))
-        self.membership.given_up(worker_ids, time.monotonic())
-        waiting, later = set(worker_ids), []
-        deadline = time.monotonic() + self.setup.config.timeouts.stop
-        while waiting and time.monotonic() < deadline:
-            try:
-                worker_id, message = self._server.events.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            if isinstance(message, p.ConnectionLost):
-                waiting.discard(worker_id)
-            elif worker_id not in worker_ids:
-                later.append((worker_id, message))
-        for event in later:
-            self._server.events.put(event)
-
-    def _adopt_handed_over(self, handed: p.FinalState) -> None:
-        """The state a worker of the old job handed over, at its unit: the steps below it are
-        committed (recorded from what the workers kept), and the first generation loads it."""
-        unit = handed.unit
-        self.progress.settle(unit, 1 << 62)  # the kept reports of the steps below it: they completed
-        # Its state holds every unit below: those with no report (a validation slot) count as done too.
-        self.progress.committed.advance(unit)
-        self._moved_on()
-        model_state = self.setup.frozen.complete(handed.model_state, handed.omitted)
-        record = state_record(
-            self.schedule, unit, self.setup.framework, self.setup.config.batch_size, model_state, handed.optimizer_state
-        )
-        self.states.adopt(unit, record)
 
     def _checkpoint_written(self, epoch: int, name: str) -> None:
         """A checkpoint is on disk: the display hears of it, and the members that may keep a copy
@@ -544,7 +428,7 @@ class Driver:
             how = "interrupted"
         for worker_id in self.membership.alive():
             # Workers taken back from a vanished driver are not this driver's processes to kill either.
-            if self.membership.workers[worker_id].slot is None or worker_id in self._taken_back:
+            if self.membership.workers[worker_id].slot is None or worker_id in self.reattach.taken_back:
                 self._server.send(worker_id, p.Stop(ended=how))
 
     def _local_launcher(self, address: tuple[str, int], secret: bytes) -> Launcher:
@@ -646,7 +530,7 @@ class Driver:
 
     def _on_hello(self, worker_id: int, message: p.Hello) -> None:
         if message.held is not None:  # a worker of the vanished driver, after the driver went on
-            self._late_back(worker_id, message.held)
+            self._execute(self.reattach.late_back(worker_id, message.held))
             return
         self.setup.startup.mark("process start")
         self._hosts[worker_id] = self._launcher.host(worker_id) or where(self._server.peer(worker_id), message.host)
@@ -657,23 +541,6 @@ class Driver:
             setup.payload, setup.config, setup.plan, device, setup.threads, setup.threads_fixed, setup.identity
         )
         self._server.send(worker_id, spec)
-
-    def _late_back(self, worker_id: int, held: p.Held) -> None:
-        """A worker of this run's vanished driver that came after the driver went on: it joins as
-        a newcomer does, taking the state from a member, when its own generations are behind the
-        next one's; else it is sent away (it exits)."""
-        changed = differences(self.setup.identity, held.identity)
-        if changed:  # it must not train the old code (docs/elasticity.md, "A lost driver")
-            log.warning("worker %d of the vanished driver came back late, running a changed job: it exits", worker_id)
-            self._server.send(worker_id, p.Stop(ended=CHANGED, rejoin=not held.launched))
-            self.membership.given_up([worker_id], time.monotonic())
-        elif held.finished is None and held.generation < self.membership.generation:
-            log.warning("worker %d of the vanished driver came back late: it joins", worker_id)
-            self._taken_back.add(worker_id)
-            self._execute(self.membership.ready(worker_id, 1, time.monotonic()))
-        else:
-            self._server.fence(worker_id, "came back after the restarted driver went on without it")
-            self.membership.workers[worker_id].state = WorkerState.GONE
 
     def _on_step(self, worker_id: int, message: p.StepDone) -> None:
         if message.generation != self.membership.generation:
@@ -687,7 +554,7 @@ class Driver:
         self._execute(self.membership.left(worker_id, message, time.monotonic()))
 
     def _on_state_chunk(self, worker_id: int, message: p.StateChunk) -> None:
-        # Fenced: only rank 0 of the current generation may upload (state/book.py).
+        # Fenced: only rank 0 of the current generation may upload (driver/book.py).
         self.states.chunk(worker_id, message, self.membership.generation, self.membership.members)
 
     def _on_finished(self, worker_id: int, message: p.Finished) -> None:
@@ -787,9 +654,12 @@ class Driver:
         return FinalState(state["model"], state["optimizer"], -1, restore.unit, divergence, source)
 
     # -- preemption (docs/architecture.md, "Preemption") -------------------------------------
-    def _preempt(self, watch: SignalWatch) -> None:
-        """A preemption signal: stop training as a halt does, asking the members for their state
-        with what the grace leaves (a third of it each, the rest for writing and stopping)."""
+    def preempt(self) -> None:
+        """Act on the preemption signal the watch caught (:meth:`iterate` does, once): stop training
+        as a halt does, asking the members for their state with what the grace leaves (a third of
+        it each, the rest for writing and stopping)."""
+        watch = self._watch
+        assert watch.signal_name is not None, "no preemption signal was caught"
         members = [m for m in self.membership.members if self.membership.state(m) is not WorkerState.GONE]
         log.info(
             "%s: stopping training and saving the newest state (FABRIC_MODEL_PREEMPT_GRACE %.0f s)",
@@ -824,7 +694,7 @@ class Driver:
 
     def _save_preempted(self, final: FinalState | None, watch: SignalWatch) -> None:
         """Write the state a member sent (or the snapshot held) as a checkpoint, then raise
-        :class:`~fabric_model.driver.preemption.Preempted`; ``run()``'s ``finally`` stops the workers."""
+        :class:`~fabric_model.driver.preemption.Preempted`; :meth:`finish` then stops the workers."""
         assert final is not None and watch.signal_name is not None
         unit, generation = final.unit, self.membership.generation
         # The steps below ``unit`` completed in an allreduce: commit those still waiting (driver/ledger.py).
@@ -962,16 +832,8 @@ class Driver:
         return "\n".join(f"--- worker {w} ---\n{self._launcher.log_tail(w)}" for w in worker_ids)
 
 
-def where(address: str | None, hostname: str) -> str:
-    """How generation lines name a worker's host: the address its connection came from, or its
-    own hostname when it connected over loopback (a worker on the driver's host)."""
-    if address is None or address.startswith("127.") or address == "::1":
-        return hostname
-    return address
-
-
 def _shown_path(path: Any) -> str:
     """``path`` as the screen names it (relative to the working directory where it lies inside)."""
-    from ..run.display import _shown
+    from .display import _shown
 
     return str(_shown(path))

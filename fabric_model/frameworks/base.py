@@ -165,7 +165,7 @@ class FrameworkAdapter(abc.ABC):
         return {}, []
 
     def identity_view(self) -> Any:
-        """What identifies this adapter's part of the job (setup/identity.py digests it): itself,
+        """What identifies this adapter's part of the job (driver/identity.py digests it): itself,
         unless the way it travels holds what differs between two builds of the same script."""
         return self
 

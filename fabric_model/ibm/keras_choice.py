@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..setup.settings import TF_USE_LEGACY_KERAS
+from ..settings.registry import TF_USE_LEGACY_KERAS
 
 VARIABLE = TF_USE_LEGACY_KERAS.name
 _USES_TENSORFLOW = re.compile(r"^\s*(import\s+(tensorflow|keras)\b|from\s+(tensorflow|keras)\b)", re.MULTILINE)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from ..setup.settings import JOB_STATE_DIR, LOG_DIR, RESULT_DIR
+from ..settings.registry import JOB_STATE_DIR, LOG_DIR, RESULT_DIR
 
 
 def log_folder() -> str:

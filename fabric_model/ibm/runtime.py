@@ -29,7 +29,7 @@ from pathlib import Path
 from types import TracebackType
 
 from ..run.rundir import RunDirectory
-from ..setup.settings import DATA_DIR, FABRIC_HOME, LOG_DIR, RESULT_DIR, TRAINING_ID
+from ..settings.registry import DATA_DIR, FABRIC_HOME, LOG_DIR, RESULT_DIR, TRAINING_ID
 from . import layout, ui_parameters
 from .downloads import explain
 from .keras_choice import choose_keras, honour_lr

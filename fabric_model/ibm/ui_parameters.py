@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from ..setup.settings import DATA_DIR, UI_PARAMETERS
+from ..settings.registry import DATA_DIR, UI_PARAMETERS
 
 MODULE = "pth_parameter_mgr"
 OPTIMIZERS = ("sgd", "adam", "adamw", "rmsprop", "adagrad", "adadelta")

@@ -25,11 +25,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from ..setup.cluster import check_cluster
+from ..settings.registry import CUDA_VISIBLE, JOIN_FILE, LAUNCHED, SECRET, WARM_START
 from ..setup.devices import cuda_visible_for_workers
-from ..setup.settings import CUDA_VISIBLE, JOIN_FILE, LAUNCHED, SECRET, WARM_START
 from . import warm_spare
 from .base import Launcher, module_command
+from .cluster import check_cluster
 from .fork_safety import fork_blockers
 from .warm_client import ForkedWorker, WarmProcess
 
@@ -184,7 +184,7 @@ def worker_environment(threads: int, host: str) -> dict[str, str]:
 
 
 def warm_start_mode() -> str:
-    """``$FABRIC_MODEL_WARM_START``, checked: one of :data:`~fabric_model.setup.settings.WARM_STARTS`."""
+    """``$FABRIC_MODEL_WARM_START``, checked: one of :data:`~fabric_model.settings.registry.WARM_STARTS`."""
     return WARM_START.get()
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import ray
 
-from ..setup.settings import LAUNCHED
+from ..settings.registry import LAUNCHED
 from .base import Launcher
 from .ray_host import WorkerHost
 

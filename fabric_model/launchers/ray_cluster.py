@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..setup.settings import RAY_ACTOR_OPTIONS, RAY_IGNORE_GITIGNORE
+from ..settings.registry import RAY_ACTOR_OPTIONS, RAY_IGNORE_GITIGNORE
 from .base import Launcher
 from .ray_console import RayConsole
 

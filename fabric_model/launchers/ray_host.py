@@ -22,7 +22,7 @@ import sys
 import tempfile
 import threading
 
-from ..setup.settings import SECRET
+from ..settings.registry import SECRET
 from .base import module_command
 
 #: Most log bytes one ``read_log`` call returns.

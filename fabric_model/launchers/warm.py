@@ -52,10 +52,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from ..setup.settings import PREEMPT_SIGNALS, TF_NOTICES
-from ..worker.native import die_with_parent
+from ..settings.registry import PREEMPT_SIGNALS, TF_NOTICES
 from .base import module_command
 from .fork_safety import blockers_after_imports
+from .native import die_with_parent
 
 #: What every worker imports before its first step; each framework adds its own. A Keras job's
 #: warm process imports TensorFlow and runs no operation of it, so its runtime has not started

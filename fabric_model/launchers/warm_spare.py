@@ -13,7 +13,7 @@ from __future__ import annotations
 import atexit
 import threading
 
-from ..setup.settings import WARM_KEEP
+from ..settings.registry import WARM_KEEP
 from .warm_client import WarmProcess
 
 #: Variables that tell the caller's moment, not how an interpreter starts: a kept process whose

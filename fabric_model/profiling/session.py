@@ -17,9 +17,9 @@ import tempfile
 import time
 from typing import Any
 
+from ..settings.profile_window import ProfileWindow
 from ..transport import protocol as p
 from .phases import Phases
-from .window import ProfileWindow
 
 log = logging.getLogger(__name__)
 

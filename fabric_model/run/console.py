@@ -41,7 +41,7 @@ SAID_BY_THE_DISPLAY = (
 #: (``fabric-model status`` and the start-up record read them), not a line on every run's screen.
 LOG_FILE_ONLY = (
     "local workers fork from the warm process: %s",
-    # Which states a halt or a preemption could fall back on (state/book.py, driver/driver.py).
+    # Which states a halt or a preemption could fall back on (driver/book.py, driver/driver.py).
     "%s from worker %d: %d bytes (generation %d)",
     "the newest state held: %s",
 )

@@ -29,7 +29,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
-from ..setup.settings import RESULT_DIR
+from ..settings.registry import RESULT_DIR
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class RunDirectory:
     def recording_end(self) -> Iterator[None]:
         """Records ``finished`` when the block ends, ``failed`` (with the error's type) when it
         raises an ``Exception``; an interrupt or a preemption is recorded where it is handled
-        (run/display.py), and the first end recorded stands."""
+        (driver/display.py), and the first end recorded stands."""
         try:
             yield
         except Exception as exc:

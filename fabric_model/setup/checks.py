@@ -14,8 +14,8 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..profiling.window import profile_window
 from ..run.hooks import HOOKS
+from ..settings.profile_window import profile_window
 from ..step.data import is_map_dataset
 from ..streams.sharded import as_sharded, unsharded_hint
 from . import compat
@@ -23,7 +23,7 @@ from . import compat
 if TYPE_CHECKING:
     from ..api import FabricModel
     from ..streams.datasets import CallerData
-    from .run_setup import LoopOptions
+    from .config import LoopOptions
 
 log = logging.getLogger("fabric_model")
 
@@ -70,12 +70,12 @@ ARGUMENT_CHECKS: dict[str, dict[str, str]] = {
         "worker_memory": "",  # IBM's, accepted and ignored (said in the log)
         "driver_memory": "",  # IBM's, accepted and ignored (said in the log)
         "bind_address": "fabric_model.transport.network:chosen_bind_address",
-        "cluster": "fabric_model.setup.cluster:check_cluster",
-        "verbose": "fabric_model.run.display:check_verbose",
+        "cluster": "fabric_model.launchers.cluster:check_cluster",
+        "verbose": "fabric_model.driver.display:check_verbose",
         "tensorboard": f"{_SELF}:check_bool",
         "deterministic": f"{_SELF}:check_bool",
         "shard_optimizer_state": f"{_SELF}:check_bool",
-        "profile": "fabric_model.profiling.window:profile_window",
+        "profile": "fabric_model.settings.profile_window:profile_window",
     },
 }
 

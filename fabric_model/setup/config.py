@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import Any, NamedTuple
 
-from ..profiling.window import ProfileWindow
-from . import settings
+from ..settings import registry as settings
+from ..settings.profile_window import ProfileWindow
 from .cores import usable_cores
 
 
@@ -178,3 +179,16 @@ class TrainConfig:
     shard_optimizer_state: bool = False
     #: Processes per worker reading its micro-batches (0: threads; frameworks/torch/reader_processes.py).
     num_dataloader_processes: int = 0
+
+
+class LoopOptions(NamedTuple):
+    """``train``'s knobs of the loop, as given (checked by :func:`~fabric_model.setup.checks.check_train_arguments`)."""
+
+    num_dataloader_threads: Any
+    validation_freq: Any
+    checkpoint_freq: Any
+    keep_checkpoints: Any
+    deterministic: Any = False
+    profile: Any = None
+    shard_optimizer_state: Any = False
+    num_dataloader_processes: Any = None

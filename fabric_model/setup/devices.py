@@ -21,9 +21,9 @@ import subprocess
 import sys
 from typing import Any
 
+from ..settings.registry import CPU_WORKERS, CUDA_VISIBLE, LOCAL_WORKERS, WORKERS_PER_GPU, Setting
 from .config import EngineSizing
 from .cores import usable_cores
-from .settings import CPU_WORKERS, CUDA_VISIBLE, LOCAL_WORKERS, WORKERS_PER_GPU, Setting
 
 log = logging.getLogger("fabric_model")
 

@@ -1,3 +1,3 @@
 """The training state kept, moved and saved: checkpoints (format, files, the best ones),
-the driver's writer and snapshot book, rank 0's uploads, and the state a joining worker
+the driver's writer, rank 0's uploads, and the state a joining worker
 pulls (docs/architecture.md, "Run directory", "Elasticity")."""

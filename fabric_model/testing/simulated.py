@@ -503,7 +503,7 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["driver"]:
         run_driver(sys.argv[2], int(sys.argv[3]))
     elif sys.argv[1:2] == ["workers"]:  # HOST PORT MICRO_BATCHES FD, the secret in FABRIC_MODEL_SECRET
-        from ..setup.settings import SECRET
+        from ..settings.registry import SECRET
 
         host, port, micro_batches, fd = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
         serve_workers(Connection(fd), (host, port), bytes.fromhex(SECRET.get() or ""), micro_batches)

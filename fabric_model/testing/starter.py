@@ -16,7 +16,7 @@ from typing import Any
 from ..launchers.base import module_command
 from ..run.hooks import Hooks
 from ..run.rundir import RunDirectory
-from ..setup.settings import SECRET
+from ..settings.registry import SECRET
 
 
 class WorkerStarter:

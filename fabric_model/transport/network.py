@@ -17,7 +17,7 @@ import socket
 import struct
 from collections.abc import MutableMapping
 
-from ..setup.settings import BIND_ADDRESS
+from ..settings.registry import BIND_ADDRESS
 
 log = logging.getLogger(__name__)
 

@@ -68,7 +68,7 @@ class Held:
     device: str | None = None
     finished: Finished | None = None
     reports: tuple[StepDone, ...] = ()
-    #: The identity of the job it runs (setup/identity.py): a restarted driver whose job differs
+    #: The identity of the job it runs (driver/identity.py): a restarted driver whose job differs
     #: does not let it go on with the old code (driver/take_back.py).
     identity: dict[str, str] = dataclasses.field(default_factory=dict)
     #: A checkpoint it uploaded whose writing the vanished driver never confirmed (:class:`Written`),
@@ -221,7 +221,7 @@ class JobSpec:
     #: The threads are the run's, not the host's: ``deterministic=True`` (a GEMM's rounding
     #: depends on them) or a Ray actor's CPUs. A hand-started worker otherwise sizes its own.
     threads_fixed: bool = False
-    #: What identifies the job (setup/identity.py), which the worker says again to a restarted driver.
+    #: What identifies the job (driver/identity.py), which the worker says again to a restarted driver.
     identity: dict[str, str] = dataclasses.field(default_factory=dict)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import logging
 
-from .native import libc
+from ..launchers.native import libc
 
 log = logging.getLogger(__name__)
 

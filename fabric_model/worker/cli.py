@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 import json
 
-from ..setup.settings import SECRET
+from ..settings.registry import SECRET
 
 
 @dataclasses.dataclass(frozen=True)

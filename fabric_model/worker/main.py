@@ -24,9 +24,8 @@ from multiprocessing import AuthenticationError
 from ..context import WorkerContext, _install
 from ..errors import encode_exception, user_traceback
 from ..frameworks.keras.quiet import quiet_tensorflow
-from ..setup.config import Timeouts, heartbeat_interval
-from ..setup.job import Job
-from ..setup.settings import (
+from ..launchers.native import die_with_parent
+from ..settings.registry import (
     GLOO_SOCKET_IFNAME,
     HEARTBEAT_TIMEOUT,
     JOIN_FILE,
@@ -35,6 +34,8 @@ from ..setup.settings import (
     PREEMPT_SIGNALS,
     START_TIMEOUT,
 )
+from ..setup.config import Timeouts, heartbeat_interval
+from ..setup.job import Job
 from ..step.digest import state_digest
 from ..streams.datasets import in_worker
 from ..transport import control
@@ -50,7 +51,6 @@ from .host_share import HostShare
 from .inbox import Heartbeat, Inbox, TrainingHalted, at_exit
 from .job_loading import HostUnfit, fit_device, load_job
 from .loop import TrainingLoop, WorkerLeft
-from .native import die_with_parent
 from .notice import LeaveNotice
 from .reattach import DriverWait, LossyChannel
 
@@ -65,7 +65,7 @@ class Stage:
     finished: p.Finished | None = None  # sent at the schedule's end
     handed_over: bool = False  # the final state went to the driver: nothing left to keep
     device: str | None = None  # where it trains (a restarted driver gives it the slot of that device)
-    identity: dict[str, str] = dataclasses.field(default_factory=dict)  # the job's (setup/identity.py)
+    identity: dict[str, str] = dataclasses.field(default_factory=dict)  # the job's (driver/identity.py)
 
     def held(self) -> p.Held | None:
         """What this worker holds; None before it entered a generation or once it handed over."""

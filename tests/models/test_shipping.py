@@ -21,8 +21,9 @@ from torch.nn.utils.parametrizations import orthogonal, spectral_norm, weight_no
 from torch.utils.checkpoint import checkpoint
 
 from fabric_model import FabricModel
-from fabric_model.setup.job import Job, dumps
-from fabric_model.setup.run_setup import serialize_job
+from fabric_model.frameworks.shipping import dumps
+from fabric_model.orchestrator.run_setup import serialize_job
+from fabric_model.setup.job import Job
 
 from ..helpers import MLP, make_data, max_rel_diff, reference_train
 

@@ -204,7 +204,7 @@ class KerasAdapter(FrameworkAdapter):
 
     def identity_view(self) -> dict[str, Any]:
         """The adapter with its live model, optimizer, metrics and user code, not the archive they
-        travel in (it holds the save's date and object ids): setup/identity.py digests Keras
+        travel in (it holds the save's date and object ids): driver/identity.py digests Keras
         objects by class, config and variable shapes."""
         dropped = ("_shipped", "_packed_user_code", "train_set")
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_tf") and k not in dropped}

@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import IO
 
-from ...setup.settings import TF_LOG_LEVEL, TF_NOTICES
+from ...settings.registry import TF_LOG_LEVEL, TF_NOTICES
 
 #: Fragments of the lines TensorFlow prints on every start, whatever the model. The CUDA build
 #: (Linux wheels) on a machine without a GPU driver says so at each CUDA stub it loads.

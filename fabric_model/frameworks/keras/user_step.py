@@ -52,7 +52,7 @@ def computes_own_loss(model: Any) -> bool:
 # -- how the user's code travels --------------------------------------------------------------
 def _pickler_class() -> type:
     # The job's pickler, which keeps each function's file for the worker's tracebacks.
-    from ...setup.job import JobPickler
+    from ..shipping import JobPickler
 
     return JobPickler
 

@@ -214,7 +214,7 @@ def model_loss(output: Any) -> torch.Tensor:
     ``(logits, loss)``); a scalar tensor output is the loss. A tuple of several scalar tensors and no
     ``loss`` field is refused: which one is the loss would be a guess (an auxiliary loss, a
     temperature and the loss all look alike). The caller's first-batch check
-    (:mod:`fabric_model.setup.first_batch`) calls this, so the refusal comes before any worker."""
+    (:mod:`fabric_model.frameworks.torch.first_batch`) calls this, so the refusal comes before any worker."""
     loss = _field(output, "loss")
     if loss is None and isinstance(output, (tuple, list)):
         scalars = [i for i, x in enumerate(output) if _scalar(x)]

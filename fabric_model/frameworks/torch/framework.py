@@ -18,7 +18,7 @@ class TorchFramework(Framework):
 
     def check_loss(self, loss_function: Any, *, model: Any = None, fn_step_train: Any = None) -> None:
         """A callable ``loss(output, target)``, not a loss class; None: the model computes its loss."""
-        from ...setup.first_batch import check_loss_object
+        from .first_batch import check_loss_object
 
         if loss_function is None:  # checked on the first batch: the output must hold a loss (calling.model_loss)
             return
@@ -76,13 +76,13 @@ class TorchFramework(Framework):
             )
 
     def prepare_for_shipping(self, adapter: FrameworkAdapter, first_batch: Any) -> FrameworkAdapter:
-        """Check the model, loss and metrics on the first batch (see :mod:`fabric_model.setup.first_batch`), and
-        keep the default accuracy only if the model's output is a classifier's."""
+        """Check the model, loss and metrics on the first batch (see :mod:`.first_batch`), and keep
+        the default accuracy only if the model's output is a classifier's."""
         import torch
 
-        from ...setup.first_batch import check_loss_and_metrics, check_parameter_dtypes, forward_first_batch
         from .adapter import TorchAdapter
         from .batches import to_device
+        from .first_batch import check_loss_and_metrics, check_parameter_dtypes, forward_first_batch
         from .ibm import accuracy_applies
 
         model = adapter.model

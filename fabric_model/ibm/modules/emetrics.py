@@ -23,7 +23,7 @@ import time
 from typing import IO, Any
 
 from fabric_model.ibm.paths import log_folder
-from fabric_model.setup.settings import RESULT_DIR, TRAINING_ID
+from fabric_model.settings.registry import RESULT_DIR, TRAINING_ID
 
 __all__ = ["EMetrics"]
 

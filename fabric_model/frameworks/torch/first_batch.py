@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from ..frameworks.torch.calling import ModelCall
-from ..frameworks.torch.calling import describe as _describe
-from .checks import check_loss_reduction
+from ...setup.checks import check_loss_reduction
+from .calling import ModelCall
+from .calling import describe as _describe
 
 #: What to do about a loss summed over the batch.
 SUM_FIX = (

@@ -12,7 +12,7 @@ naming the variable, the value received and what is accepted.
 Names, public and internal:
 
 - **Public** settings are the users' to set, and docs/configuration.md lists them (generated:
-  ``python -m fabric_model.setup.settings > docs/configuration.md``): fabric_model's own
+  ``python -m fabric_model.settings.registry > docs/configuration.md``): fabric_model's own
   ``FABRIC_MODEL_*``; IBM WMLA's names, spelled exactly as
   IBM did because users' scripts set them (``EDT_*``, ``RESULT_DIR``, ``LOG_DIR``,
   ``FABRIC_HOME`` ...); and other programs' variables the package also reads
@@ -34,8 +34,8 @@ import sys
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from ..profiling.window import ProfileWindow
-from ..profiling.window import parse_setting as parse_profile_setting
+from .profile_window import ProfileWindow
+from .profile_window import parse_setting as parse_profile_setting
 
 T = TypeVar("T")
 
@@ -123,7 +123,7 @@ def setting(name: str) -> Setting[Any]:
         return REGISTRY[name]
     except KeyError:
         raise KeyError(
-            f"Expected the name of a setting declared in fabric_model/setup/settings.py. Received: {name!r}"
+            f"Expected the name of a setting declared in fabric_model/settings/registry.py. Received: {name!r}"
         ) from None
 
 
@@ -689,8 +689,9 @@ TF_NOTICES: Setting[bool] = declare(
 _PAGE_HEAD = """\
 # Configuration: environment variables
 
-<!-- Generated from fabric_model/setup/settings.py by `python -m fabric_model.setup.settings > docs/configuration.md`;
-tests/test_settings.py fails when this page and the registry differ. Edit the registry, not this page. -->
+<!-- Generated from fabric_model/settings/registry.py by
+`python -m fabric_model.settings.registry > docs/configuration.md`; tests/test_settings.py fails
+when this page and the registry differ. Edit the registry, not this page. -->
 
 Every environment variable fabric_model reads. Unset or empty means the default. A value that is
 not accepted fails with an error naming the variable, the value and what is accepted; those that

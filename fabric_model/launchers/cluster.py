@@ -10,17 +10,17 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING
 
-from .settings import CLUSTER, CLUSTERS
+from ..settings.registry import CLUSTER, CLUSTERS
 
 if TYPE_CHECKING:
-    from ..launchers.ray_cluster import RayCluster
+    from .ray_cluster import RayCluster
 
 
 def check_cluster(cluster: str | None) -> str:
     """``cluster`` (or ``$FABRIC_MODEL_CLUSTER`` when None) as ``"local"`` or ``"ray"``.
 
     Raises:
-        ValueError: a value that is not one of :data:`~fabric_model.setup.settings.CLUSTERS`.
+        ValueError: a value that is not one of :data:`~fabric_model.settings.registry.CLUSTERS`.
         ImportError: ``"ray"`` without Ray installed.
     """
     name, value = "cluster", cluster
@@ -45,6 +45,6 @@ def open_cluster(kind: str) -> RayCluster | None:
     only here, so local runs never import it)."""
     if kind != "ray":
         return None
-    from ..launchers.ray_cluster import RayCluster
+    from .ray_cluster import RayCluster
 
     return RayCluster()

@@ -15,16 +15,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..frameworks.keras.quiet import notices_for_workers
+from ..run import console, screen
+from ..run.hooks import Hooks
+from ..run.progress_bar import ProgressBar
+from ..run.recorder import RunRecorder
 from ..state.checkpoint import checkpoint_due, list_checkpoints
 from ..step.plan import Schedule
-from . import console, screen
-from .hooks import Hooks
-from .progress_bar import ProgressBar
-from .recorder import RunRecorder
 
 if TYPE_CHECKING:
-    from ..driver.driver import DriverSetup
-    from .rundir import RunDirectory
+    from ..run.rundir import RunDirectory
+    from .driver import DriverSetup
 
 log = logging.getLogger(__name__)
 #: Exit status after Ctrl-C, as a shell reports a process ended by SIGINT.
@@ -83,7 +83,7 @@ def run_with_display(
         interrupted(run)
         raise
     except Exception as exc:
-        from ..driver.preemption import Preempted
+        from .preemption import Preempted
 
         if not isinstance(exc, Preempted):
             raise
@@ -119,7 +119,7 @@ def preempted(run: RunDirectory, exc: Exception) -> None:
     where it stopped and how to come back (the checkpoint and its timing are in driver.log), then
     exit status 143 in a script; in an interactive session the
     :class:`~fabric_model.driver.preemption.Preempted` error is raised again."""
-    from ..driver.preemption import Preempted
+    from .preemption import Preempted
 
     assert isinstance(exc, Preempted)
     sys.stderr.write(

@@ -10,11 +10,17 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..profiling.window import fit_to_run, profile_window
+from ..driver.identity import identify
 from ..run.hooks import Hooks
 from ..run.result import History, TrainResult
 from ..run.rundir import RunDirectory
 from ..run.startup import StartUp
+from ..settings.profile_window import fit_to_run, profile_window
+from ..settings.registry import OMIT_FROZEN, PROFILE
+from ..setup import checks as v
+from ..setup.config import LoopOptions
+from ..setup.devices import place_workers
+from ..setup.job import Job
 from ..state import checkpoint
 from ..state.best import best_of, check_monitors
 from ..state.durable import adopt_snapshot
@@ -22,13 +28,8 @@ from ..state.frozen import FrozenBase
 from ..step.loop_state import LoopState
 from ..step.plan import Plan
 from ..streams import datasets as streams
-from . import checks as v
 from . import run_setup
-from .devices import place_workers
-from .identity import identify
-from .job import Job
-from .run_setup import LoopOptions, serialize_job, size_run, slot_devices, train_config
-from .settings import OMIT_FROZEN, PROFILE
+from .run_setup import serialize_job, size_run, slot_devices, train_config
 
 if TYPE_CHECKING:
     from ..api import FabricModel
@@ -172,7 +173,7 @@ def ship(
 ) -> tuple[FrameworkAdapter, bytes, Job]:
     """The adapter (deterministic for ``exact`` micro-batches per step) and the job every worker
     receives, cloudpickled once, after what it monitors and its first batch are checked (and the
-    job itself, which setup/identity.py identifies)."""
+    job itself, which driver/identity.py identifies)."""
     adapter, framework = fm._make_adapter(), fm._framework
     if exact is not None:
         adapter = run_setup.make_deterministic(fm.framework, adapter, exact)
@@ -207,10 +208,10 @@ def run_job(
 
     ``resume_said``: what ``resume="auto"`` decided, logged once the run's log is open."""
     with run.recording_end():
-        from ..driver.driver import Driver  # torch.distributed is imported only once training starts
+        from ..driver.display import run_with_display
+        from ..driver.driver import Driver
         from ..launchers import warm_spare
         from ..launchers.local import local_launcher_factory
-        from ..run.display import run_with_display
 
         launcher = (
             ray_cluster.launcher_factory(run.worker_log)
@@ -271,7 +272,7 @@ def run_summary(steps: int, digests: dict[int, str], model: Path, onnx: tuple[st
     committed step's micro-batches were computed exactly once (the ledger refuses one that was
     not), and the finished replicas' digests agree (a difference fails the run before this).
     ``onnx``: the framework and onnxruntime's largest difference from it, when the model was exported."""
-    from ..run.display import _shown
+    from ..driver.display import _shown
 
     agree = f", {len(digests)} replicas agree" if len(digests) > 1 else ""
     digest = f" (sha256 {next(iter(digests.values()))[:12]})" if digests else ""

@@ -29,7 +29,8 @@ from typing import Any
 
 import cloudpickle
 
-from .job import Job, JobPickler
+from ..frameworks.shipping import JobPickler
+from ..setup.job import Job
 
 #: The parts of a job, as the console names them.
 MODEL = "the model, loss, metrics and optimizer"

@@ -24,14 +24,14 @@ import dataclasses
 import logging
 from typing import Any
 
-from ..driver.commands import RestorePoint
-from ..driver.ledger import CommittedUnit
+from ..state import wire
+from ..state.checkpoint import checkpoint_name, encode_state
+from ..state.durable import DurableSnapshot
+from ..state.frozen import FrozenBase
+from ..state.writer import CheckpointBook
 from ..transport import protocol as p
-from . import wire
-from .checkpoint import checkpoint_name, encode_state
-from .durable import DurableSnapshot
-from .frozen import FrozenBase
-from .writer import CheckpointBook
+from .commands import RestorePoint
+from .ledger import CommittedUnit
 
 log = logging.getLogger(__name__)
 #: The longest a restore waits for a checkpoint still being written (seconds): the newest

@@ -9,12 +9,14 @@ import logging
 import os
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
+from ..frameworks.shipping import dumps as dump_job
 from ..run.rundir import RunDirectory
-from ..step.data import is_batch_level
-from .config import (
+from ..settings.registry import DETERMINISTIC_THREADS, DIVERGENCE_CHECK_STEPS
+from ..setup.config import (
     EngineSizing,
+    LoopOptions,
     Preemption,
     SnapshotCadence,
     Timeouts,
@@ -23,10 +25,9 @@ from .config import (
     size_engines,
     threads_per_worker,
 )
-from .devices import collective_backend, workers_per_gpu
-from .job import Job
-from .job import dumps as dump_job
-from .settings import DETERMINISTIC_THREADS, DIVERGENCE_CHECK_STEPS
+from ..setup.devices import collective_backend, workers_per_gpu
+from ..setup.job import Job
+from ..step.data import is_batch_level
 from .unpicklable import Unpicklable, find_unpicklable
 
 if TYPE_CHECKING:
@@ -36,19 +37,6 @@ log = logging.getLogger(__name__)
 
 #: A job larger than this is shipped with a warning: data captured by datasets_function travels with it.
 LARGE_JOB_BYTES = 256 * 2**20
-
-
-class LoopOptions(NamedTuple):
-    """``train``'s knobs of the loop, as given (checked by :func:`~fabric_model.setup.checks.check_train_arguments`)."""
-
-    num_dataloader_threads: Any
-    validation_freq: Any
-    checkpoint_freq: Any
-    keep_checkpoints: Any
-    deterministic: Any = False
-    profile: Any = None
-    shard_optimizer_state: Any = False
-    num_dataloader_processes: Any = None
 
 
 def size_run(

@@ -1,6 +1,6 @@
 """Which part of a job cannot be pickled: the innermost object that fails on its own, named as the
 user knows it (``model.encoder.log``, ``loss_function's variable 'lock'``), for the error
-:func:`~fabric_model.setup.run_setup.serialize_job` raises. Run only after the job failed to pickle."""
+:func:`~fabric_model.orchestrator.run_setup.serialize_job` raises. Run only after the job failed to pickle."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
-from .job import Job, dump_object
+from ..frameworks.shipping import dump_object
+from ..setup.job import Job
 
 #: How deep the search descends; a real model's culprit is a few attributes down.
 MAX_DEPTH = 32

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fabric_model.state.checkpoint import encode_state, state_record  # noqa: E402
-from fabric_model.state.uploader import CHUNK_BYTES, _copy  # noqa: E402
+from fabric_model.state.uploader import CHUNK_BYTES, HostCopies  # noqa: E402
 from fabric_model.step.plan import Plan, Schedule  # noqa: E402
 from fabric_model.transport import protocol as p  # noqa: E402
 from fabric_model.transport.control import ControlServer, connect  # noqa: E402
@@ -56,7 +56,11 @@ def one_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: t
 
 def copy_state(model: nn.Module, opt: torch.optim.Optimizer, schedule: Schedule) -> dict:
     """What the step loop does (StateUploader.upload): copy the tensors."""
-    return state_record(schedule, 5, "torch", 32, _copy(model.state_dict()), _copy(opt.state_dict()))
+    copies = HostCopies()
+    model_state, optimizer_state = copies.of(model.state_dict()), copies.of(opt.state_dict())
+    copies.queued()
+    copies.wait()
+    return state_record(schedule, 5, "torch", 32, model_state, optimizer_state)
 
 
 def snapshot_parts(model: nn.Module, opt: torch.optim.Optimizer, schedule: Schedule, server, channel) -> dict:
@@ -119,8 +123,10 @@ def main() -> None:
                 record = copy_state(model, opt, schedule)
                 thread = threading.Thread(target=send, args=(record, server, channel))
                 thread.start()
-                while thread.is_alive():
+                while True:  # at least one step beside the send, however soon it ends
                     during.append(one_step(model, opt, x, y))
+                    if not thread.is_alive():
+                        break
                 thread.join()
             print(
                 f"{name}: {params:,} parameters, snapshot {med['bytes'] / 2**20:.1f} MiB: "

@@ -271,7 +271,7 @@ def test_several_scalar_tensors_fail_in_the_caller_before_any_worker_starts(monk
     ids=["logits-loss", "loss-logits", "dict-with-loss-and-aux", "namedtuple-with-loss-and-aux"],
 )
 def test_one_scalar_tensor_or_a_loss_field_passes_the_first_batch_check(shape):
-    """What ``train()`` runs on the first batch before any worker starts (setup/pipeline.ship)."""
+    """What ``train()`` runs on the first batch before any worker starts (orchestrator/pipeline.ship)."""
     model = ComputesItsLoss(shape)
     framework = detect_framework(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -34,7 +34,7 @@ from fabric_model.transport import protocol as p
 from fabric_model.transport.control import ControlServer
 from fabric_model.transport.store.server import StoreService
 
-PLAN = Plan(num_samples=32, batch_size=4, micro_batches=2, seed=0)  # 4 steps of 2 micro-batches an epoch
+PLAN = Plan(num_samples=32, items_per_micro_batch=4, micro_batches=2, seed=0)  # 4 steps of 2 micro-batches an epoch
 HEARTBEAT = 30.0
 
 
@@ -80,7 +80,7 @@ class Harness:
         )
         config = TrainConfig(
             epochs=2,
-            batch_size=PLAN.batch_size,
+            batch_size=PLAN.items_per_micro_batch,
             sizing=EngineSizing(PLAN.micro_batches, 2, PLAN.global_batch),
             num_dataloader_threads=None,
             validation_freq=1,

@@ -22,7 +22,7 @@ from fabric_model.step.plan import Plan, Schedule
 from fabric_model.transport import protocol as p
 
 #: 40 samples, micro-batches of 4, 4 a step: steps of 16, 16 and 8 samples (4, 4 and 2 micro-batches).
-PLAN = Plan(num_samples=40, batch_size=4, micro_batches=4, seed=0)
+PLAN = Plan(num_samples=40, items_per_micro_batch=4, micro_batches=4, seed=0)
 SCHEDULE = Schedule(PLAN, epochs=2, validation_freq=1, has_test=True)  # 4 units an epoch: 3 steps, validation
 NAMES = ["loss", "accuracy"]
 

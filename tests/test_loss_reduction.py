@@ -30,7 +30,7 @@ DATA = make_data(16)
 
 
 def first_batch_check(model, loss_function, data=DATA, optimizer=None) -> None:
-    """What ``train()`` runs on the first batch before any worker starts (setup/pipeline.ship)."""
+    """What ``train()`` runs on the first batch before any worker starts (orchestrator/pipeline.ship)."""
     framework = detect_framework(model)
     optimizer = optimizer if optimizer is not None else torch.optim.SGD(model.parameters(), lr=0.1)
     adapter = framework.make_adapter(UserObjects(model, optimizer, loss_function, metrics=[]))

@@ -16,7 +16,7 @@ from fabric_model.run.rundir import RunDirectory, atomic_write
 from fabric_model.step.plan import Plan, Schedule
 from fabric_model.testing import CheckpointFault, FailCollective, FaultInjector
 
-PLAN = Plan(num_samples=40, batch_size=4, micro_batches=2, seed=3)  # 5 steps an epoch
+PLAN = Plan(num_samples=40, items_per_micro_batch=4, micro_batches=2, seed=3)  # 5 steps an epoch
 SCHEDULE = Schedule(PLAN, epochs=3, validation_freq=1, has_test=True)  # 6 units an epoch
 
 

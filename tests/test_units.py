@@ -24,7 +24,7 @@ from fabric_model.step.plan import (
 
 
 def test_plan_cuts_every_epoch_into_exactly_once_micro_batches():
-    plan = Plan(num_samples=103, batch_size=8, micro_batches=3, seed=7)
+    plan = Plan(num_samples=103, items_per_micro_batch=8, micro_batches=3, seed=7)
     assert plan.global_batch == 24 and plan.steps_per_epoch == 5
     assert plan.step_samples(0, 4) == 7 and plan.num_micro_batches(0, 4) == 1
     for epoch in range(2):
@@ -53,7 +53,7 @@ def test_the_seeds_of_a_block_of_steps_are_micro_batch_seed_s(seed):
         steps = np.concatenate([np.arange(5), rng.integers(0, 2**32, size=5)])
         table = micro_batch_seeds(seed, epoch, steps, 3)
         assert table.tolist() == [[micro_batch_seed(seed, epoch, int(s), j) for j in range(3)] for s in steps]
-    plan = Plan(num_samples=50_000, batch_size=4, micro_batches=3, seed=seed)  # 4,167 steps: 5 blocks
+    plan = Plan(num_samples=50_000, items_per_micro_batch=4, micro_batches=3, seed=seed)  # 4,167 steps: 5 blocks
     seeds = MicroBatchSeeds(plan)
     for epoch, step, j in ((0, 0, 0), (0, 2100, 2), (0, 4166, 1), (1, 3, 1), (0, 5, 0)):  # blocks, epochs, back
         assert seeds(epoch, step, j) == micro_batch_seed(seed, epoch, step, j)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ..frameworks.shipping import dumps as dump_job
 from ..run.rundir import RunDirectory
 from ..settings.registry import DETERMINISTIC_THREADS, DIVERGENCE_CHECK_STEPS
+from ..setup.checks import check_batch_level
 from ..setup.config import (
     EngineSizing,
     LoopOptions,
@@ -48,23 +49,13 @@ def size_run(
     batch_level = is_batch_level(train_set)
     items_per_micro_batch = 1 if batch_level else batch_size
     if batch_level:
-        _check_batch_level(train_set, batch_size)
+        check_batch_level(train_set, batch_size)
     sizing = size_engines(
         items_per_micro_batch,
         engines_number,
         None if effective_batch_size is None else effective_batch_size // batch_size * items_per_micro_batch,
     )
     return items_per_micro_batch, sizing
-
-
-def _check_batch_level(train_set: Any, batch_size: int) -> None:
-    own = getattr(train_set, "batch_size", None)
-    if isinstance(own, int) and own != batch_size:
-        raise ValueError(
-            f"Expected `batch_size` to be the batch size of the train dataset, a {type(train_set).__name__} that "
-            f"yields whole batches of {own}. Received: batch_size={batch_size}. HINT: pass batch_size={own}; each "
-            "of its batches is one micro-batch."
-        )
 
 
 def serialize_job(job: Job) -> bytes:

@@ -93,7 +93,7 @@ def summarize(path: str | Path) -> RunSummary:
     steps: int | None = None
     try:
         recorded = json.loads(run.run_json.read_text())
-        epochs, steps = int(recorded["config"]["epochs"]), Plan(**recorded["plan"]).steps_per_epoch
+        epochs, steps = int(recorded["config"]["epochs"]), Plan.from_record(recorded["plan"]).steps_per_epoch
     except (OSError, ValueError, KeyError, TypeError):
         pass
     train = [r for r in records if r.get("type") == "train"]

@@ -239,6 +239,18 @@ def check_effective_batch(effective_batch_size: int | None, batch_size: int) -> 
         )
 
 
+def check_batch_level(train_set: Any, batch_size: int) -> None:
+    """A dataset that yields whole batches (``keras.utils.PyDataset``, ``flow()``) must yield
+    ``batch_size`` samples a batch: each of its batches is one micro-batch."""
+    own = getattr(train_set, "batch_size", None)
+    if isinstance(own, int) and own != batch_size:
+        raise ValueError(
+            f"Expected `batch_size` to be the batch size of the train dataset, a {type(train_set).__name__} that "
+            f"yields whole batches of {own}. Received: batch_size={batch_size}. HINT: pass batch_size={own}; each "
+            "of its batches is one micro-batch."
+        )
+
+
 def require(**arguments: Any) -> None:
     """Raise naming the required arguments that were not given."""
     missing = [name for name, value in arguments.items() if value is None]

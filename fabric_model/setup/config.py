@@ -103,7 +103,7 @@ class EngineSizing:
     """How many micro-batches make a step, and how many workers may run at once.
 
     Attributes:
-        micro_batches: micro-batches per step (``global_batch / batch_size``).
+        micro_batches: micro-batches per step (``global_batch / per_micro_batch``).
         max_workers: the most workers that may be alive at once (``engines_number``).
         global_batch: samples per optimizer step, whatever the number of live workers.
     """
@@ -113,13 +113,15 @@ class EngineSizing:
     global_batch: int
 
 
-def size_engines(batch_size: int, engines_number: int | None, effective_batch_size: int | None) -> EngineSizing:
-    """Resolve the worker count and the global batch.
+def size_engines(per_micro_batch: int, engines_number: int | None, effective_batch: int | None) -> EngineSizing:
+    """Resolve the worker count and the global batch, counted in dataset items: ``per_micro_batch``
+    items a micro-batch (``batch_size`` samples, or 1 of a dataset that yields whole batches) and
+    ``effective_batch`` items a step (``effective_batch_size`` in such items).
 
-    - only ``engines_number``: global batch = ``batch_size * engines_number``, one
+    - only ``engines_number``: global batch = ``per_micro_batch * engines_number``, one
       micro-batch per worker;
     - only ``effective_batch_size``: one worker per micro-batch
-      (``effective_batch_size / batch_size`` workers);
+      (``effective_batch / per_micro_batch`` workers);
     - both: the global batch is ``effective_batch_size`` and ``engines_number`` caps the
       workers; with fewer workers than micro-batches each accumulates several (gradient
       accumulation). More workers than micro-batches would idle, so they are capped, with
@@ -127,8 +129,8 @@ def size_engines(batch_size: int, engines_number: int | None, effective_batch_si
       and oversubscribe the devices.)
     - neither: one worker per local GPU (1 without a GPU).
     """
-    if effective_batch_size is not None:
-        micro = effective_batch_size // batch_size
+    if effective_batch is not None:
+        micro = effective_batch // per_micro_batch
         engines = micro if engines_number is None else min(engines_number, micro)
         if engines_number is not None and engines_number > micro:
             warnings.warn(
@@ -136,9 +138,9 @@ def size_engines(batch_size: int, engines_number: int | None, effective_batch_si
                 f"{micro} micro-batches, so {micro} worker(s) will be used.",
                 stacklevel=3,
             )
-        return EngineSizing(micro, engines, effective_batch_size)
+        return EngineSizing(micro, engines, effective_batch)
     engines = engines_number if engines_number is not None else max(1, local_device_count())
-    return EngineSizing(engines, engines, batch_size * engines)
+    return EngineSizing(engines, engines, per_micro_batch * engines)
 
 
 def threads_per_worker(workers_on_host: int, cpu_count: int | None = None) -> int:

@@ -7,7 +7,7 @@ the *unit* the run goes on from (that epoch's validation slot, see
 
     {"format": FORMAT, "framework": "torch" | "keras" | "tf_keras", "unit": next unit to run,
      "epoch": e, "step": last step of e, "steps_done": steps committed so far,
-     "batch_size": train()'s batch_size, "plan": {num_samples, batch_size, micro_batches, seed},
+     "batch_size": train()'s batch_size, "plan": {num_samples, items_per_micro_batch, micro_batches, seed},
      "model": adapter.model_state(), "optimizer": adapter.optimizer_state(), "time": ...}
 
 The data order and every RNG of a run are functions of ``(seed, epoch, step,
@@ -189,7 +189,7 @@ def _info(path: Path, state: Any) -> CheckpointInfo:
         steps_done=int(state["steps_done"]),
         framework=str(state["framework"]),
         batch_size=int(state["batch_size"]),
-        plan=Plan(**state["plan"]),
+        plan=Plan.from_record(state["plan"]),
     )
 
 

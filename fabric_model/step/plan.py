@@ -12,7 +12,8 @@ import functools
 import math
 import types
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -129,7 +130,9 @@ class Plan:
 
     Attributes:
         num_samples: training samples per epoch.
-        batch_size: samples per micro-batch (the last micro-batch of an epoch may be short).
+        items_per_micro_batch: dataset items per micro-batch (the last micro-batch of an epoch may
+            be short): ``train()``'s ``batch_size`` samples, or 1 item of a dataset that yields
+            whole batches.
         micro_batches: micro-batches per full step.
         seed: the run's seed.
         shard_lengths: for a sharded dataset (streams/), each shard's samples: micro-batch ``j``
@@ -140,12 +143,21 @@ class Plan:
     """
 
     num_samples: int
-    batch_size: int
+    items_per_micro_batch: int
     micro_batches: int
     seed: int
     shard_lengths: tuple[int, ...] = ()
     shuffle_shards: bool = True
     shuffle_window: int = 1
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Plan:
+        """The plan a checkpoint or ``run.json`` holds. Those written before the field had its
+        name call ``items_per_micro_batch`` ``batch_size``, and still resume."""
+        fields = dict(record)
+        if "batch_size" in fields:
+            fields["items_per_micro_batch"] = fields.pop("batch_size")
+        return cls(**fields)
 
     def __post_init__(self) -> None:
         # run.json holds the lengths as a JSON list: the plan read back must equal the one written.
@@ -160,26 +172,29 @@ class Plan:
     # no field, so equality, asdict and replace are the fields' alone).
     @functools.cached_property
     def global_batch(self) -> int:
-        return self.batch_size * self.micro_batches
+        return self.items_per_micro_batch * self.micro_batches
 
     @functools.cached_property
     def steps_per_epoch(self) -> int:
         if self.sharded:
-            return streams.steps_per_epoch(self.num_samples, self.micro_batches, self.batch_size)
+            return streams.steps_per_epoch(self.num_samples, self.micro_batches, self.items_per_micro_batch)
         return math.ceil(self.num_samples / self.global_batch)
 
     def step_samples(self, epoch: int, step: int) -> int:
         """How many samples step ``step`` holds (the last step of an epoch may be short)."""
         if self.sharded:
-            return sum(streams.micro_batch_sizes(self.num_samples, self.micro_batches, self.batch_size, step))
+            return sum(self._stream_sizes(step))
         start = step * self.global_batch
         return max(0, min(self.global_batch, self.num_samples - start))
 
     def num_micro_batches(self, epoch: int, step: int) -> int:
         if self.sharded:  # the streams not yet dry: they come first
-            sizes = streams.micro_batch_sizes(self.num_samples, self.micro_batches, self.batch_size, step)
-            return sum(1 for n in sizes if n > 0)
-        return math.ceil(self.step_samples(epoch, step) / self.batch_size)
+            return sum(1 for n in self._stream_sizes(step) if n > 0)
+        return math.ceil(self.step_samples(epoch, step) / self.items_per_micro_batch)
+
+    def _stream_sizes(self, step: int) -> Sequence[int]:
+        """A sharded dataset's samples of each stream at ``step``."""
+        return streams.micro_batch_sizes(self.num_samples, self.micro_batches, self.items_per_micro_batch, step)
 
     def micro_batch_indices(
         self, epoch: int, step: int, micro_batch: int, permutation: np.ndarray | None = None
@@ -188,28 +203,28 @@ class Plan:
         dataset, positions in the epoch's sequence of samples (step/stream_order.py)."""
         if self.sharded:
             segment = streams.segment(self.num_samples, self.micro_batches, micro_batch)
-            first = step * self.batch_size
-            count = max(0, min(self.batch_size, segment[1] - segment[0] - first))
+            first = step * self.items_per_micro_batch
+            count = max(0, min(self.items_per_micro_batch, segment[1] - segment[0] - first))
             return streams.stream_positions(self.seed, epoch, micro_batch, segment, first, count, self.shuffle_window)
         perm = permutation if permutation is not None else epoch_permutation(self.seed, epoch, self.num_samples)
-        start = step * self.global_batch + micro_batch * self.batch_size
-        end = min(start + self.batch_size, (step + 1) * self.global_batch, self.num_samples)
+        start = step * self.global_batch + micro_batch * self.items_per_micro_batch
+        end = min(start + self.items_per_micro_batch, (step + 1) * self.global_batch, self.num_samples)
         return perm[start:end]
 
 
-def eval_batches(num_samples: int, batch_size: int, rank: int, world_size: int) -> list[np.ndarray]:
+def eval_batches(num_samples: int, items: int, rank: int, world_size: int) -> list[np.ndarray]:
     """The test-set batches (in order, unshuffled) that worker ``rank`` evaluates."""
-    starts = range(rank * batch_size, num_samples, world_size * batch_size)
-    return [np.arange(s, min(s + batch_size, num_samples)) for s in starts]
+    starts = range(rank * items, num_samples, world_size * items)
+    return [np.arange(s, min(s + items, num_samples)) for s in starts]
 
 
-def eval_segment_batches(num_samples: int, batch_size: int, rank: int, world_size: int) -> list[np.ndarray]:
+def eval_segment_batches(num_samples: int, items: int, rank: int, world_size: int) -> list[np.ndarray]:
     """A sharded test set's batches for worker ``rank``: its own contiguous stretch of the
     sequence, so each worker reads its shards front to back (streams/reader.py) instead of
     every worker reading every shard to take every ``world_size``-th batch."""
     bounds = streams.segment_bounds(num_samples, world_size)
     lo, hi = int(bounds[rank]), int(bounds[rank + 1])
-    return [np.arange(s, min(s + batch_size, hi)) for s in range(lo, hi, batch_size)]
+    return [np.arange(s, min(s + items, hi)) for s in range(lo, hi, items)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -101,14 +101,14 @@ def stream_positions(
 
 
 @functools.lru_cache(maxsize=16)
-def steps_per_epoch(total: int, streams: int, batch_size: int) -> int:
+def steps_per_epoch(total: int, streams: int, per_micro_batch: int) -> int:
     """Steps until the longest stream runs dry (at least one: an empty epoch still has a step)."""
     longest = -(-total // streams)
-    return max(1, -(-longest // batch_size))
+    return max(1, -(-longest // per_micro_batch))
 
 
-def micro_batch_sizes(total: int, streams: int, batch_size: int, step: int) -> Sequence[int]:
-    """Samples of each stream at ``step``: ``batch_size`` until a stream runs dry, then its rest,
+def micro_batch_sizes(total: int, streams: int, per_micro_batch: int, step: int) -> Sequence[int]:
+    """Samples of each stream at ``step``: ``per_micro_batch`` until a stream runs dry, then its rest,
     then none; never growing with the stream index, so the non-empty ones come first."""
     q, r = divmod(total, streams)
-    return [max(0, min(batch_size, q + (j < r) - step * batch_size)) for j in range(streams)]
+    return [max(0, min(per_micro_batch, q + (j < r) - step * per_micro_batch)) for j in range(streams)]

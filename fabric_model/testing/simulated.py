@@ -72,7 +72,7 @@ def run_driver(run_dir: str, max_workers: int) -> None:
         def log_tail(self, worker_id: int, lines: int = 30) -> str:
             return ""
 
-    plan = Plan(num_samples=STEPS * max_workers, batch_size=1, micro_batches=max_workers, seed=0)
+    plan = Plan(num_samples=STEPS * max_workers, items_per_micro_batch=1, micro_batches=max_workers, seed=0)
     config = TrainConfig(
         epochs=1,
         batch_size=1,

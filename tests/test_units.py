@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import numpy as np
@@ -276,3 +277,12 @@ def test_one_vote_to_stop_makes_every_member_leave_whatever_the_others_voted():
     tail = torch.zeros(layout.size, dtype=torch.float32)
     tail[layout.vote] = torch.full((8000,), 1.0 + LEAVE_VOTE).sum()  # leave votes alone never read as a stop
     assert layout.result(tail.tolist()).leaving < EVERYONE
+
+
+def test_a_plan_reads_back_from_a_record_written_before_its_field_was_renamed():
+    """Checkpoints and run.json written when Plan's items per micro-batch were named batch_size still resume."""
+    plan = Plan(100, 4, 2, 7)
+    record = dataclasses.asdict(plan)
+    assert Plan.from_record(record) == plan
+    record["batch_size"] = record.pop("items_per_micro_batch")
+    assert Plan.from_record(record) == plan

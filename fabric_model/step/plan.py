@@ -40,20 +40,27 @@ def micro_batch_seed(seed: int, epoch: int, step: int, micro_batch: int) -> int:
 _MASK64 = (1 << 64) - 1
 
 
-def generator_seed(seed: int, name: str) -> int:
-    """The seed of a ``torch.Generator`` the model owns, at attribute path ``name`` (``"noise"``,
-    ``"blocks.0.gen"``), before the micro-batch whose seed is ``seed`` (:func:`micro_batch_seed`).
-
-    A model that draws its noise from a generator of its own gets, like torch's global generator,
-    the same draws for a micro-batch whichever worker runs it; each generator its own stream (the
-    name mixed in, so two generators, or one and the global, do not draw the same numbers). A
-    reference loop calls ``model.noise.manual_seed(generator_seed(micro_batch_seed(...), "noise"))``.
-    """
-    # splitmix64's finaliser over the seed and the name's CRC: cheap enough for every micro-batch.
-    z = (seed ^ (zlib.crc32(name.encode()) * 0x9E3779B97F4A7C15)) & _MASK64
+def mix64(z: int) -> int:
+    """splitmix64's finaliser: every input bit reaches every output bit; cheap enough for every
+    micro-batch and every sample read."""
+    z &= _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+    return z ^ (z >> 31)
+
+
+def generator_seed(seed: int, name: str) -> int:
+    """The seed of the generator called ``name`` before the micro-batch or sample read whose seed
+    is ``seed``: each generator its own stream (the name mixed in, so two generators, or one and
+    the global, do not draw the same numbers). 63 bits.
+
+    A model's own ``torch.Generator`` is named by its attribute path (``"noise"``,
+    ``"blocks.0.gen"``) and seeded before each micro-batch (:func:`micro_batch_seed`), so it
+    gives, like torch's global generator, the same draws for a micro-batch whichever worker runs
+    it: a reference loop calls ``model.noise.manual_seed(generator_seed(micro_batch_seed(...),
+    "noise"))``. A dataset's generators are seeded per sample (step/sample_seeds.py).
+    """
+    return mix64(seed ^ (zlib.crc32(name.encode()) * 0x9E3779B97F4A7C15)) & ((1 << 63) - 1)
 
 
 # numpy's SeedSequence (numpy/random/bit_generator.pyx), its pool of 4 words and its constants:

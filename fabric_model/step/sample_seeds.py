@@ -25,23 +25,15 @@ import dataclasses
 import functools
 import random
 import threading
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-_MASK64 = (1 << 64) - 1
+from .plan import generator_seed, mix64
+
 #: The ``epoch`` of a validation read: every validation reads a sample the same way.
 VALIDATION = -1
-
-
-def _mix(z: int) -> int:
-    """splitmix64's finaliser: every input bit reaches every output bit."""
-    z &= _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -49,15 +41,9 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 
     A reference loop reproduces a sample's augmentation by seeding each generator with
     ``generator_seed(sample_seed(...), name)`` (names in :func:`global_generators`)."""
-    z = _mix(seed * 0x9E3779B97F4A7C15 + 0x5851F42D4C957F2D)
-    z = _mix(z ^ ((epoch + 2) * 0xD6E8FEB86659FD93))
-    return _mix(z ^ (index * 0xA0761D6478BD642F))
-
-
-def generator_seed(seed: int, name: str) -> int:
-    """The seed of the generator called ``name`` for a read whose seed is ``seed``: each its own
-    stream, so two generators seeded for one sample do not draw the same numbers. 63 bits."""
-    return _mix(seed ^ (zlib.crc32(name.encode()) * 0x9E3779B97F4A7C15)) >> 1
+    z = mix64(seed * 0x9E3779B97F4A7C15 + 0x5851F42D4C957F2D)
+    z = mix64(z ^ ((epoch + 2) * 0xD6E8FEB86659FD93))
+    return mix64(z ^ (index * 0xA0761D6478BD642F))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,6 +38,7 @@ from ..state.best import BestCheckpoints, epoch_logs
 from ..state.checkpoint import CheckpointInfo, decode_state, encode_state, state_record
 from ..state.durable import DurableSnapshot
 from ..state.frozen import FrozenBase
+from ..state.layouts import layout_for
 from ..state.writer import CheckpointBook
 from ..step.plan import Plan, Schedule
 from ..transport import protocol as p
@@ -589,7 +590,7 @@ class Driver:
     def _ask_for_state(self) -> None:
         halt = self._halt
         assert halt is not None
-        if self.setup.config.shard_optimizer_state and halt.asked < 0:
+        if not layout_for(self.setup.config).whole_on_each_member and halt.asked < 0:
             # No member holds the whole optimizer state (docs/elasticity.md, "Sharded optimizer
             # state"): the newest whole state saved, never a member's slices as if they were all.
             log.warning("sharded optimizer state: the newest saved is kept")
@@ -668,7 +669,7 @@ class Driver:
         )
         watch.acted = True
         patience = max(0.5, (watch.deadline - watch.reserve - time.monotonic()) / 3)
-        if self.setup.config.shard_optimizer_state and members and self.membership.generation >= 0:
+        if not layout_for(self.setup.config).whole_on_each_member and members and self.membership.generation >= 0:
             # No member holds the whole optimizer state: they stop together, and rank 0 uploads
             # the state gathered from all their slices (driver/halt.py). Not in time: the newest held.
             self._halt = Halt(None, [], patience, preempted=watch.signal_name, stopping=set(members))

@@ -31,6 +31,7 @@ import cloudpickle
 
 from ..frameworks.shipping import JobPickler
 from ..setup.job import Job
+from ..state.layouts import layout_for
 
 #: The parts of a job, as the console names them.
 MODEL = "the model, loss, metrics and optimizer"
@@ -39,8 +40,8 @@ CALLBACKS = "the callbacks and loggers"
 SCHEDULE = "the learning-rate schedule"
 ARGUMENTS = "train()'s arguments"
 PLAN = "the plan (samples, batch sizes, seed)"
-#: Not a digest: the state layout in clear ("sharded" or "replicated"), which says whether one
-#: member can hand over the whole state.
+#: Not a digest: the state layout in clear ("sharded" or "replicated": state/layouts.py), which
+#: says whether one member can hand over the whole state.
 LAYOUT = "state layout"
 
 #: TrainConfig fields that say how a run is operated, not what it trains: left out of its digest.
@@ -169,7 +170,7 @@ def identify(job: Job, config: Any, plan: Any) -> Identity:
         SCHEDULE: digest(job.lr_scheduling),
         ARGUMENTS: digest(arguments),
         PLAN: digest(dataclasses.asdict(plan)),
-        LAYOUT: "sharded" if config.shard_optimizer_state else "replicated",
+        LAYOUT: layout_for(config).name,
     }
 
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from ..run import metrics_log
 from ..run.metrics_log import MetricsLog
 from ..state.checkpoint import state_record
+from ..state.layouts import layout_named
 from ..step.plan import Schedule
 from ..transport import protocol as p
 from ..transport.control import ControlServer
@@ -214,7 +215,7 @@ class Reattach:
         """Why no worker that came back can hand its state to the new job; empty: one can."""
         if any(h.finished is not None for h in held.values()):
             return "they had finished the schedule"
-        if any(h.identity.get(LAYOUT) == "sharded" for h in held.values()):
+        if any(not layout_named(h.identity.get(LAYOUT)).whole_on_each_member for h in held.values()):
             return "their optimizer state is sharded, so no one of them holds it whole"
         if PLAN in changed:
             return "the plan changed, so their units are not this run's"

@@ -143,11 +143,9 @@ class FrameworkAdapter(abc.ABC):
         the step is done here), once; None for none. Only a sharded optimizer state has one."""
         return None
 
-    #: The sharded optimizer state (``train(shard_optimizer_state=True)``), where the adapter has one.
-    sharded: Any = None
-
-    def shard_optimizer_state(self) -> None:
-        """Hold and update only this member's slices of the optimizer state from now on."""
+    def shard_optimizer_state(self) -> Any:
+        """Hold and update only this member's slices of the optimizer state from now on; returns
+        what holds them (the sharded state layout moves them: state/layouts.py)."""
         raise ValueError(f"shard_optimizer_state=True is not available for {type(self).__name__}")
 
     @abc.abstractmethod

@@ -44,6 +44,13 @@ class ExactGrid:
         self._exact.exponents = exponents.clone().to(torch.int64)
         self._exact._set_scales()
 
+    def grid_step_begins(self) -> None:
+        """A step starts on the current grid (kept until it ends, for an abort to go back to)."""
+        self._step_exponents = self.exact_sum.exponents.clone()
+
+    def grid_step_ends(self) -> None:
+        self._step_exponents = None
+
     def _restore_step_grid(self) -> None:
         """An aborted step is undone, and so is a grid change a redo in it made on some replicas only."""
         if self._step_exponents is not None and self._exact is not None:

@@ -17,11 +17,12 @@ One upload at a time: a snapshot due while one is in flight waits for the next b
 due checkpoint waits for the one in flight to finish.
 
 With a sharded optimizer state (``train(shard_optimizer_state=True)``) every member of a
-generation of several takes part in gathering it, so all must decide alike when an upload is
-due (``agreed``). Checkpoints fall at epochs, alike everywhere; the snapshot rules read the
-clock, which differs between members, so rank 0 alone applies them (``snapshot_due``) and votes
-inside a step's allreduce; every member reads the same sum and gathers before the next unit
-(``voted``). A snapshot due while one is in flight waits for it there.
+generation of several takes part in gathering it (state/layouts.py, ``uploads_together``), so
+all must decide alike when an upload is due (``agreed``). Checkpoints fall at epochs, alike
+everywhere; the snapshot rules read the clock, which differs between members, so rank 0 alone
+applies them (``snapshot_due``) and votes inside a step's allreduce; every member reads the same
+sum and gathers before the next unit (``voted``). A snapshot due while one is in flight waits
+for it there.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from ..transport import protocol as p
 from ..transport.control import Channel
 from . import wire
 from .checkpoint import checkpoint_due, state_record
+from .layouts import layout_for
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +52,8 @@ class StateUploader:
     Args:
         channel: the worker's control channel (``send`` is thread-safe).
         schedule: the run's schedule.
-        config: the run's configuration (``checkpoint_freq``, ``batch_size``, ``snapshots``).
+        config: the run's configuration (``checkpoint_freq``, ``batch_size``, ``snapshots``, and
+            its state layout's: state/layouts.py).
     """
 
     def __init__(self, channel: Channel, schedule: Schedule, config: TrainConfig) -> None:
@@ -62,8 +65,8 @@ class StateUploader:
             float(cadence.seconds),
             float(cadence.share),
         )
-        self.sharded = config.shard_optimizer_state
-        self.agreed = False  # every member decides (and gathers) alike: sharded, with several members
+        self.together = layout_for(config).uploads_together  # every member takes part in an upload
+        self.agreed = False  # every member decides (and gathers) alike: together, with several members
         self.voted = False  # rank 0's snapshot vote came through the last step's allreduce (agreed)
         self.cost = 0.0  # seconds the last upload took: its copy, then its thread's serializing and sending
         self.framework = ""
@@ -78,7 +81,7 @@ class StateUploader:
 
     def entered(self, settings: p.CheckpointSettings, resume_unit: int, members: int = 1) -> None:
         """A generation of ``members`` was entered at ``resume_unit``: the driver holds a state of it or before."""
-        self.agreed, self.voted = self.sharded and members > 1, False
+        self.agreed, self.voted = self.together and members > 1, False
         self.framework = settings.framework
         self.written = max(self.written, settings.written)
         self._last_steps = self.schedule.steps_before(resume_unit)

@@ -171,7 +171,7 @@ class Plan:
         object.__setattr__(self, "shard_lengths", tuple(int(n) for n in self.shard_lengths))
 
     @property
-    def sharded(self) -> bool:
+    def sharded_data(self) -> bool:
         """Whether the training data is read as streams of shards (step/stream_order.py)."""
         return bool(self.shard_lengths)
 
@@ -183,19 +183,19 @@ class Plan:
 
     @functools.cached_property
     def steps_per_epoch(self) -> int:
-        if self.sharded:
+        if self.sharded_data:
             return streams.steps_per_epoch(self.num_samples, self.micro_batches, self.items_per_micro_batch)
         return math.ceil(self.num_samples / self.global_batch)
 
     def step_samples(self, epoch: int, step: int) -> int:
         """How many samples step ``step`` holds (the last step of an epoch may be short)."""
-        if self.sharded:
+        if self.sharded_data:
             return sum(self._stream_sizes(step))
         start = step * self.global_batch
         return max(0, min(self.global_batch, self.num_samples - start))
 
     def num_micro_batches(self, epoch: int, step: int) -> int:
-        if self.sharded:  # the streams not yet dry: they come first
+        if self.sharded_data:  # the streams not yet dry: they come first
             return sum(1 for n in self._stream_sizes(step) if n > 0)
         return math.ceil(self.step_samples(epoch, step) / self.items_per_micro_batch)
 
@@ -208,7 +208,7 @@ class Plan:
     ) -> np.ndarray:
         """Dataset indices of micro-batch ``micro_batch`` of ``step`` in ``epoch``; for a sharded
         dataset, positions in the epoch's sequence of samples (step/stream_order.py)."""
-        if self.sharded:
+        if self.sharded_data:
             segment = streams.segment(self.num_samples, self.micro_batches, micro_batch)
             first = step * self.items_per_micro_batch
             count = max(0, min(self.items_per_micro_batch, segment[1] - segment[0] - first))

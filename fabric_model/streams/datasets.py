@@ -30,7 +30,7 @@ class CallerData:
     train_source: ShardedDataset | None = None
 
     @property
-    def sharded(self) -> bool:
+    def sharded_data(self) -> bool:
         return self.train_count is not None
 
     def record(self) -> dict[str, Any] | None:
@@ -83,7 +83,7 @@ def _counted(source: ShardedDataset, role: str, again: bool = True) -> ShardCoun
 
 def in_worker(train: Any, test: Any, plan: Any, test_lengths: tuple[int, ...]) -> tuple[Any, Any]:
     """The datasets a worker's loop reads: sharded ones as streams, with the lengths the caller counted."""
-    if plan.sharded:
+    if plan.sharded_data:
         source = as_sharded(train)
         if source is None:
             raise TypeError(

@@ -24,7 +24,6 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..context import WorkerContext
 from ..profiling import phases as ph
@@ -33,8 +32,8 @@ from ..profiling.session import StepProfiler
 from ..setup.config import TrainConfig, threads_per_worker
 from ..setup.job import Job
 from ..state.checkpoint import decode_state
-from ..state.slices import Holding, StateLost, host_key
-from ..state.transfer import broadcast_state
+from ..state.layouts import layout_for
+from ..state.slices import StateLost
 from ..state.uploader import StateUploader
 from ..step.data import (
     EpochShuffledBatches,
@@ -73,18 +72,6 @@ log = logging.getLogger(__name__)
 #: Step reports a worker keeps for a driver that comes back (at most this many steps uncommitted
 #: when the driver vanished are recorded from them; older ones are committed with inferred shares).
 REPORTS_KEPT = 1024
-
-
-def _leaves(tree: Any) -> Iterator[Any]:
-    """The values of a nest of dicts, lists and tuples."""
-    if isinstance(tree, dict):
-        for value in tree.values():
-            yield from _leaves(value)
-    elif isinstance(tree, (list, tuple)):
-        for value in tree:
-            yield from _leaves(value)
-    else:
-        yield tree
 
 
 class WorkerLeft(Exception):
@@ -153,12 +140,12 @@ class TrainingLoop:
         self.phases = self.adapter.phases = Phases()
         device = str(getattr(collective, "device", "cpu"))
         self.profiler = StepProfiler(config.profile, self.phases, channel, device, context.worker_id)
-        # train(shard_optimizer_state=True): each member holds its slices of the optimizer state
+        # What this worker holds of the state and how it moves (state/layouts.py): replicated, or
+        # with train(shard_optimizer_state=True) its slices of the optimizer state
         # (docs/elasticity.md, "Sharded optimizer state").
-        self.sharded = config.shard_optimizer_state
-        if self.sharded:
-            self.adapter.shard_optimizer_state()
-        context.state_bytes = self._state_bytes
+        self.layout = layout_for(config)
+        self.layout.attach(self.adapter, self.loop_state)
+        context.state_bytes = self.layout.state_bytes
         context.grad_bytes = self.adapter.gradient_bytes
 
     # -- generations ----------------------------------------------------------------------
@@ -171,8 +158,7 @@ class TrainingLoop:
             try:
                 self._run_generation()
                 if self.next_unit >= self.schedule.total_units:
-                    if self.sharded:  # every member's slices into the user's optimizer, as unsharded
-                        self.adapter.gather_final(self.collective)
+                    self.layout.finish(self.collective)  # the user's optimizer holds the whole state
                     break
                 if self.voted_leave or self.leavers >= self.collective.world_size:
                     self._leave()  # does not return (every member leaves when one voted to stop)
@@ -204,7 +190,7 @@ class TrainingLoop:
         "Preemption"): when every member leaves, rank 0 first hands the driver the state, so no
         committed step is lost; then the position, marked as leaving, and exit 0."""
         collective = self.collective
-        if self.leavers >= collective.world_size and (collective.rank == 0 or self.sharded):
+        if self.leavers >= collective.world_size and self.layout.takes_part_in_uploads(collective.rank):
             self._upload("snapshot")  # a sharded state: every member hands its slices to rank 0's
             self.uploads.flush(self.notice.grace)
         collective.shutdown()
@@ -238,26 +224,15 @@ class TrainingLoop:
             state = decode_state(generation.state, self.plan, str(restore))
             if state["unit"] != generation.resume_unit:
                 raise RuntimeError(f"{restore} holds unit {state['unit']}, not {generation.resume_unit}")
-            # Complete, from the driver; "base": its frozen parameters that hold the job's values.
-            optimizer = self.loop_state.unpack(state["optimizer"])
-            self.adapter.load_sent_state(state["model"], optimizer, base=state.get("base", ()))
-            if self.sharded:  # the whole state, held whole until divided below
-                self.adapter.sharded.adopt_whole(generation.resume_unit)
+            self.layout.load(state, generation.resume_unit)  # complete, from the driver
         self.uploads.entered(generation.checkpoint, generation.resume_unit, generation.world_size)
         if generation.rank == 0:  # a checkpoint a vanished driver never wrote (state/uploader.py)
             self.uploads.send_unconfirmed(generation.generation, generation.checkpoint.written)
         self.notice.holds_state = True  # from here a notice to leave waits for a step boundary
-        if self.sharded:
-            try:
-                self._enter_sharded(generation, loaded=generation.state is not None)
-            except StateLost as exc:
-                self._leave_incomplete(exc)
-        elif source >= 0:  # the members that lack the agreed state take it from the one that holds it
-            mine = self._state() if self.collective.rank == source else None
-            state = broadcast_state(self.collective, mine, source)
-            if self.collective.rank != source:
-                optimizer = self.loop_state.unpack(state["optimizer"])
-                self.adapter.load_sent_state(state["model"], optimizer, omitted=state.get("omitted", ()))
+        try:  # the members that lack the agreed state take it (from ``source``, or by slices)
+            self.layout.enter(self.collective, source, generation.resume_unit, self._held_unit(generation))
+        except StateLost as exc:
+            self._leave_incomplete(exc)
         self.next_unit = generation.resume_unit
         self.entered_once = True
         # What entering took, for the run's start-up record (run/startup.py).
@@ -284,64 +259,19 @@ class TrainingLoop:
         self.channel.send(p.LeftGeneration(self.collective.generation, -1, False, reason, True))
         raise WorkerLeft(f"{reason}: {exc}") from exc
 
-    def _state_bytes(self) -> int:
-        """Bytes of optimizer state this worker holds (``WorkerContext.optimizer_state_bytes``)."""
-        if self.adapter.sharded is not None:
-            return int(self.adapter.sharded.state_bytes())
-        _, optimizer, _ = self.adapter.state_to_send()
-        tensors = [v for v in _leaves(optimizer) if isinstance(v, torch.Tensor)]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    def _enter_sharded(self, generation: p.EnterGeneration, loaded: bool) -> None:
-        """Enter with a sharded optimizer state (docs/elasticity.md, "Sharded optimizer state").
-
-        The members first say what they hold. A member one step behind the agreed unit (it gave
-        up a step's allreduce its peers finished) holds nothing of that unit: no member keeps a
-        step's gradients past its update, and its slices come from their other holders. The
-        source hands on the rest of the state (buffers, the loop's state, the optimizer's
-        hyperparameters) as without sharding, and the members divide the slices of this
-        generation among them, each taking what it lacks from a holder; where no member holds a
-        stretch (an owner and its buddy were lost together, or one of them fell a step behind),
-        :class:`StateLost`."""
-        collective, adapter, resume = self.collective, self.adapter, generation.resume_unit
-        sharded = adapter.sharded
-        # What this member holds: a state just loaded, its own from the generations it was in,
-        # or, fresh, the job's initial state: the state of unit 0, and of no later unit.
-        unit = resume if loaded else (self.next_unit if self.entered_once else (0 if resume == 0 else -1))
-        mine = Holding(unit, sharded.position, sharded.world, sharded.whole, host_key())
-        table = torch.zeros(collective.world_size, len(mine.row()), dtype=torch.int64, device=collective.device)
-        collective.wait(collective.all_gather_start(table, torch.tensor(mine.row(), device=collective.device)))
-        holdings = [Holding.of_row(row) for row in table.cpu().tolist()]
-        if generation.source_rank >= 0:
-            mine_state = self._state() if collective.rank == generation.source_rank else None
-            state = broadcast_state(collective, mine_state, generation.source_rank)
-            if collective.rank != generation.source_rank:
-                optimizer = self.loop_state.unpack(state["optimizer"])
-                adapter.load_sent_state(state["model"], optimizer, omitted=state.get("omitted", ()))
-        sharded.redivide(collective, holdings, resume)
-
-    def _state(self) -> dict[str, Any]:
-        """What a join hands over: what a step can change (the live tensors: the broadcast copies
-        them), without the frozen parameters every worker has from the job, nor the parameters
-        whose slices the members hold (a sharded optimizer state: they travel by slices)."""
-        model, optimizer, omitted = self.adapter.state_to_send()
-        if self.sharded:
-            sliced = self.adapter.sharded_names()
-            model = {k: v for k, v in model.items() if k not in sliced}
-        return {"model": model, "optimizer": self.loop_state.pack(optimizer), "omitted": omitted}
+    def _held_unit(self, generation: p.EnterGeneration) -> int:
+        """The unit whose state this member holds entering ``generation``: a state just loaded,
+        its own from the generations it was in, or, fresh, the job's initial state: the state of
+        unit 0, and of no later unit (-1)."""
+        resume = generation.resume_unit
+        if generation.state is not None:
+            return resume
+        return self.next_unit if self.entered_once else (0 if resume == 0 else -1)
 
     def _upload(self, kind: str) -> None:
         """Rank 0's ``kind`` of the state before ``next_unit`` to the driver (state/uploader.py).
         A sharded optimizer state is gathered from every member first (each calls this)."""
-        model, optimizer, omitted = self.adapter.state_to_send()
-        if self.sharded:
-            optimizer = self.adapter.gathered_optimizer_state(self.collective)
-            if self.collective.rank != 0:
-                self.uploads.mark(kind, self.next_unit)
-                return
-        self.uploads.upload(
-            kind, self.next_unit, self.collective.generation, model, self.loop_state.pack(optimizer), omitted
-        )
+        self.layout.upload(kind, self.next_unit, self.collective, self.uploads)
 
     def fingerprint(self) -> dict[str, int]:
         """Per tensor, a fingerprint of this replica's state: the model's, the optimizer's and the loop's."""
@@ -366,7 +296,7 @@ class TrainingLoop:
     def _upload_if_due(self) -> None:
         """Rank 0 uploads the checkpoint or snapshot due before ``next_unit`` (all replicas are identical)."""
         # A sharded state is gathered by every member: all decide alike (uploader.py, ``agreed``).
-        kind = self.uploads.kind_due(self.next_unit, 0 if self.sharded else self.collective.rank)
+        kind = self.uploads.kind_due(self.next_unit, self.layout.upload_rank(self.collective.rank))
         if kind is not None:
             with self.phases(ph.CHECKPOINT if kind == "checkpoint" else ph.SNAPSHOT):
                 self._upload(kind)
@@ -483,7 +413,7 @@ class TrainingLoop:
             epoch, step = self.schedule.locate(unit)
             if step is None:
                 continue
-            if epoch != perm_epoch and not self.plan.sharded:  # a sharded plan draws its own order
+            if epoch != perm_epoch and not self.plan.sharded_data:  # sharded data draws its own order
                 perm, perm_epoch = epoch_permutation(self.plan.seed, epoch, self.plan.num_samples), epoch
             for j in assigned_micro_batches(self.plan.num_micro_batches(epoch, step), rank, world):
                 indices = self.plan.micro_batch_indices(epoch, step, j, perm)

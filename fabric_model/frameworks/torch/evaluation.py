@@ -28,18 +28,22 @@ class TorchEvaluation:
     test_fn: Callable[..., Any] | None
     fn_args: Any
     grad_step: GradientStep  # its autocast: evaluation runs in the training's precision
-    _layout: StepLayout
+
+    @property
+    def step_layout(self) -> StepLayout:
+        """The step buffer's layout (the adapter's): its stats' sizes give the evaluation's."""
+        raise NotImplementedError
 
     def evaluate_batches(self, batches: Iterator[tuple[Any, Any]]) -> torch.Tensor:
         """Stat sums over ``(indices, batch)`` pairs: the user's ``fn_test`` if given."""
         if self.test_fn is None:
-            total = torch.zeros(self._layout.eval_size, dtype=torch.float64)
+            total = torch.zeros(self.step_layout.eval_size, dtype=torch.float64)
             for indices, batch in batches:
                 total += self._evaluate_batch(batch, len(indices))
             return total
         first = next(batches, None)
         if first is None:  # an empty test shard: no call (IBM's fn_test divides by its count); zero samples
-            return torch.zeros(self._layout.eval_size, dtype=torch.float64)
+            return torch.zeros(self.step_layout.eval_size, dtype=torch.float64)
         count = 0
 
         def test_iter() -> Iterator[tuple[Any, Any]]:

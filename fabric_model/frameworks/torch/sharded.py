@@ -31,6 +31,8 @@ import torch
 
 from ...state import slices
 from ...state.slices import Holding
+from .precision import GradientStep
+from .steps.update import ShardedUpdate, WholeUpdate
 
 #: torch.optim classes whose update of an element reads only that element's gradient and state
 #: (and per-tensor step counts, which are the same on every piece of a tensor).
@@ -174,6 +176,26 @@ class Kinds:
         return len(self.tensors) + len(self.numbers)
 
 
+class WholeOptimizer:
+    """The user's optimizer holding its whole state (a replicated state): what
+    :class:`ShardedOptimizer` is in place of, with the same questions answered plainly."""
+
+    sliced_params: Sequence[torch.Tensor] = ()  # no parameter travels by slices
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def user_state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def bind(self, grad_views: dict[int, torch.Tensor]) -> None:
+        """(The user's optimizer reads ``.grad`` itself.)"""
+
+    def update(self, grad_step: GradientStep, params: Sequence[torch.Tensor], world: int) -> WholeUpdate:
+        """How a generation of ``world`` members applies a step: every member the whole update."""
+        return WholeUpdate(grad_step, self.optimizer, params)
+
+
 class ShardedOptimizer:
     """The user's optimizer, stepping over the held pieces of the flat parameter space."""
 
@@ -222,6 +244,15 @@ class ShardedOptimizer:
             return optimizer.state_dict()
         finally:
             optimizer.state = hidden
+
+    @property
+    def sliced_params(self) -> Sequence[torch.Tensor]:
+        """The parameters whose state and updated values travel by slices (all of them)."""
+        return self.params
+
+    def update(self, grad_step: GradientStep, params: Sequence[torch.Tensor], world: int) -> WholeUpdate:
+        """How a generation of ``world`` members applies a step: each member its slices, then the gather."""
+        return ShardedUpdate(grad_step, self, params, world)
 
     def release(self) -> None:
         """The end of sharding: the user's optimizer gets a plain state dict back, to be filled."""

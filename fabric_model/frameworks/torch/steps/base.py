@@ -1,0 +1,192 @@
+"""What every torch step strategy shares: a micro-batch's forward, backward, buffers and sums.
+
+A strategy (docs/architecture.md, "Adding a step mode") is made for one generation by
+:func:`~.choice.choose_step` and runs each of its steps: :meth:`TorchStep.begin`, one
+:meth:`TorchStep.micro_batch` per micro-batch this worker computes, :meth:`TorchStep.all_reduce`,
+:meth:`TorchStep.finish`. It owns how gradients reach the step buffer, how the buffer is reduced,
+and (through its :class:`~.update.WholeUpdate`) how the update is applied; the adapter owns the
+framework's part: the model's call, its buffers, metrics, seeding and the device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ....profiling import phases as ph
+from ....step.layout import StepResult
+from ..batches import to_device
+from ..calling import detached
+from ..step_buffer import StepBuffer
+from .sums import PythonSums, TensorSums
+from .update import WholeUpdate
+
+
+class TorchStep:
+    """A step whose gradients accumulate in the step buffer's views (``fresh`` False) or, where a
+    subclass says so, are written fresh by backward, as in a plain loop (``fresh`` True)."""
+
+    #: A lone worker computing a whole step leaves the buffers as its forward left them: the
+    #: step's rule (start + the one micro-batch's change) up to one float rounding, without the
+    #: ~0.1 ms of delta bookkeeping a step of a small model pays. Off where every configuration
+    #: must give the same bits (deterministic=True).
+    buffers_in_place = False
+
+    def __init__(self, adapter: Any, buffer: StepBuffer, update: WholeUpdate, world_size: int) -> None:
+        self.adapter, self.buffer, self.update, self.world_size = adapter, buffer, update, world_size
+        self.params: list[torch.Tensor] = adapter.params
+        self.collective: Any = None
+        self.in_step = False
+        self.fresh = False  # this micro-batch's backward writes fresh gradients, not into the views
+        self.got = [0.0] * len(self.params)  # the got-gradient flags, written to the buffer per micro-batch
+        self.buf_start: list[torch.Tensor] = []
+        self.sums: TensorSums | PythonSums = TensorSums(adapter, buffer)
+
+    # -- a generation -----------------------------------------------------------------------
+    def activate(self) -> None:
+        """This strategy runs the generation's steps from now on."""
+
+    def deactivate(self) -> None:
+        """Another strategy takes over (the world's size changed)."""
+
+    # -- a step -----------------------------------------------------------------------------
+    def begin(self, collective: Any) -> None:
+        self.collective = collective
+        self.got = [0.0] * len(self.params)
+        self.begin_buffer()
+        self.sums.begin()
+        adapter = self.adapter
+        self.buf_start = [b.detach().clone() for b in adapter.live_buffers()] if adapter.model_buffers else []
+        self.buffers_at_start = True  # until a micro-batch's forward runs
+        self.buffers_as_left = False  # the forward's own values are the step's (buffers_in_place)
+        self.in_step = True
+
+    def begin_buffer(self) -> None:
+        """The step buffer bound and zeroed, the gradients where this step's backward adds them."""
+        raise NotImplementedError
+
+    def micro_batch(self, batch: Any, num_samples: int, step_samples: int, seed: int, last: bool) -> None:
+        """One micro-batch of this worker's share of the step (``last``: its last one)."""
+        self.compute(batch, num_samples, step_samples, seed, last)
+
+    def compute(self, batch: Any, num_samples: int, step_samples: int, seed: int, last: bool) -> None:
+        with self.adapter.phases(ph.SEED):
+            inputs, target = self.enter_micro_batch(batch, seed)
+        self.learn(inputs, target, num_samples / step_samples, num_samples, last)
+
+    def enter_micro_batch(self, batch: Any, seed: int) -> tuple[Any, Any]:
+        """The batch on the device, the buffers at the step's values, the generators seeded."""
+        adapter = self.adapter
+        inputs, target = adapter.call.split(to_device(batch, adapter.device))
+        # Forward-updated buffers (BatchNorm statistics) start every micro-batch from the
+        # step's values, so the result does not depend on how micro-batches are divided.
+        if not self.buffers_at_start:
+            adapter.restore_buffers(self.buf_start)
+        self.buffers_at_start = False
+        adapter.seed(seed)
+        return inputs, target
+
+    def learn(self, inputs: Any, target: Any, share: float, num_samples: int, last: bool) -> None:
+        """The model's forward and loss, backward into the gradients, the buffers' changes, the sums."""
+        adapter, phases = self.adapter, self.adapter.phases
+        with phases(ph.FORWARD):
+            output, loss = adapter.forward(inputs, target)
+        weight = share * adapter.grad_step.scale  # float16's loss scale (1 otherwise), divided out after
+        if not self.fresh:
+            self.buffer.materialize()  # after the forward: its peak memory holds no gradients (stage 2)
+            self.buffer.ensure_grad_views()
+        self.backward(loss, weight, last)
+        with phases(ph.BUFFERS):
+            if not self.fresh:  # a fresh step's finish reads the flags off .grad itself
+                self.write_flags()
+            # No torch.no_grad() here or in finish: every operand is detached or a buffer, so
+            # nothing is recorded, and entering the context costs ~20 us after a backward.
+            if self.fresh and share == 1.0 and self.buffers_in_place:
+                self.buffers_as_left = True
+            else:
+                self.add_buffer_deltas(share)  # unscaled: the loss scale is the gradients' only
+        with phases(ph.STATS):
+            self.sums.add(loss, detached(output), target, num_samples)
+
+    def backward(self, loss: torch.Tensor, weight: float, last: bool) -> None:
+        with self.adapter.phases(ph.BACKWARD):
+            (loss if weight == 1.0 else loss * weight).backward()  # x * 1.0 == x: one op less
+
+    def add_buffer_deltas(self, weight: float) -> None:
+        # Reduce what the forward pass changed, not the values: a buffer the forward leaves
+        # alone (a mask, a large counter, a float64 constant) then stays exactly as it was.
+        adapter = self.adapter
+        live = adapter.live_buffers()
+        for b, start, view, averaged in zip(live, self.buf_start, self.buffer.views.buffers, adapter.buffer_averaged):
+            view.add_((b.detach() - start).to(torch.float32), alpha=weight if averaged else 1.0)
+
+    def write_flags(self) -> None:
+        """This worker's got-gradient flags into the step buffer; from pinned memory on a GPU, so
+        the host does not wait for the stream (a pageable copy to the device would)."""
+        flags = torch.tensor(self.got)
+        got_grad = self.buffer.views.got_grad
+        if self.adapter.device.type == "cuda":
+            got_grad.copy_(flags.pin_memory(), non_blocking=True)  # the allocator keeps it until copied
+        else:
+            got_grad.copy_(flags)
+
+    def all_reduce(self, collective: Any) -> None:
+        """Sum the step buffer over the group."""
+        raise NotImplementedError
+
+    def finish(self) -> StepResult:
+        # Outside torch.no_grad(), as in a plain loop: the optimizer's step and clipping set
+        # their own grad mode, and the buffers and gradients written here record nothing.
+        phases, buffer = self.adapter.phases, self.buffer
+        with phases(ph.BUFFERS):
+            unused = self.settle_buffers()
+        with phases(ph.OPTIMIZER):  # float16's unscale and overflow check, then clipping, then the step
+            self.update.apply()
+        if not self.fresh:  # (a lone worker's full buffer holds no memory: None stays, as in a plain loop)
+            for i in unused:
+                self.params[i].grad = buffer.grad_views[i]
+        self.in_step = False
+        tail = buffer.views.tail.tolist()
+        self.update.end_gradients(buffer)
+        self.update.after(self.collective, phases)
+        self.sums.into(tail)
+        return buffer.layout.result(tail)
+
+    def settle_buffers(self) -> list[int]:
+        """The buffers' step values in place; ``.grad`` None where no worker produced a gradient
+        (returns those parameters' indices: their views go back after the optimizer's step)."""
+        adapter, buffer = self.adapter, self.buffer
+        if not self.fresh:
+            buffer.ensure_grad_views()
+        if self.buffers_as_left:  # only a buffer the forward assigned anew goes back to its own tensor
+            adapter.keep_live_buffers()
+        else:
+            adapter.restore_buffers(
+                [
+                    start + (view if b.is_floating_point() else view.round().to(b.dtype))
+                    for b, start, view in zip(adapter.model_buffers, self.buf_start, buffer.views.buffers)
+                ]
+            )
+        # A parameter no worker produced a gradient for keeps .grad None through the step,
+        # as after zero_grad() on one device: weight decay and momentum leave it alone.
+        if self.fresh:  # backward gave fresh gradients: None where it produced none
+            unused = [i for i, p in enumerate(self.params) if p.grad is None]
+        else:
+            # Every parameter got a gradient here: so it did in the sum, which need not be read
+            # (on a GPU, reading it would wait for the allreduce before the optimizer's step).
+            flags = buffer.views.got_grad
+            unused = [] if 0.0 not in self.got else [i for i, got in enumerate(flags.tolist()) if got == 0.0]
+        for i in unused:
+            self.params[i].grad = None
+        return unused
+
+    def abort(self) -> list[torch.Tensor] | None:
+        """The step will be redone: the buffers' values at its start (None when no step was running)."""
+        if not self.in_step:
+            return None
+        self.in_step = False
+        return self.buf_start
+
+    def take_failure(self) -> Exception | None:
+        return self.update.take_failure()

@@ -1,0 +1,37 @@
+"""A lone worker's step: backward writes fresh gradients, as in a plain loop.
+
+A generation of one reduces nothing, so instead of adding into a zeroed step buffer, backward
+writes fresh ``.grad`` tensors and the optimizer steps on them; the step buffer keeps only its
+tail (buffer deltas, flags, sums, votes), and on a CPU the sums are added in Python
+(docs/architecture.md, "The step"). No gradient hooks: no Python call per parameter, which on
+CUDA is also a GIL handoff from autograd's device thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..step_buffer import StepBuffer
+from .base import TorchStep
+from .sums import PythonSums
+from .update import WholeUpdate
+
+
+class LoneStep(TorchStep):
+    """The step of a generation of one, without a custom step or a deterministic sum."""
+
+    buffers_in_place = True
+
+    def __init__(self, adapter: Any, buffer: StepBuffer, update: WholeUpdate, world_size: int) -> None:
+        super().__init__(adapter, buffer, update, world_size)
+        self.fresh = True
+        if adapter.device.type == "cpu":
+            self.sums = PythonSums(adapter, buffer.full_layout.n_stats)
+
+    def begin_buffer(self) -> None:
+        self.buffer.bind_lone()  # .grad None, as after zero_grad(set_to_none=True)
+        self.buffer.views.after_gradients.zero_()  # the whole lone buffer
+
+    def all_reduce(self, collective: Any) -> None:
+        # A group of one sums nothing: one call, still a fault seam (a worker told to stop fails it).
+        collective.wait(collective.all_reduce_start(self.buffer.views.after_gradients))

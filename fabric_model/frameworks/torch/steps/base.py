@@ -67,25 +67,21 @@ class TorchStep:
         raise NotImplementedError
 
     def micro_batch(self, batch: Any, num_samples: int, step_samples: int, seed: int, last: bool) -> None:
-        """One micro-batch of this worker's share of the step (``last``: its last one)."""
-        self.compute(batch, num_samples, step_samples, seed, last)
-
-    def compute(self, batch: Any, num_samples: int, step_samples: int, seed: int, last: bool) -> None:
-        with self.adapter.phases(ph.SEED):
-            inputs, target = self.enter_micro_batch(batch, seed)
+        """One micro-batch of this worker's share of the step (``last``: its last one): the batch
+        on the device, the buffers at the step's values, the generators seeded, then :meth:`learn`."""
+        adapter = self.adapter
+        with adapter.phases(ph.SEED):
+            inputs, target = adapter.call.split(to_device(batch, adapter.device))
+            # Forward-updated buffers (BatchNorm statistics) start every micro-batch from the
+            # step's values, so the result does not depend on how micro-batches are divided.
+            if not self.buffers_at_start:
+                adapter.restore_buffers(self.buf_start)
+            self.buffers_at_start = False
+            adapter.seed(seed)
         self.learn(inputs, target, num_samples / step_samples, num_samples, last)
 
-    def enter_micro_batch(self, batch: Any, seed: int) -> tuple[Any, Any]:
-        """The batch on the device, the buffers at the step's values, the generators seeded."""
-        adapter = self.adapter
-        inputs, target = adapter.call.split(to_device(batch, adapter.device))
-        # Forward-updated buffers (BatchNorm statistics) start every micro-batch from the
-        # step's values, so the result does not depend on how micro-batches are divided.
-        if not self.buffers_at_start:
-            adapter.restore_buffers(self.buf_start)
-        self.buffers_at_start = False
-        adapter.seed(seed)
-        return inputs, target
+    #: The micro-batch's computation, for a strategy whose ``micro_batch`` wraps it (one name, no extra call).
+    compute = micro_batch
 
     def learn(self, inputs: Any, target: Any, share: float, num_samples: int, last: bool) -> None:
         """The model's forward and loss, backward into the gradients, the buffers' changes, the sums."""

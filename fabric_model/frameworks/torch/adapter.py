@@ -236,7 +236,7 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         return self._step.finish()
 
     def failure_after_step(self) -> Exception | None:
-        return self._step.take_failure() if self._step is not None else None
+        return self._step.update.take_failure() if self._step is not None else None
 
     def abort_step(self) -> None:
         # The step will be redone: forward-updated buffers go back to the step's start.

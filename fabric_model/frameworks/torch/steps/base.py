@@ -144,8 +144,7 @@ class TorchStep:
                 self.params[i].grad = buffer.grad_views[i]
         self.in_step = False
         tail = buffer.views.tail.tolist()
-        self.update.end_gradients(buffer)
-        self.update.after(self.collective, phases)
+        self.update.after(buffer, self.collective, phases)
         self.sums.into(tail)
         return buffer.layout.result(tail)
 
@@ -183,6 +182,3 @@ class TorchStep:
             return None
         self.in_step = False
         return self.buf_start
-
-    def take_failure(self) -> Exception | None:
-        return self.update.take_failure()

@@ -4,7 +4,7 @@ The update is the state layout's half of a step (docs/architecture.md, "Adding a
 the object that holds the optimizer state (:class:`~..sharded.WholeOptimizer` or
 :class:`~..sharded.ShardedOptimizer`) makes it for each generation, and every step strategy
 uses it the same way: ``begin_gradients`` when the step starts, ``apply`` for the optimizer's
-step, ``end_gradients`` and ``after`` once the update is applied.
+step, ``after`` once the update is applied.
 """
 
 from __future__ import annotations
@@ -38,11 +38,9 @@ class WholeUpdate:
         """float16's unscale and overflow check, clipping, then the optimizer's step."""
         self.grad_step.apply(self.optimizer, self.params)
 
-    def end_gradients(self, buffer: StepBuffer) -> None:
-        """The update is applied: the gradients stay until the next step, as in a plain loop."""
-
-    def after(self, collective: Any, phases: ph.Phases) -> None:
-        """Nothing to hand on: every member applied the whole update."""
+    def after(self, buffer: StepBuffer, collective: Any, phases: ph.Phases) -> None:
+        """The update is applied: the gradients stay until the next step, as in a plain loop, and
+        there is nothing to hand on (every member applied the whole update)."""
 
     def take_failure(self) -> Exception | None:
         failure, self.failure = self.failure, None
@@ -67,11 +65,10 @@ class ShardedUpdate(WholeUpdate):
     def apply(self) -> None:
         self.sharded.step(lambda: self.grad_step.apply(self.optimizer, self.params))
 
-    def end_gradients(self, buffer: StepBuffer) -> None:
+    def after(self, buffer: StepBuffer, collective: Any, phases: ph.Phases) -> None:
+        """The gradients given back (among several), then the gather of the updated slices."""
         if self.transient:  # its slices are updated: no one needs this member's gradients again
             buffer.release()
-
-    def after(self, collective: Any, phases: ph.Phases) -> None:
         if collective is None:
             return
         try:  # the update is applied to this member's slices: a failure from here leaves the step done

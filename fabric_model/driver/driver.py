@@ -173,6 +173,7 @@ class Driver:
         watch: SignalWatch | None = None,
     ) -> None:
         self.setup, self.run_dir, self.hooks = setup, run_dir, hooks
+        self._layout = layout_for(setup.config)  # the state layout's class answers: state/layouts.py
         config, timeouts = setup.config, setup.config.timeouts
         self.schedule = Schedule(setup.plan, config.epochs, config.validation_freq, setup.has_test)
         history, epoch_so_far = None, []
@@ -590,7 +591,7 @@ class Driver:
     def _ask_for_state(self) -> None:
         halt = self._halt
         assert halt is not None
-        if not layout_for(self.setup.config).whole_on_each_member and halt.asked < 0:
+        if not self._layout.whole_on_each_member and halt.asked < 0:
             # No member holds the whole optimizer state (docs/elasticity.md, "Sharded optimizer
             # state"): the newest whole state saved, never a member's slices as if they were all.
             log.warning("sharded optimizer state: the newest saved is kept")
@@ -669,7 +670,7 @@ class Driver:
         )
         watch.acted = True
         patience = max(0.5, (watch.deadline - watch.reserve - time.monotonic()) / 3)
-        if not layout_for(self.setup.config).whole_on_each_member and members and self.membership.generation >= 0:
+        if not self._layout.whole_on_each_member and members and self.membership.generation >= 0:
             # No member holds the whole optimizer state: they stop together, and rank 0 uploads
             # the state gathered from all their slices (driver/halt.py). Not in time: the newest held.
             self._halt = Halt(None, [], patience, preempted=watch.signal_name, stopping=set(members))

@@ -43,7 +43,6 @@ class ExactKerasAdapter(ExactGrid, KerasAdapter):
         sizes = [int(np.prod(v.shape)) for v in self._train_vars + self._fwd_vars]
         self._region_size = sum(sizes)
         self._exact = ExactSum(sizes, self.max_terms, torch.device("cuda" if device.startswith("cuda") else "cpu"))
-        self._step_exponents: torch.Tensor | None = None
         self._replay: list[tuple[Any, int, int, int]] = []
 
     def begin_step(self, collective: Any = None) -> None:
@@ -52,7 +51,7 @@ class ExactKerasAdapter(ExactGrid, KerasAdapter):
         self.step_buffer.zero_()  # a fresh TensorFlow buffer: the tail accumulates here, the total is written here
         self.exact_sum.zero()
         self._replay = []
-        self._step_exponents = self.exact_sum.exponents.clone()
+        self.grid_step_begins()
 
     def train_micro_batch(self, batch: Any, num_samples: int, step_samples: int, seed: int, last: bool = False) -> None:
         self._replay.append((batch, num_samples, step_samples, seed))
@@ -105,7 +104,8 @@ class ExactKerasAdapter(ExactGrid, KerasAdapter):
         self.step_buffer[layout.computed : layout.vote + 1] = own
 
     def finish_step(self) -> StepResult:
-        self._replay, self._step_exponents = [], None
+        self._replay = []
+        self.grid_step_ends()
         return super().finish_step()
 
     def abort_step(self) -> None:

@@ -75,6 +75,13 @@ class Hooks:
         """Whether any object has ``hook`` (so a caller can skip computing its arguments)."""
         return any(callable(getattr(obj, hook, None)) for obj in self._opening())
 
+    def dispatches(self, hook: str) -> bool:
+        """Whether calling this dispatcher's ``hook`` can run any code: some object defines it, or
+        the method is not :class:`Hooks`' own (replaced on the instance or in a subclass). A caller
+        that asks once may skip the calls that would reach no one (a worker's per-step hooks)."""
+        method = getattr(self, hook)
+        return getattr(method, "__func__", method) is not getattr(Hooks, hook) or self.defines(hook)
+
     def on_train_begin(self) -> None:
         self._call(self._opening(), "on_train_begin")
 

@@ -97,6 +97,11 @@ class PrefetchLoader:
     def iterate(self, schedule: Iterable[tuple[Hashable, np.ndarray]]) -> Iterator[tuple[Hashable, np.ndarray, Any]]:
         """``(key, indices, batch)`` for each schedule entry, in order."""
         entries = iter(schedule)
+        if self._threads == 0:  # every read on this thread: nothing to decide per entry
+            reader = self._reader if self._seeded is None else None  # a gather, called without _read
+            for key, indices in entries:
+                yield key, indices, reader(indices) if reader is not None else self._read(key, indices)
+            return
         while self._on_caller():
             entry = next(entries, None)
             if entry is None:

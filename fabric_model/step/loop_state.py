@@ -97,7 +97,12 @@ class LoopState:
         # raises AttributeError inside __getattr__, microseconds a step.
         own = getattr(model, "__dict__", None)
         flag = own.get("stop_training", False) if own is not None else getattr(model, "stop_training", False)
-        return bool(flag) or any(getattr(cb, "stop_training", False) is True for cb in self.callbacks)
+        if flag:
+            return True
+        for cb in self.callbacks:  # a loop, not any() over a generator: no frame a step for none
+            if getattr(cb, "stop_training", False) is True:
+                return True
+        return False
 
     # -- travelling with the optimizer state -------------------------------------------------
     def state(self) -> dict[str, Any]:

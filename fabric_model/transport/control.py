@@ -77,7 +77,9 @@ class Channel:
             self._held.append(message)
             if time.monotonic() - self._written >= within:
                 self._write_held()
-            else:
+            elif len(self._held) == 1:
+                # Set once per held frame, not per report: the heartbeat thread needs one wake-up,
+                # and ``Event.set`` is six Python calls even when it wakes no one.
                 self.holding.set()
 
     def flush(self, older_than: float = 0.0) -> None:

@@ -48,12 +48,12 @@ from ..step.data import (
 )
 from ..step.digest import check_due, state_fingerprint
 from ..step.loop_state import LoopState
+from ..step.member_steps import MemberSteps
 from ..step.metrics import stat_means, validation_means
 from ..step.plan import (
     MicroBatchSeeds,
     Plan,
     Schedule,
-    assigned_micro_batches,
     epoch_permutation,
     eval_batches,
     eval_segment_batches,
@@ -127,6 +127,7 @@ class TrainingLoop:
         # that comes back after vanishing (docs/elasticity.md, "A lost driver").
         self.sent_reports: collections.deque[p.StepDone] = collections.deque(maxlen=REPORTS_KEPT)
         self._seeds = MicroBatchSeeds(plan)  # micro_batch_seed, a block of steps at a time
+        self._steps = MemberSteps(plan, 0, 1)  # this member's micro-batches a step (each generation's: _run_generation)
         self.hooks = job.hooks
         # The scheduler, the epoch's sums and the callbacks' state: they travel with the optimizer state.
         self.loop_state = LoopState(self.adapter.stat_names, job.lr_scheduling, self.hooks.callbacks)
@@ -293,26 +294,37 @@ class TrainingLoop:
             )
             self.channel.send(message)
 
-    def _upload_if_due(self) -> None:
-        """Rank 0 uploads the checkpoint or snapshot due before ``next_unit`` (all replicas are identical)."""
-        # A sharded state is gathered by every member: all decide alike (uploader.py, ``agreed``).
-        kind = self.uploads.kind_due(self.next_unit, self.layout.upload_rank(self.collective.rank))
-        if kind is not None:
-            with self.phases(ph.CHECKPOINT if kind == "checkpoint" else ph.SNAPSHOT):
-                self._upload(kind)
+    def _upload_due(self, kind: str) -> None:
+        """Upload the ``kind`` due before ``next_unit`` (``StateUploader.kind_due``: rank 0's; a
+        sharded state is gathered by every member, all deciding alike: uploader.py, ``agreed``)."""
+        with self.phases(ph.CHECKPOINT if kind == "checkpoint" else ph.SNAPSHOT):
+            self._upload(kind)
 
     # -- one generation -------------------------------------------------------------------
     def _run_generation(self) -> None:
         """Run units until the schedule ends or the members agree to switch generation."""
         loader = self._loader_for(self.train_set)
+        self._steps = MemberSteps(self.plan, self.collective.rank, self.collective.world_size)
         try:
             batches = loader.iterate(self._micro_batches(self.next_unit))
             phases, profiler, per_epoch = self.phases, self.profiler, self.plan.steps_per_epoch
+            hooks, uploads, collective = self.hooks, self.uploads, self.collective
+            # Decided once a generation, not asked each step (docs/architecture.md, "What a step
+            # costs beyond the math"): the hooks no object defines are not dispatched, a run
+            # without a profile window never asks the profiler, a lone worker has no replica to
+            # compare fingerprints with, and this member's part in uploads is its rank's.
+            epoch_begins = hooks.dispatches("on_epoch_begin")
+            batch_begins, batch_ends = hooks.dispatches("on_batch_begin"), hooks.dispatches("on_batch_end")
+            profiling = self.config.profile is not None
+            replicas = collective.world_size > 1
+            upload_rank = self.layout.upload_rank(collective.rank)
             while self.next_unit < self.schedule.total_units:
                 epoch, step = self.schedule.locate(self.next_unit)
-                if step is not None:  # a profile window opens at its first step (profiling/)
-                    profiler.step_begins(epoch * per_epoch + step, self.collective.rank, self.collective.world_size)
-                self._upload_if_due()
+                if profiling and step is not None:  # a profile window opens at its first step (profiling/)
+                    profiler.step_begins(epoch * per_epoch + step, collective.rank, collective.world_size)
+                kind = uploads.kind_due(self.next_unit, upload_rank)  # (all replicas are identical)
+                if kind is not None:
+                    self._upload_due(kind)
                 if step is None:
                     with phases(ph.VALIDATION):
                         val_stats = self._validate(epoch) if self.schedule.validation_due(epoch) else None
@@ -322,19 +334,23 @@ class TrainingLoop:
                     if stopped:
                         return
                     continue
-                with phases(ph.CALLBACKS):
-                    if step == 0:
-                        self.hooks.on_epoch_begin(epoch)
-                    self.hooks.on_batch_begin(step)
+                if batch_begins or (epoch_begins and step == 0):
+                    with phases(ph.CALLBACKS):
+                        if step == 0:
+                            hooks.on_epoch_begin(epoch)
+                        hooks.on_batch_begin(step)
                 switch = self._step(epoch, step, batches)
                 self.next_unit += 1
-                with phases(ph.CALLBACKS):
-                    self.hooks.on_batch_end(step)
+                if batch_ends:
+                    with phases(ph.CALLBACKS):
+                        hooks.on_batch_end(step)
                 failure = self.adapter.failure_after_step()
                 if failure is not None:  # the step is done here; the generation is not (worker/loop.py docstring)
                     raise failure
-                self._send_fingerprint(step)
-                profiler.step_ends(epoch * per_epoch + step)
+                if replicas:
+                    self._send_fingerprint(step)
+                if profiling:
+                    profiler.step_ends(epoch * per_epoch + step)
                 if switch or self._stopping():
                     return
         finally:
@@ -406,7 +422,7 @@ class TrainingLoop:
 
     def _micro_batches(self, start_unit: int) -> Iterator[tuple[Hashable, np.ndarray]]:
         """The micro-batches this member computes, in order, from ``start_unit`` on."""
-        rank, world = self.collective.rank, self.collective.world_size
+        steps = self._steps
         perm: np.ndarray | None = None
         perm_epoch = -1
         for unit in range(start_unit, self.schedule.total_units):
@@ -415,7 +431,7 @@ class TrainingLoop:
                 continue
             if epoch != perm_epoch and not self.plan.sharded_data:  # sharded data draws its own order
                 perm, perm_epoch = epoch_permutation(self.plan.seed, epoch, self.plan.num_samples), epoch
-            for j in assigned_micro_batches(self.plan.num_micro_batches(epoch, step), rank, world):
+            for j in steps.full if step < steps.full_steps else steps.mine(epoch, step):
                 indices = self.plan.micro_batch_indices(epoch, step, j, perm)
                 yield (epoch, step, j), indices + epoch * self.plan.num_samples if self._epoch_items else indices
 
@@ -425,11 +441,14 @@ class TrainingLoop:
         self.context.epoch, self.context.step = epoch, step
         self.context.global_step = epoch * plan.steps_per_epoch + step
         step_samples = plan.step_samples(epoch, step)
-        mine = assigned_micro_batches(plan.num_micro_batches(epoch, step), collective.rank, collective.world_size)
+        steps = self._steps
+        mine = steps.full if step < steps.full_steps else steps.mine(epoch, step)
+        inbox, generation = self.inbox, collective.generation
         with phases(ph.STEP):
             adapter.begin_step(collective)
             for position, j in enumerate(mine):
-                self._check_abort()
+                if inbox.abort_generation >= generation:  # (_check_abort's test, without its call)
+                    self._check_abort()
                 with phases(ph.DATA):
                     key, indices, batch = next(batches)
                 assert key == (epoch, step, j), f"loader out of order: {key} != {(epoch, step, j)}"

@@ -39,15 +39,13 @@ class LeaveNotice:
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
+        #: Whether a signal came (``signal_name`` is set first): read every step, a plain attribute.
+        self.requested = False
         self.received = 0.0
         self.holds_state = False
         self.grace = 0.0
         self._numbers: set[int] = set()
         self._lock = threading.Lock()
-
-    @property
-    def requested(self) -> bool:
-        return self.signal_name is not None
 
     def install(self, signals: tuple[str, ...], grace: float) -> None:
         """Catch ``signals`` from now on (the main thread only; called again when the job brings
@@ -85,6 +83,7 @@ class LeaveNotice:
             if self.requested:
                 return
             self.signal_name, self.received = name, time.monotonic()
+            self.requested = True
         if not self.holds_state:
             _leave_now(0, f"{name}: leaving (it held no state yet)")
         log.warning("%s: leaving after the current step (grace %.0f s)", name, self.grace)

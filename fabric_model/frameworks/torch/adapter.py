@@ -17,7 +17,7 @@ from ...step.options import StepOptions
 from ...step.sample_seeds import Generator, SeededReads
 from ...step.tree import map_tree
 from ..base import FrameworkAdapter, metric_name
-from .batches import cpu_copy
+from .batches import cpu_copy, to_device
 from .calling import ModelCall
 from .evaluation import TorchEvaluation
 from .frozen import FrozenParameters, frozen_names
@@ -30,6 +30,9 @@ from .sharded import ShardedOptimizer, WholeOptimizer
 from .step_buffer import StepBuffer
 from .steps.base import TorchStep
 from .steps.choice import Summing, choose_step
+
+#: The batch types ``TorchAdapter.on_device`` reads as ``(inputs, target)`` directly (not a namedtuple).
+_PAIRS = (list, tuple)
 
 LossFn = Callable[[Any, Any], torch.Tensor] | None  # None: the model computes its loss (calling.model_loss)
 MetricFn = Callable[[Any, Any], Any]
@@ -207,8 +210,10 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
     # -- a step: run by the generation's strategy (steps/; docs/architecture.md, "Adding a step mode")
     @property
     def step_buffer(self) -> torch.Tensor:
-        self._buffer.materialize()  # a member without a micro-batch in the step still votes and sums
-        return self._buffer.flat
+        buffer = self._buffer
+        buffer.materialize()  # a member without a micro-batch in the step still votes and sums
+        buffer.lent = True  # (written outside the strategy: a lone step zeroes it again)
+        return buffer.flat
 
     @property
     def step_layout(self) -> StepLayout:
@@ -236,7 +241,10 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         return self._step.finish()
 
     def failure_after_step(self) -> Exception | None:
-        return self._step.update.take_failure() if self._step is not None else None
+        step = self._step
+        if step is None or step.update.failure is None:  # (the common answer, without a call)
+            return None
+        return step.update.take_failure()
 
     def abort_step(self) -> None:
         # The step will be redone: forward-updated buffers go back to the step's start.
@@ -254,8 +262,12 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
             with self.grad_step.autocast(self.device):
                 output = self.call(self.model, inputs)
                 return output, self.compute_loss(output, target)
-        # no context to enter: a step's every extra call is paid cold (docs/architecture.md)
-        output = self.call(self.model, inputs)
+        # no context to enter: a step's every extra call is paid cold (docs/architecture.md),
+        # and a tensor input goes to the model and a loss function is called without the
+        # calls that decide it (ModelCall.__call__, compute_loss)
+        output = self.model(inputs) if isinstance(inputs, torch.Tensor) else self.call(self.model, inputs)
+        if self.loss_function is not None:
+            return output, self.loss_function(output, target)
         return output, self.compute_loss(output, target)
 
     def seed(self, seed: int) -> None:
@@ -266,6 +278,26 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
             torch.cuda.default_generators[self.device.index or 0].manual_seed(seed)
         if self._owned_generators:
             self._owned_generators.seed(seed)
+
+    def seeder(self) -> Callable[[int], Any]:
+        """What seeds a micro-batch's generators (:meth:`seed`), for a step strategy to keep: on a
+        CPU, for a model without generators of its own, the global generator's ``manual_seed``
+        itself (no Python call a micro-batch)."""
+        if self.device.type != "cuda" and not self._owned_generators:
+            return torch.default_generator.manual_seed
+        return self.seed
+
+    def on_device(self, batch: Any) -> tuple[Any, Any]:
+        """``(inputs, target)`` of a collated batch (``calling.ModelCall.split``), its tensors on the device."""
+        if type(batch) in _PAIRS and len(batch) == 2:
+            x, y = batch
+            if type(x) is torch.Tensor and type(y) is torch.Tensor:
+                # A batch's usual form, without the walk of its tree: ``to`` returns a tensor
+                # that is on the device already, so on a CPU it is left as it is.
+                if self._on_cpu and x.is_cpu and y.is_cpu:
+                    return x, y
+                return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        return self.call.split(to_device(batch, self.device))
 
     # -- how the optimizer state is held (frameworks/torch/sharded.py) -------------------------
     def shard_optimizer_state(self) -> ShardedOptimizer:

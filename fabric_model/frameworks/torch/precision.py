@@ -38,7 +38,8 @@ class GradientStep:
 
     def __init__(self, options: StepOptions | None = None) -> None:
         self.options = options or StepOptions()
-        self.scale = self.INITIAL_SCALE if self.options.scales_loss else 1.0
+        self.scales_loss = self.options.scales_loss  # (asked every step: the options are frozen)
+        self.scale = self.INITIAL_SCALE if self.scales_loss else 1.0
         self.growth_tracker = 0  # finite steps since the scale last changed
         self.mixed = _DTYPES.get(self.options.precision) is not None  # whether the forward runs in autocast
 
@@ -49,7 +50,7 @@ class GradientStep:
 
     def apply(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> bool:
         """Unscale (float16), clip, step; False when an overflow skipped the step."""
-        if self.options.scales_loss and not self._unscale([p.grad for p in params if p.grad is not None]):
+        if self.scales_loss and not self._unscale([p.grad for p in params if p.grad is not None]):
             return False
         if self.options.gradient_clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, self.options.gradient_clip_norm)

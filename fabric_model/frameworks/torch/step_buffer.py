@@ -58,6 +58,12 @@ class StepBuffer:
         self.scratch: torch.Tensor | None = None  # a custom step's own gradient (steps/custom.py)
         # The bound part: what the step's reduction, stats and votes use.
         self.flat, self.layout, self.views = self.full, layout, self.full_views
+        #: Whether the full buffer's storage holds its memory (``release`` gives it back): kept
+        #: here, so a lone worker's every step does not ask the storage (two calls).
+        self.full_held = True
+        #: Whether the bound buffer was handed to code outside the step strategy (a vote, a count:
+        #: the adapter's ``step_buffer``) since the strategy last zeroed it (steps/lone.py).
+        self.lent = False
         self.attach()
 
     def _tail_views(self, flat: torch.Tensor, layout: StepLayout) -> TailViews:
@@ -118,9 +124,9 @@ class StepBuffer:
         """Give the full buffer's memory back (its views stay, over an empty storage) and leave
         ``.grad`` None, as ``zero_grad()`` does: a sharded state's member has updated its slices,
         or a lone worker's backward writes fresh gradients."""
-        storage = self.full.untyped_storage()
-        if storage.nbytes():
-            storage.resize_(0)
+        if self.full_held:
+            self.full.untyped_storage().resize_(0)
+            self.full_held = False
         for p in self.params:
             p.grad = None
 
@@ -130,6 +136,7 @@ class StepBuffer:
         storage = self.full.untyped_storage()
         if self.flat is self.full and storage.nbytes() == 0 and self.layout.size:
             storage.resize_(self.layout.size * self.flat.element_size())
+            self.full_held = True
             self.flat.zero_()
             self.attach()
 

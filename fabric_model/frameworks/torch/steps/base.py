@@ -16,8 +16,6 @@ import torch
 
 from ....profiling import phases as ph
 from ....step.layout import StepResult
-from ..batches import to_device
-from ..calling import detached
 from ..step_buffer import StepBuffer
 from .sums import PythonSums, TensorSums
 from .update import WholeUpdate
@@ -42,6 +40,9 @@ class TorchStep:
         self.got = [0.0] * len(self.params)  # the got-gradient flags, written to the buffer per micro-batch
         self.buf_start: list[torch.Tensor] = []
         self.sums: TensorSums | PythonSums = TensorSums(adapter, buffer)
+        self.seed_generators = adapter.seeder()  # (decided once: the model's generators are found at set-up)
+        #: Whether the model has forward-updated buffers to carry through the step (decided once).
+        self.has_buffers = bool(adapter.buffer_slots)
 
     # -- a generation -----------------------------------------------------------------------
     def activate(self) -> None:
@@ -71,13 +72,13 @@ class TorchStep:
         on the device, the buffers at the step's values, the generators seeded, then :meth:`learn`."""
         adapter = self.adapter
         with adapter.phases(ph.SEED):
-            inputs, target = adapter.call.split(to_device(batch, adapter.device))
+            inputs, target = adapter.on_device(batch)
             # Forward-updated buffers (BatchNorm statistics) start every micro-batch from the
             # step's values, so the result does not depend on how micro-batches are divided.
-            if not self.buffers_at_start:
+            if not self.buffers_at_start and self.has_buffers:
                 adapter.restore_buffers(self.buf_start)
             self.buffers_at_start = False
-            adapter.seed(seed)
+            self.seed_generators(seed)
         self.learn(inputs, target, num_samples / step_samples, num_samples, last)
 
     #: The micro-batch's computation, for a strategy whose ``micro_batch`` wraps it (one name, no extra call).
@@ -93,17 +94,20 @@ class TorchStep:
             self.buffer.materialize()  # after the forward: its peak memory holds no gradients (stage 2)
             self.buffer.ensure_grad_views()
         self.backward(loss, weight, last)
-        with phases(ph.BUFFERS):
-            if not self.fresh:  # a fresh step's finish reads the flags off .grad itself
-                self.write_flags()
-            # No torch.no_grad() here or in finish: every operand is detached or a buffer, so
-            # nothing is recorded, and entering the context costs ~20 us after a backward.
-            if self.fresh and share == 1.0 and self.buffers_in_place:
-                self.buffers_as_left = True
-            else:
-                self.add_buffer_deltas(share)  # unscaled: the loss scale is the gradients' only
+        # A fresh step's finish reads the flags off .grad itself: with its buffers left as the
+        # forward left them, or none, it has nothing to write here.
+        if self.fresh and share == 1.0 and self.buffers_in_place:
+            self.buffers_as_left = True
+        elif not self.fresh or self.has_buffers:
+            with phases(ph.BUFFERS):
+                if not self.fresh:
+                    self.write_flags()
+                # No torch.no_grad() here or in finish: every operand is detached or a buffer, so
+                # nothing is recorded, and entering the context costs ~20 us after a backward.
+                if self.has_buffers:
+                    self.add_buffer_deltas(share)  # unscaled: the loss scale is the gradients' only
         with phases(ph.STATS):
-            self.sums.add(loss, detached(output), target, num_samples)
+            self.sums.add(loss, output, target, num_samples)
 
     def backward(self, loss: torch.Tensor, weight: float, last: bool) -> None:
         with self.adapter.phases(ph.BACKWARD):
@@ -135,18 +139,24 @@ class TorchStep:
         # Outside torch.no_grad(), as in a plain loop: the optimizer's step and clipping set
         # their own grad mode, and the buffers and gradients written here record nothing.
         phases, buffer = self.adapter.phases, self.buffer
-        with phases(ph.BUFFERS):
-            unused = self.settle_buffers()
+        unused: list[int] = []
+        if not self.fresh or self.has_buffers:  # (fresh gradients and no buffers: nothing to settle)
+            with phases(ph.BUFFERS):
+                unused = self.settle_buffers()
         with phases(ph.OPTIMIZER):  # float16's unscale and overflow check, then clipping, then the step
             self.update.apply()
         if not self.fresh:  # (a lone worker's full buffer holds no memory: None stays, as in a plain loop)
             for i in unused:
                 self.params[i].grad = buffer.grad_views[i]
         self.in_step = False
-        tail = buffer.views.tail.tolist()
+        tail = self.read_tail()
         self.update.after(buffer, self.collective, phases)
         self.sums.into(tail)
         return buffer.layout.result(tail)
+
+    def read_tail(self) -> list[float]:
+        """The reduced tail's values (stat sums, count, micro-batches, votes)."""
+        return self.buffer.views.tail.tolist()
 
     def settle_buffers(self) -> list[int]:
         """The buffers' step values in place; ``.grad`` None where no worker produced a gradient
@@ -156,7 +166,7 @@ class TorchStep:
             buffer.ensure_grad_views()
         if self.buffers_as_left:  # only a buffer the forward assigned anew goes back to its own tensor
             adapter.keep_live_buffers()
-        else:
+        elif self.has_buffers:
             adapter.restore_buffers(
                 [
                     start + (view if b.is_floating_point() else view.round().to(b.dtype))
@@ -165,9 +175,8 @@ class TorchStep:
             )
         # A parameter no worker produced a gradient for keeps .grad None through the step,
         # as after zero_grad() on one device: weight decay and momentum leave it alone.
-        if self.fresh:  # backward gave fresh gradients: None where it produced none
-            unused = [i for i, p in enumerate(self.params) if p.grad is None]
-        else:
+        unused: list[int] = []
+        if not self.fresh:  # (fresh gradients are None where backward produced none: no view goes back)
             # Every parameter got a gradient here: so it did in the sum, which need not be read
             # (on a GPU, reading it would wait for the allreduce before the optimizer's step).
             flags = buffer.views.got_grad

@@ -27,10 +27,25 @@ class LoneStep(TorchStep):
         self.fresh = True
         if adapter.device.type == "cpu":
             self.sums = PythonSums(adapter, buffer.full_layout.n_stats)
+        # Whether a step writes the lone buffer itself: buffer deltas, sums in the buffer. If
+        # not, the buffer holds zeros but where code outside the step wrote (a vote: ``lent``),
+        # and a step neither zeroes it nor reads it back (two tensor operations a step; on a
+        # CPU each costs microseconds inside a step, docs/architecture.md).
+        self.writes = self.has_buffers or not isinstance(self.sums, PythonSums)
+        layout = buffer.full_layout
+        self.tail_size = layout.n_stats + 1 + layout.LOOP_SLOTS  # (the tail: step/layout.py)
 
     def begin_buffer(self) -> None:
-        self.buffer.bind_lone()  # .grad None, as after zero_grad(set_to_none=True)
-        self.buffer.views.after_gradients.zero_()  # the whole lone buffer
+        buffer = self.buffer
+        buffer.bind_lone()  # .grad None, as after zero_grad(set_to_none=True)
+        if self.writes or buffer.lent:
+            buffer.views.after_gradients.zero_()  # the whole lone buffer
+            buffer.lent = False
+
+    def read_tail(self) -> list[float]:
+        if self.writes or self.buffer.lent:
+            return super().read_tail()
+        return [0.0] * self.tail_size  # what the zeroed tail holds
 
     def all_reduce(self, collective: Any) -> None:
         # A group of one sums nothing: one call, still a fault seam (a worker told to stop fails it).

@@ -15,11 +15,12 @@ import numpy as np
 import torch
 
 from ....profiling import phases as ph
+from ..calling import detached
 from ..step_buffer import StepBuffer
 
 
 def _grad_mode(output: Any) -> contextlib.AbstractContextManager[Any]:
-    # A structured output was not detached (calling.detached): no graph is recorded for its metrics.
+    # A structured output is not detached (calling.detached): no graph is recorded for its metrics.
     return contextlib.nullcontext() if isinstance(output, torch.Tensor) else torch.no_grad()
 
 
@@ -34,10 +35,11 @@ class TensorSums:
         """(The buffer's zeroing starts the sums.)"""
 
     def add(self, loss: torch.Tensor, output: Any, target: Any, n: int) -> None:
-        """The micro-batch's loss, metrics and sample count into the step's sums."""
+        """The micro-batch's loss, metrics (of the model's ``output``) and sample count into the step's sums."""
         adapter = self.adapter
         values = [loss.detach().float()]
         if adapter.metrics:
+            output = detached(output)
             with adapter.phases(ph.METRICS), _grad_mode(output):
                 values += [
                     torch.as_tensor(metric(output, target), dtype=torch.float32, device=adapter.device)
@@ -69,6 +71,7 @@ class PythonSums:
         n32 = np.float32(n)
         values = [loss.item()]
         if adapter.metrics:
+            output = detached(output)
             with adapter.phases(ph.METRICS), _grad_mode(output):
                 values += [float(metric(output, target)) for metric in adapter.metrics]
         values.append(1.0)
@@ -76,4 +79,4 @@ class PythonSums:
 
     def into(self, tail: list[float]) -> None:
         """The sums and count over the tail's (zero) stat region, which starts it."""
-        tail[: len(self.sums)] = [float(s) for s in self.sums]
+        tail[: self.n_stats + 1] = map(float, self.sums)

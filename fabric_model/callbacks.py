@@ -8,7 +8,10 @@ these methods (missing ones are skipped):
   with that step's metrics and the worker's own iteration count; on the driver, after each
   step, with the sample-weighted averages over the epoch so far (loss included), the
   number of steps completed and the number of live workers;
-- ``log_test_metrics(metrics, iteration, epoch)``: after each validation.
+- ``log_test_metrics(metrics, iteration, epoch)``: after each validation;
+- ``record_step(metrics, iteration, epoch, workers)`` (driver only): each committed step's own
+  means, once a step, in order (a step redone after a rollback is told again, with the same
+  ``iteration``).
 
 IBM's older ``log_train_metrics(loss, acc, completed_batch, worker=0)`` is accepted too. One
 dispatcher, :class:`fabric_model.run.hooks.Hooks`, calls loggers, callbacks and the progress

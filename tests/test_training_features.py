@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fabric_model import BestCheckpoints, Callback, EarlyStopping, FabricModel
+from fabric_model import BestCheckpoints, Callback, EarlyStopping, FabricModel, worker_context
 from fabric_model.state.checkpoint import list_checkpoints
 from fabric_model.testing import FaultInjector, HoldForJoin, Kill
 
@@ -130,6 +130,44 @@ def test_early_stopping_stops_every_replica_at_the_same_step(run_dir, tmp_path):
             assert logs["loss"] == pytest.approx(result.history[epoch]["loss"], rel=1e-9)
             assert logs["val_loss"] == pytest.approx(result.test_history[epoch]["loss"], rel=1e-9)
             assert logs["val_accuracy"] == pytest.approx(result.test_history[epoch]["accuracy"], rel=1e-9)
+
+
+class StopAfter(Callback):
+    """Stops training after global step ``last``; the stop travels in its state, so a joining
+    worker's copy says it too."""
+
+    def __init__(self, last: int) -> None:
+        self.last = last
+
+    def state_dict(self) -> dict[str, bool]:
+        return {"stop_training": self.stop_training}
+
+    def load_state_dict(self, state: dict[str, bool]) -> None:
+        self.stop_training = state["stop_training"]
+
+    def on_batch_end(self, step: int) -> None:
+        context = worker_context()
+        if context is not None and context.global_step >= self.last:
+            self.stop_training = True
+
+
+@pytest.mark.processes
+def test_a_stop_at_the_step_a_join_follows_ends_training_there(run_dir, tmp_path):
+    """The join a hold after step 4 lets in is voted at step 5, where the callback stops: the stop
+    wins, training ends after step 5 (the switch went first once, and the new generation took one
+    more step before its members asked their callbacks)."""
+    model, opt = fresh_model_and_optimizer()
+    fm = FabricModel(
+        model,
+        lambda: (DATA, None),
+        F.cross_entropy,
+        opt,
+        worker_logger_callback=FaultInjector([Kill(worker=1, step=1), HoldForJoin(4)], tmp_path),
+        user_callback=[StopAfter(5)],
+    )
+    fm.train(2, BATCH, 2, effective_batch_size=GLOBAL, seed=SEED, run_dir=run_dir)
+    assert [r["iteration"] for r in records(run_dir, "train")] == [1, 2, 3, 4, 5, 6]
+    assert records(run_dir, "end")[-1]["stopped_after_epoch"] == 0  # inside the first epoch
 
 
 @pytest.mark.processes

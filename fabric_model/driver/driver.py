@@ -369,10 +369,12 @@ class Driver:
         final = self._final
         if final.divergence is None:
             final = self._final = self._check_finished_replicas(final)
-        if final.divergence is None and len(self.progress.train_history) < config.epochs:
+        steps = self.progress.iteration  # from the run's start (a resumed run's history starts later)
+        if final.divergence is None and steps < config.epochs * self.schedule.plan.steps_per_epoch:
             # every replica skipped to the end alike
-            log.info("training stopped by a callback after epoch %d", len(self.progress.train_history))
-            self.hooks.note(f"training stopped by a callback after epoch {len(self.progress.train_history)}")
+            epochs = steps // self.schedule.plan.steps_per_epoch
+            log.info("training stopped by a callback after epoch %d", epochs)
+            self.hooks.note(f"training stopped by a callback after epoch {epochs}")
         for worker_id in self.membership.alive():
             self._server.send(worker_id, p.Stop())
         self._launcher.wait_all(timeouts.stop)

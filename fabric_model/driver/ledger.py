@@ -220,8 +220,10 @@ class Progress:
         ``reference``'s (the replica whose state is handed back; default: the lowest id)."""
         total = self.schedule.total_units
         finished = {w: d for w, d in self.replica_digests.items() if self.done_units.get(w, -1) >= total}
-        # A callback stopped every replica early (worker/loop.py, "_stopping"): the history is shorter.
-        stopped = len(self.train_history) - 1 if len(self.train_history) < self.schedule.epochs else None
+        # A callback stopped every replica early (worker/loop.py, "_stopping"): fewer steps than the
+        # schedule's (counted from the run's start, so a resumed run's too), the last one's epoch.
+        steps = self.schedule.epochs * self.plan.steps_per_epoch
+        stopped = max(self.iteration - 1, 0) // self.plan.steps_per_epoch if self.iteration < steps else None
         self.metrics.end(iteration=self.iteration, replica_digests=finished, stopped_after_epoch=stopped)
         self.replica_digests = finished
         if len(set(finished.values())) > 1:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..run.hooks import HOOKS
 from ..settings.profile_window import profile_window
 from ..step.data import is_map_dataset
+from ..step.sampling import check_sampling
 from ..streams.sharded import as_sharded, unsharded_hint
 from . import compat
 
@@ -149,9 +150,11 @@ def check_logger(name: str, logger: Any) -> None:
             f"Expected `{name}` to be a logger object. Received the class {logger.__name__}. "
             f"HINT: pass an instance, {name}={logger.__name__}()"
         )
-    if not any(callable(getattr(logger, hook, None)) for hook in HOOKS):
+    # The driver also tells its loggers each committed step's own means (run/hooks.py).
+    hooks = (*HOOKS, "record_step") if name == "driver_logger_callback" else HOOKS
+    if not any(callable(getattr(logger, hook, None)) for hook in hooks):
         raise TypeError(
-            f"Expected `{name}` to be an object with at least one of the methods {', '.join(HOOKS)}. "
+            f"Expected `{name}` to be an object with at least one of the methods {', '.join(hooks)}. "
             f"Received: {name}={_show(logger)}"
         )
 
@@ -216,6 +219,8 @@ def check_datasets(datasets_function: Any) -> tuple[Any, Any]:
         raise ValueError(
             "Expected the train dataset returned by `datasets_function` to hold samples. Received: an empty dataset"
         )
+    if as_sharded(train) is None:
+        check_sampling(train, len(train))  # its own order and weights, if it says them (step/sampling.py)
     return train, test
 
 

@@ -54,11 +54,11 @@ from ..step.plan import (
     MicroBatchSeeds,
     Plan,
     Schedule,
-    epoch_permutation,
     eval_batches,
     eval_segment_batches,
 )
 from ..step.sample_seeds import VALIDATION, SampleSeeds, SeededReads, global_generators, numpy_generators_of
+from ..step.sampling import order_of, weighting_of
 from ..streams.reader import StreamedDataset
 from ..transport import protocol as p
 from ..transport.collective import Collective, CollectiveError
@@ -107,6 +107,10 @@ class TrainingLoop:
             generators = [*global_generators(), *numpy_generators_of(self.train_set)]
             generators += self.adapter.read_generators(self.train_set)
             self.train_set = EpochShuffledBatches(self.train_set, plan.seed, SampleSeeds(plan.seed, generators))
+        # Each epoch's order and each micro-batch's weight in its step: the plan's, or the
+        # dataset's own (step/sampling.py).
+        self.order = order_of(self.train_set, plan)
+        self.weighting = weighting_of(self.train_set, plan.num_samples)
         self.context = context
         self._seeded_reads: dict[int, SeededReads] = {}  # by dataset: step/sample_seeds.py
         # This worker's core budget (its intra-op threads): the data loader's threads are a share of it.
@@ -236,6 +240,10 @@ class TrainingLoop:
             self._leave_incomplete(exc)
         self.next_unit = generation.resume_unit
         self.entered_once = True
+        # A callback that stopped training at the step a switch followed stops the new generation
+        # before it steps: a joiner's copy of the callback says so too (its state_dict travels with
+        # the state, step/loop_state.py), so every member ends alike.
+        self._stopping()
         # What entering took, for the run's start-up record (run/startup.py).
         self.entered_in = {"group formed": formed - started, "state loaded or pulled": time.monotonic() - formed}
         log.info(
@@ -351,7 +359,7 @@ class TrainingLoop:
                     self._send_fingerprint(step)
                 if profiling:
                     profiler.step_ends(epoch * per_epoch + step)
-                if switch or self._stopping():
+                if self._stopping() or switch:  # (a stop is decided before a switch leaves)
                     return
         finally:
             loader.close()
@@ -430,7 +438,7 @@ class TrainingLoop:
             if step is None:
                 continue
             if epoch != perm_epoch and not self.plan.sharded_data:  # sharded data draws its own order
-                perm, perm_epoch = epoch_permutation(self.plan.seed, epoch, self.plan.num_samples), epoch
+                perm, perm_epoch = self.order.permutation(epoch), epoch
             for j in steps.full if step < steps.full_steps else steps.mine(epoch, step):
                 indices = self.plan.micro_batch_indices(epoch, step, j, perm)
                 yield (epoch, step, j), indices + epoch * self.plan.num_samples if self._epoch_items else indices
@@ -440,7 +448,8 @@ class TrainingLoop:
         plan, adapter, collective, phases = self.plan, self.adapter, self.collective, self.phases
         self.context.epoch, self.context.step = epoch, step
         self.context.global_step = epoch * plan.steps_per_epoch + step
-        step_samples = plan.step_samples(epoch, step)
+        step_weight = self.weighting.step_total(plan, self.order, epoch, step)
+        weigh = self.weighting.micro
         steps = self._steps
         mine = steps.full if step < steps.full_steps else steps.mine(epoch, step)
         inbox, generation = self.inbox, collective.generation
@@ -453,7 +462,7 @@ class TrainingLoop:
                     key, indices, batch = next(batches)
                 assert key == (epoch, step, j), f"loader out of order: {key} != {(epoch, step, j)}"
                 seed = self._seeds(epoch, step, j)
-                adapter.train_micro_batch(batch, len(indices), step_samples, seed, last=position == len(mine) - 1)
+                adapter.train_micro_batch(batch, weigh(indices), step_weight, seed, last=position == len(mine) - 1)
             # The micro-batch count and the switch vote ride in the same allreduce, so every
             # member reads the same sums. A lone worker sums nothing: its count is its own
             # (``_step_done``), and a tensor write a step is a tenth of a null step's overhead.

@@ -9,6 +9,10 @@ For each corpus model, one run of each, on the same data, batch, optimizer and t
           (run directory, metrics log, TensorBoard), no progress display and no checkpoints
           (the plain loop saves none).
 
+``trainer``: a Hugging Face ``Trainer`` script (the corpus' GPT-2) under ``transformers.Trainer``
+(plain) and ``fabric_model.transformers.FabricTrainer`` on 1 engine (fabric), both on one
+process' steps: Trainer's stamped by a ``TrainerCallback`` at each step's end.
+
 Besides the corpus: ``lora_frozen``, LoRA's shape at size (a 256 MB frozen embedding under a
 small trainable head, AdamW on the head: a snapshot that carried the frozen part cost 0.2 s a
 step), and ``sub_ms``, a step of a fraction of a millisecond, where the framework's fixed cost
@@ -26,6 +30,7 @@ defaults; checkpoints do not (the plain loop saves none).
 
     PYTHONPATH=. python3 benchmarks/bench_models.py                  # every model, 3 rounds
     PYTHONPATH=. python3 benchmarks/bench_models.py --models gpt2,lora --rounds 5
+    PYTHONPATH=. python3 benchmarks/bench_models.py --models trainer
 """
 
 from __future__ import annotations
@@ -188,6 +193,58 @@ def run_fabric(work: Workload, samples: int, batch: int, steps: int, warmup: int
     return span_rate([t for _, t in stamps], warmup, batch)
 
 
+def trainer_args(out: Path, batch: int, steps: int) -> Any:
+    import transformers
+
+    return transformers.TrainingArguments(
+        output_dir=str(out),
+        per_device_train_batch_size=batch,
+        max_steps=steps,
+        learning_rate=3e-3,
+        logging_steps=10_000,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+
+
+def run_trainer(samples: int, batch: int, steps: int, warmup: int, run_dir: Path) -> float:
+    """``transformers.Trainer`` on the corpus' GPT-2: samples/s over its steps after ``warmup``."""
+    import transformers
+
+    from tests.models import test_transformers as hf
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    times: list[float] = []
+
+    class Stamp(transformers.TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            times.append(time.perf_counter())
+
+    model, _ = hf.gpt2()
+    args = trainer_args(run_dir, batch, steps + warmup)
+    data = hf.counting_sequences(samples, 32)
+    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[Stamp()]).train()
+    return span_rate(times, warmup, batch)
+
+
+def run_fabric_trainer(samples: int, batch: int, steps: int, warmup: int, run_dir: Path) -> float:
+    """``FabricTrainer`` on 1 engine, the same script: samples/s from the driver's commit stamps."""
+    from fabric_model.transformers import FabricTrainer
+    from tests.models import test_transformers as hf
+
+    model, _ = hf.gpt2()
+    args = trainer_args(run_dir, batch, steps + warmup)
+    data = hf.counting_sequences(samples, 32)
+    trainer = FabricTrainer(model=model, args=args, train_dataset=data, engines_number=1, fabric_options={"verbose": 0})
+    trainer.train()
+    lines = (Path(str(trainer.fabric_run_dir)) / "logs" / "metrics.jsonl").read_text().splitlines()
+    stamps = sorted((r["iteration"], r["time"]) for r in map(json.loads, lines) if r.get("type") == "train")
+    return span_rate([t for _, t in stamps], warmup, batch)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--models", default="", help="comma-separated names (default: all)")
@@ -199,7 +256,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     logging.getLogger("fabric_model").setLevel(logging.ERROR)
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    chosen = workloads()
+    chosen: dict[str, Any] = {**workloads(), "trainer": None}
     if args.models:
         chosen = {k: v for k, v in chosen.items() if k in args.models.split(",")}
     samples = args.batch_size * 200  # 200 steps an epoch, no short step
@@ -213,11 +270,22 @@ def main(argv: list[str]) -> int:
     try:
         for name, work in chosen.items():
             ratios, plains, fabrics = [], [], []
-            trial = run_plain(work, samples, args.batch_size, 30, args.warmup)  # steps of seconds, at least
+
+            def plain_run(n: int, r: int, name: str = name, work: Any = work) -> float:
+                if work is None:  # Trainer's script under Trainer
+                    return run_trainer(samples, args.batch_size, n, args.warmup, scratch / f"{name}-plain{r}")
+                return run_plain(work, samples, args.batch_size, n, args.warmup)
+
+            def fabric_run(n: int, r: int, name: str = name, work: Any = work) -> float:
+                if work is None:  # the same under FabricTrainer
+                    return run_fabric_trainer(samples, args.batch_size, n, args.warmup, scratch / f"{name}{r}")
+                return run_fabric(work, samples, args.batch_size, n, args.warmup, scratch / f"{name}{r}")
+
+            trial = plain_run(30, -1)  # steps of seconds, at least
             steps = max(args.steps, int(args.seconds * trial / args.batch_size))
             for r in range(args.rounds):
-                plain = run_plain(work, samples, args.batch_size, steps, args.warmup)
-                fabric = run_fabric(work, samples, args.batch_size, steps, args.warmup, scratch / f"{name}{r}")
+                plain = plain_run(steps, r)
+                fabric = fabric_run(steps, r)
                 plains.append(plain)
                 fabrics.append(fabric)
                 ratios.append(fabric / plain)

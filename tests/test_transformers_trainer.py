@@ -1,0 +1,297 @@
+"""``FabricTrainer`` (fabric_model/transformers/): a Trainer script with one import changed.
+
+Scripts written as Trainer's documentation writes them (a GPT-2 causal LM, a BERT classifier
+with ``compute_metrics``; models built from configs), run with ``Trainer`` and ``FabricTrainer``:
+the same weights to float32 rounding and the same logs on one engine; bitwise the one-engine
+run on two workers with one killed; each refused argument's message, before any worker starts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from fabric_model.testing import FaultInjector, HoldForJoin, Kill
+
+from .helpers import Lazily
+
+# Imported at first use, not at collection: transformers costs every test process seconds.
+transformers, datasets = Lazily("transformers"), Lazily("datasets")
+
+SEQ = 16
+
+
+def FabricTrainer(**kwargs: Any) -> Any:  # noqa: N802  (the class, imported when a test runs)
+    from fabric_model.transformers import FabricTrainer as trainer_class
+
+    return trainer_class(**kwargs)
+
+
+def gpt2() -> Any:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+    )
+    config.bos_token_id = config.eos_token_id = 0
+    return transformers.GPT2LMHeadModel(config)
+
+
+def lm_data(n: int = 44) -> Any:
+    """Token blocks whose ends are padding (labels -100): a different count of items a sample."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 64, (n, SEQ))
+    labels = ids.copy()
+    for i in range(n):
+        labels[i, SEQ - (i % 5) * 2 :] = -100
+    return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+
+
+def lm_args(out: Path, **changes) -> Any:
+    settings = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_train_epochs=2,
+        learning_rate=1e-3,
+        warmup_steps=2,
+        weight_decay=0.01,
+        lr_scheduler_type="linear",
+        max_grad_norm=1.0,
+        logging_steps=2,
+        seed=0,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    settings.update(changes)
+    return transformers.TrainingArguments(**settings)
+
+
+def weights_gap(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+SPEEDS = ("runtime", "samples_per_second", "steps_per_second")
+
+
+def same_logs(trainer: list[dict], fabric: list[dict]) -> None:
+    """The same entries at the same steps, with the same values (the runtime's aside)."""
+    timing = {"total_flos", "grad_norm"} | {f"{kind}_{what}" for kind in ("train", "eval") for what in SPEEDS}
+    assert [e["step"] for e in fabric] == [e["step"] for e in trainer]
+    for t, f in zip(trainer, fabric):
+        assert set(f) - {"grad_norm"} == set(t) - {"grad_norm"}  # (not logged yet; a resumed history has it)
+        for key in set(f) - timing:
+            assert f[key] == pytest.approx(t[key], rel=1e-5), key
+
+
+def SeenLogs() -> Any:  # noqa: N802
+    """A user's TrainerCallback: the steps it saw logged, and its other events."""
+
+    class Seen(transformers.TrainerCallback):
+        def __init__(self) -> None:
+            self.steps: list[int] = []
+            self.events: list[str] = []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.events.append("train_begin")
+
+        def on_epoch_end(self, args, state, control, **kwargs):
+            self.events.append(f"epoch_end {state.epoch:g}")
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if "loss" in (logs or {}):
+                self.steps.append(state.global_step)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.events.append("train_end")
+
+    return Seen()
+
+
+pytestmark = pytest.mark.processes
+
+
+def test_a_causal_lm_script_trains_evaluates_and_saves_as_trainer_does_on_one_engine(tmp_path):
+    epochs = dict(eval_strategy="epoch", save_strategy="epoch", save_total_limit=3)
+    reference, model = gpt2(), gpt2()
+    trainer = transformers.Trainer(
+        model=reference, args=lm_args(tmp_path / "t", **epochs), train_dataset=lm_data(), eval_dataset=lm_data(12)
+    )
+    trainer.train()
+    seen = SeenLogs()
+    fabric = FabricTrainer(
+        model=model,
+        args=lm_args(tmp_path / "f", **epochs),
+        train_dataset=lm_data(),
+        eval_dataset=lm_data(12),
+        callbacks=[seen],
+        engines_number=1,
+    )
+    out = fabric.train()
+    # Adam turns float32 rounding of near-zero gradients into steps of the learning rate's size:
+    # 1e-5 is 0.1% of what 12 steps at 1e-3 can move a weight.
+    assert weights_gap(model, reference) < 1e-5
+    same_logs(trainer.state.log_history, fabric.state.log_history)  # the epochs' eval_loss among them
+    assert [e["step"] for e in fabric.state.log_history if "eval_loss" in e] == [6, 12]
+    assert out.global_step == 12 and out.training_loss == pytest.approx(trainer.state.log_history[-1]["train_loss"])
+    assert seen.steps == [2, 4, 6, 8, 10, 12]
+    assert seen.events == ["train_begin", "epoch_end 1", "epoch_end 2", "train_end"]
+    # Trainer's checkpoint folders, from which Trainer itself resumes to the same model.
+    saved = sorted(p.name for p in (tmp_path / "f").glob("checkpoint-*"))
+    assert saved == ["checkpoint-12", "checkpoint-6"]
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json"} <= {
+        p.name for p in (tmp_path / "f" / "checkpoint-6").iterdir()
+    }
+    resumed = gpt2()
+    again = transformers.Trainer(
+        model=resumed, args=lm_args(tmp_path / "r", **epochs), train_dataset=lm_data(), eval_dataset=lm_data(12)
+    )
+    again.train(resume_from_checkpoint=str(tmp_path / "f" / "checkpoint-6"))
+    assert weights_gap(resumed, reference) < 1e-5
+    # After train(), the Trainer a script expects: save_model writes the trained model.
+    fabric.save_model(str(tmp_path / "saved"))
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "saved"))
+    assert weights_gap(loaded, model) == 0.0
+
+
+def bert() -> Any:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=50,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=SEQ,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=3,
+    )
+    return transformers.BertForSequenceClassification(config)
+
+
+def cls_data(n: int) -> Any:
+    rng = np.random.default_rng(1)
+    ids = rng.integers(1, 50, (n, SEQ))
+    return datasets.Dataset.from_dict(
+        {
+            "input_ids": ids.tolist(),
+            "attention_mask": np.ones_like(ids).tolist(),
+            "label": (ids[:, 0] % 3).tolist(),
+            "text": ["unused"] * n,  # a column the model does not take: Trainer removes it
+        }
+    )
+
+
+def accuracy(prediction) -> dict[str, float]:
+    return {"accuracy": float((prediction.predictions.argmax(-1) == prediction.label_ids).mean())}
+
+
+def test_a_classifier_with_compute_metrics_the_best_epoch_and_a_short_last_step(tmp_path):
+    # 42 samples, steps of 12 in micro-batches of 4: the last step holds 6 (a micro-batch of 2).
+    changes = dict(per_device_train_batch_size=4, gradient_accumulation_steps=3, num_train_epochs=2, logging_steps=1)
+    # Evaluated and saved each epoch, the best epoch's model (by compute_metrics' accuracy) kept at the end.
+    changes.update(
+        eval_strategy="epoch", save_strategy="epoch", load_best_model_at_end=True, metric_for_best_model="accuracy"
+    )
+    reference, model = bert(), bert()
+    trainer = transformers.Trainer(
+        model=reference,
+        args=lm_args(tmp_path / "t", **changes),
+        train_dataset=cls_data(42),
+        eval_dataset=cls_data(20),
+        compute_metrics=accuracy,
+    )
+    trainer.train()
+    fabric = FabricTrainer(
+        model=model,
+        args=lm_args(tmp_path / "f", **changes),
+        train_dataset=cls_data(42),
+        eval_dataset=cls_data(20),
+        compute_metrics=accuracy,
+    )
+    fabric.train()
+    assert weights_gap(model, reference) < 1e-5
+    same_logs(trainer.state.log_history, fabric.state.log_history)
+    assert [e["step"] for e in fabric.state.log_history if "eval_accuracy" in e] == [4, 8]
+    assert Path(fabric.state.best_model_checkpoint).name == Path(trainer.state.best_model_checkpoint).name
+    expected, got = trainer.evaluate(), fabric.evaluate()
+    assert got["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-4)
+    assert got["eval_accuracy"] == expected["eval_accuracy"]
+
+
+def test_two_workers_one_killed_and_one_joining_give_the_one_engine_bits(tmp_path):
+    runs = {}
+    for engines, faults in ((1, []), (2, [Kill(worker=1, step=2), HoldForJoin(4)])):
+        model, seen = gpt2(), SeenLogs()
+        options = {"worker_logger_callback": FaultInjector(faults, tmp_path)} if faults else {}
+        fabric = FabricTrainer(
+            model=model,
+            args=lm_args(tmp_path / f"e{engines}", max_steps=9),  # the last epoch stopped mid-way
+            train_dataset=lm_data(),
+            callbacks=[seen],
+            engines_number=engines,
+            deterministic=True,
+            fabric_options=options,
+        )
+        fabric.train()
+        runs[engines] = (model, fabric, seen)
+    (one, one_trainer, seen_one), (two, two_trainer, seen) = runs[1], runs[2]
+    assert weights_gap(one, two) == 0.0
+    assert seen.steps == seen_one.steps == [2, 4, 6, 8]  # every logged step once, the kill's replay too
+    assert [e["loss"] for e in two_trainer.state.log_history[:-1]] == [
+        e["loss"] for e in one_trainer.state.log_history[:-1]
+    ]
+    # Exactly once: every micro-batch of every committed step once, as the plan divides the
+    # epochs of Trainer's sampler order (each order a permutation: checked in the caller).
+    lines = (Path(two_trainer.fabric_run_dir) / "logs" / "metrics.jsonl").read_text().splitlines()
+    generations = [r for r in map(json.loads, lines) if r["type"] == "generation"]
+    assert len(generations) == 3 and len(generations[-1]["members"]) == 2  # start, the kill, the join
+    steps = [r for r in map(json.loads, lines) if r["type"] == "train"]
+    last = {(r["epoch"], r["step"]): r for r in steps}  # a replayed step's later record wins
+    assert sorted(last) == [(0, s) for s in range(6)] + [(1, s) for s in range(3)]
+    for (epoch, step), record in last.items():
+        micro = sorted(j for mbs in record["micro_batches"].values() for j in mbs)
+        assert micro == ([0] if step == 5 else [0, 1]), (epoch, step, micro)  # 44 samples: 5 x 8, then 4
+
+
+def test_a_lora_model_trains_only_its_adapters_and_saves_them(tmp_path):
+    peft = Lazily("peft")
+    model = peft.get_peft_model(
+        gpt2(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0, fan_in_fan_out=True)
+    )
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fabric = FabricTrainer(
+        model=model, args=lm_args(tmp_path / "lora", max_steps=4), train_dataset=lm_data(), engines_number=2
+    )
+    fabric.train()
+    after = model.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all("lora_" in k for k in changed), sorted(changed)
+    assert any("lora_B" in k for k in changed)  # B starts at zero: it moved
+    fabric.save_model(str(tmp_path / "adapters"))
+    saved = {p.name for p in (tmp_path / "adapters").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= saved and "model.safetensors" not in saved
+
+
+def test_trainer_s_checkpoint_resumes_on_two_workers_to_trainer_s_model(tmp_path):
+    epochs = dict(save_strategy="epoch")
+    reference = gpt2()
+    trainer = transformers.Trainer(model=reference, args=lm_args(tmp_path / "t", **epochs), train_dataset=lm_data())
+    trainer.train()
+    model = gpt2()
+    fabric = FabricTrainer(
+        model=model, args=lm_args(tmp_path / "f", **epochs), train_dataset=lm_data(), engines_number=2
+    )
+    out = fabric.train(resume_from_checkpoint=str(tmp_path / "t" / "checkpoint-6"))
+    assert weights_gap(model, reference) < 1e-5
+    assert out.global_step == 12
+    # Trainer's history up to the folder's step, then the resumed run's, as Trainer's own resume shows it.
+    same_logs(trainer.state.log_history[:-1], fabric.state.log_history[:-1])
+    assert sorted(p.name for p in (tmp_path / "f").glob("checkpoint-*")) == ["checkpoint-12"]

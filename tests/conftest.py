@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import psutil
 import pytest
@@ -18,18 +21,59 @@ os.environ.setdefault("FABRIC_MODEL_CPU_WORKERS", "16")
 # it to come back: the tests of that wait (test_driver_restart.py) give theirs.
 os.environ.setdefault("FABRIC_MODEL_DRIVER_WAIT", "0")
 
-# Variables that pytest and torch set for themselves on first use.
-_OWN_VARIABLES = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_", "_TORCHINDUCTOR_")
+# TensorFlow's log level, as quiet_tensorflow() sets it when it loads TensorFlow. TensorFlow loads
+# in the first test that uses it (tests/helpers.py, Lazily), not at collection: set before any test.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# Variables that pytest, torch and TensorFlow set for themselves on first use (TensorFlow's on import:
+# its Python side, its TPU module, its Keras 2 saving and its OpenMP runtime).
+_OWN_VARIABLES = (
+    "PYTEST_CURRENT_TEST",
+    "TORCHINDUCTOR_",
+    "_TORCHINDUCTOR_",
+    "TF2_BEHAVIOR",
+    "ENABLE_RUNTIME_UPTIME_TELEMETRY",
+    "TPU_ML_PLATFORM",
+    "HDF5_PLUGIN_PATH",
+    "KMP_DUPLICATE_LIB_OK",
+    "KMP_INIT_AT_FORK",
+)
 
 
 def pytest_report_header(config) -> str:
     return f"fabric-model: bounds stretched x{scale():.2f} for this machine's load (tests/load.py)"
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config) -> None:
+    """The test process ends next: ``gc.freeze()`` spares its exit the collections over every object
+    that torch and TensorFlow made, which the interpreter runs as it finalizes (2-3 s, while
+    pytest-xdist's main process waits for it)."""
+    gc.freeze()
+
+
+#: A test module marked ``processes`` as a whole, by its source (its own line, at its top level).
+_PROCESSES_MODULE = re.compile(r"^pytestmark = pytest\.mark\.processes$", re.M)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under ``-m "not processes"`` (the fast tier), a module marked ``processes`` as a whole is not
+    imported: every test in it would be deselected, and its import and the rewriting of its asserts
+    cost each test process (about 2 s for the 30 of them). Named on the command line, it is collected
+    as any other."""
+    if " ".join(config.option.markexpr.split()) != "not processes":
+        return None
+    if collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    return True if _PROCESSES_MODULE.search(collection_path.read_text()) else None
+
+
 #: The files that take longest (a quiet 2-core machine, `--durations`), longest first. They are
-#: collected first, so that tox's two test processes, which take whole files in collection order
-#: (`pytest-xdist --dist loadfile`), do not end with one of them alone on a long file. A file left
-#: out or out of date costs only that balance.
+#: collected first, so that two test processes do not end with one of them alone on a long file:
+#: `-n 2` hands tests out in collection order. (tox's `--dist loadfile` hands out whole files, which
+#: pytest-xdist 3.6 and later sort by their number of tests unless `--no-loadscope-reorder`: this
+#: order only breaks their ties, and the files' measured times end the same either way, within
+#: 0.5%.) A file left out or out of date costs only that balance.
 LONGEST_FIRST = (
     "test_tf_keras.py",
     "test_keras.py",
@@ -53,11 +97,21 @@ def _longest_first(item: pytest.Item) -> int:
     return next((i for i, name in enumerate(LONGEST_FIRST) if path.endswith("tests/" + name)), len(LONGEST_FIRST))
 
 
+def _order(item: pytest.Item) -> tuple[bool, int]:
+    """The in-process tests that load TensorFlow (marked ``tensorflow``) first, then the longest files
+    first. With ``-n 2`` (pytest-xdist's default ``--dist load``), one test process gets the first
+    eighth of the tests as its first batch, so all of the two dozen TensorFlow ones: it alone pays
+    TensorFlow's import (about 8 s), while the other starts on the rest. (pytest-xdist's
+    ``--dist loadgroup`` would say it with ``xdist_group``, but pytest 9.2's node ids no longer
+    carry the group: pytest-xdist issue 1386.)"""
+    return item.get_closest_marker("tensorflow") is None, _longest_first(item)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """The longest files first (:data:`LONGEST_FIRST`; the order within each file kept), and every
-    test's pytest-timeout bound (its marker's, else the configured one) stretched by how busy the
-    machine is (tests/load.py)."""
-    items.sort(key=_longest_first)  # stable
+    """The order of :func:`_order` (the order within each file kept), and every test's
+    pytest-timeout bound (its marker's, else the configured one) stretched by how busy the machine
+    is (tests/load.py)."""
+    items.sort(key=_order)  # stable
     factor = scale()
     if factor == 1.0:
         return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import signal
@@ -181,18 +182,41 @@ def need(module: str) -> Any:
     return pytest.importorskip(module)
 
 
+#: The packages that load TensorFlow: imported under quiet_tensorflow(), as the tests' scripts do.
+_TENSORFLOW = ("tensorflow", "keras", "tf_keras")
+
+
 class Lazily:
     """The optional package ``module``, imported (or the test skipped, as by :func:`need`) at its
     first use in a test, not when the test module is collected: a module of the processes tier
-    then costs the fast tier nothing (transformers and peft take about 2 s to import)."""
+    then costs the fast tier nothing (transformers and peft take about 2 s to import; TensorFlow
+    and Keras about 8 s, in every test process that collects a module importing them at its top).
 
-    def __init__(self, module: str) -> None:
-        self._module = module
+    ``module`` may be relative to ``package`` (``Lazily(".keras_parts", __package__)``): a module
+    of the tests holding what a test module cannot define without TensorFlow (a loss object, a
+    class deriving from ``keras.Model``). It pickles as its name: a worker imports the module."""
+
+    def __init__(self, module: str, package: str | None = None) -> None:
+        self._module, self._package = module, package
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_") or name == "pytestmark":  # what collection asks of every module attribute
             raise AttributeError(name)
-        return getattr(need(self._module), name)
+        return getattr(self._load(), name)
+
+    def _load(self) -> Any:
+        name = importlib.util.resolve_name(self._module, self._package)
+        if name in sys.modules:
+            return sys.modules[name]
+        if name.partition(".")[0] not in _TENSORFLOW:
+            return need(name)
+        from fabric_model import quiet_tensorflow
+
+        with quiet_tensorflow():
+            return need(name)
+
+    def __reduce__(self) -> tuple[type, tuple[str, str | None]]:
+        return Lazily, (self._module, self._package)
 
 
 def interruptible() -> None:

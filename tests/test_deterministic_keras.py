@@ -12,16 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fabric_model import FabricModel, quiet_tensorflow
+from fabric_model import FabricModel
 from fabric_model.testing import FaultInjector, HoldForJoin, Kill
 
-from .helpers import records, run_script
+from .helpers import Lazily, records, run_script
 from .load import scaled
 
 pytestmark = pytest.mark.processes
 
-with quiet_tensorflow():
-    import keras
+keras = Lazily("keras")  # at a test's first use: collecting this module imports no TensorFlow
 
 SEED, EPOCHS, BATCH, GLOBAL = 3, 10, 16, 48  # 3 micro-batches a step, 3 steps an epoch, 30 steps
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import logging
 import re
@@ -20,11 +18,6 @@ from .helpers import need
 from .load import scaled
 
 TOLERANCE = 1e-4
-
-if importlib.util.find_spec("tensorflow") is not None:
-    # Imported at collection, before any test's environment snapshot: importing TensorFlow sets variables in
-    # os.environ (TF2_BEHAVIOR, KMP_*), which the leak check in conftest.py would blame on the first Keras test.
-    import tensorflow  # noqa: F401
 
 
 @pytest.fixture
@@ -183,6 +176,7 @@ def keras_cnn(keras):
     return keras.Model(inputs, keras.layers.Dense(3)(x))
 
 
+@pytest.mark.tensorflow
 def test_keras_cnn_agrees_at_other_batch_sizes(keras_deps, tmp_path):
     keras = keras_deps
     keras.utils.set_random_seed(0)
@@ -223,6 +217,7 @@ def test_a_keras_export_prints_nothing_of_the_libraries_it_uses(keras_deps, tmp_
     assert float(out.stdout) < TOLERANCE and out.stderr == "", out.stderr
 
 
+@pytest.mark.tensorflow
 def test_keras_subclassed_model_with_dict_input(keras_deps, tmp_path):
     keras = keras_deps
 
@@ -254,6 +249,7 @@ def test_keras_subclassed_model_with_dict_input(keras_deps, tmp_path):
         assert onnx_max_diff(path, "keras", model, [batch(n)]) < TOLERANCE
 
 
+@pytest.mark.tensorflow
 def test_keras_failures_are_clear_errors(keras_deps, tmp_path):
     keras = keras_deps
 
@@ -274,6 +270,7 @@ def test_keras_failures_are_clear_errors(keras_deps, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.tensorflow
 def test_keras_without_tf2onnx_gives_the_install_hint(keras_deps, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tf2onnx", None)
     monkeypatch.setitem(sys.modules, "tf2onnx.convert", None)  # an earlier test may have imported it

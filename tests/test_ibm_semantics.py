@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# Imported here, not in a test: TensorFlow sets environment variables on import (conftest checks them).
-import keras  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import pytest
+import torch
+import torch.nn.functional as F
 
-from fabric_model import Callback, FabricModel  # noqa: E402
-from fabric_model.launchers.local import LocalLauncher  # noqa: E402
+from fabric_model import Callback, FabricModel
+from fabric_model.launchers.local import LocalLauncher
 
-from .helpers import MLP, fresh_model_and_optimizer, make_data  # noqa: E402
+from .helpers import MLP, Lazily, fresh_model_and_optimizer, make_data
+
+keras = Lazily("keras")  # at a test's first use: collecting this module imports no TensorFlow
 
 DATA = make_data(96)
 TEST = make_data(4, seed=1)  # with batch 8 and 2 workers, rank 1's test shard is empty

@@ -8,13 +8,16 @@ import sys
 import textwrap
 from pathlib import Path
 
-import keras
 import pytest
 import torch
 
 from fabric_model.driver import identity
 from fabric_model.run.hooks import Hooks
 from fabric_model.setup.job import Job
+
+from .helpers import Lazily
+
+keras = Lazily("keras")  # at a test's first use: collecting this module imports no TensorFlow
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -87,6 +90,7 @@ def test_code_moved_in_its_file_is_the_same_code():
     assert identity.digest(first["loss"]) != identity.digest(changed["loss"])
 
 
+@pytest.mark.tensorflow
 def test_a_keras_model_s_identity_does_not_depend_on_which_equal_strings_are_one_object():
     """Whether a Keras model's and its optimizer's dtype strings are one object depends on the
     process's history (interned by code that ran before): the same job counted as changed in a

@@ -13,27 +13,28 @@ import textwrap
 import time
 from pathlib import Path
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import numpy as np
+import psutil
+import pytest
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
-import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
+from fabric_model import FabricModel
+from fabric_model.frameworks.keras.adapter import collate_numpy
+from fabric_model.step.plan import Plan, epoch_permutation
+from fabric_model.testing import FaultInjector, HoldForJoin, Kill, Preempt, WorkerStarter
 
-from fabric_model import FabricModel  # noqa: E402
-from fabric_model.frameworks.keras.adapter import collate_numpy  # noqa: E402
-from fabric_model.step.plan import Plan, epoch_permutation  # noqa: E402
-from fabric_model.testing import FaultInjector, HoldForJoin, Kill, Preempt, WorkerStarter  # noqa: E402
-
-from .helpers import (  # noqa: E402
+from .helpers import (
     IndexRecordingDataset,
+    Lazily,
     assert_each_sample_once_per_epoch,
     reads_by_pid,
     records,
     sample_indices_of_steps,
     started_processes,
 )
+
+# TensorFlow at a test's first use, not at collection; the loss, custom layers and models with it.
+keras, tf = Lazily("keras"), Lazily("tensorflow")
+parts = Lazily(".keras_parts", __package__)
 
 SEED, EPOCHS, BATCH = 7, 2, 16
 
@@ -88,13 +89,10 @@ def sgd() -> keras.optimizers.Optimizer:
     return keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)
 
 
-LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
 @pytest.fixture(scope="module")
 def tape_reference():
     model = mlp()
-    gradient_tape_reference(model, sgd(), LOSS, DATA, epochs=EPOCHS, batch_size=BATCH, micro_batches=3, seed=SEED)
+    gradient_tape_reference(model, sgd(), parts.LOSS, DATA, epochs=EPOCHS, batch_size=BATCH, micro_batches=3, seed=SEED)
     return trainable(model)
 
 
@@ -109,7 +107,7 @@ def test_same_weights_for_1_2_3_workers_as_a_gradient_tape_loop(workers, batch, 
         keras.metrics.SparseCategoricalAccuracy(name="acc_obj"),
         keras.metrics.sparse_top_k_categorical_accuracy,
     ]
-    result = FabricModel(model, lambda: (recording, DATA[:40]), LOSS, sgd(), metrics=metrics).train(
+    result = FabricModel(model, lambda: (recording, DATA[:40]), parts.LOSS, sgd(), metrics=metrics).train(
         EPOCHS, batch, workers, effective_batch_size=3 * BATCH, seed=SEED, run_dir=run_dir
     )
     assert max_rel_diff(trainable(model), tape_reference) < 1e-5
@@ -132,7 +130,7 @@ def keras_train(run_dir, marker_dir, faults=(), joins=(), workers=3):
         result = FabricModel(
             model,
             lambda: (DATA, None),
-            LOSS,
+            parts.LOSS,
             sgd(),
             worker_logger_callback=injector,
             driver_logger_callback=starter,
@@ -191,51 +189,10 @@ def test_a_keras_worker_told_to_go_leaves_after_its_step(run_dir, tmp_path, monk
     assert [g["workers"] for g in generations] == [3, 2] and generations[1]["reason"] == "worker 2 leaves (SIGTERM)"
 
 
-@keras.saving.register_keras_serializable(package="fabric_tests")
-class Registered(keras.layers.Layer):
-    """Registered with Keras: found without keras_custom_objects."""
-
-    def call(self, x):
-        return x * 1.0
-
-
-class Scale(keras.layers.Layer):
-    """A custom layer with a weight and a constructor argument."""
-
-    def __init__(self, init: float = 1.0, **kwargs):
-        super().__init__(**kwargs)
-        self.init = init
-
-    def build(self, input_shape):
-        self.scale = self.add_weight(shape=(input_shape[-1],), initializer=keras.initializers.Constant(self.init))
-
-    def call(self, x):
-        return x * self.scale
-
-    def get_config(self):
-        return {**super().get_config(), "init": self.init}
-
-
-class Subclassed(keras.Model):
-    def __init__(self, hidden: int = 16, **kwargs):
-        super().__init__(**kwargs)
-        self.hidden = hidden
-        self.dense = keras.layers.Dense(hidden, activation="relu")
-        self.scale = Scale(0.5)
-        self.registered = Registered()
-        self.out = keras.layers.Dense(3)
-
-    def call(self, x):
-        return self.out(self.registered(self.scale(self.dense(x))))
-
-    def get_config(self):
-        return {**super().get_config(), "hidden": self.hidden}
-
-
 @pytest.mark.processes
 def test_subclassed_model_with_custom_layer_needs_keras_custom_objects(run_dir):
     keras.utils.set_random_seed(1)
-    model = Subclassed()
+    model = parts.Subclassed()
     fm = FabricModel(model, lambda: (DATA, None), "sparse_categorical_crossentropy", "sgd")
     with pytest.raises(TypeError, match="keras_custom_objects") as info:
         fm.train(1, BATCH, 2, seed=SEED, run_dir=run_dir)
@@ -243,14 +200,14 @@ def test_subclassed_model_with_custom_layer_needs_keras_custom_objects(run_dir):
     assert not run_dir.exists() and not started_processes()  # before any worker or run directory
 
     # Names for the loss, optimizer and metric; the custom classes named: it trains.
-    model = Subclassed()
+    model = parts.Subclassed()
     fm = FabricModel(
         model,
         lambda: (DATA, None),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         "adam",
         metrics=["accuracy"],
-        keras_custom_objects={"Subclassed": Subclassed, "Scale": Scale},
+        keras_custom_objects={"Subclassed": parts.Subclassed, "Scale": parts.Scale},
     )
     result = fm.train(3, BATCH, 2, seed=SEED, run_dir=run_dir)
     assert len(set(result.replica_digests.values())) == 1
@@ -258,25 +215,13 @@ def test_subclassed_model_with_custom_layer_needs_keras_custom_objects(run_dir):
     assert not np.allclose(np.array(model.scale.scale), 0.5)  # the custom weight trained, in the caller's model
 
 
-class Forgetful(keras.layers.Layer):
-    """Its get_config() leaves out `factor`: rebuilt, it multiplies by 1, not by `factor`."""
-
-    def __init__(self, factor: float = 1.0, **kwargs):
-        super().__init__(**kwargs)
-        self.factor = factor
-
-    def call(self, x):
-        return x * self.factor
-
-    def get_config(self):  # overridden without `factor` (Keras fills it in only when not overridden)
-        return super().get_config()
-
-
 @pytest.mark.processes
 def test_a_model_rebuilt_into_another_function_fails_early(run_dir):
     """Same weights, other outputs: the workers would train another model, so it fails in the caller."""
-    model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(8), Forgetful(3.0), keras.layers.Dense(3)])
-    fm = FabricModel(model, lambda: (DATA, None), LOSS, "sgd", keras_custom_objects={"Forgetful": Forgetful})
+    model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(8), parts.Forgetful(3.0), keras.layers.Dense(3)])
+    fm = FabricModel(
+        model, lambda: (DATA, None), parts.LOSS, "sgd", keras_custom_objects={"Forgetful": parts.Forgetful}
+    )
     with pytest.raises(TypeError, match=r"(?s)computes other outputs.*get_config\(\).*keras_custom_objects"):
         fm.train(1, BATCH, 2, seed=SEED, run_dir=run_dir)
     assert not run_dir.exists()
@@ -286,7 +231,7 @@ def test_a_model_rebuilt_into_another_function_fails_early(run_dir):
 def test_samples_the_model_cannot_take_fail_early_naming_get_datasets(run_dir):
     samples = [((x[:6], x[6:]), y) for x, y in DATA]  # two inputs for a one-input model
     with pytest.raises(ValueError, match=r"(?s)fails on the first training batch.*tuple of 2.*`datasets_function`"):
-        FabricModel(mlp(), lambda: (samples, None), LOSS, "sgd").train(1, BATCH, 2, seed=SEED, run_dir=run_dir)
+        FabricModel(mlp(), lambda: (samples, None), parts.LOSS, "sgd").train(1, BATCH, 2, seed=SEED, run_dir=run_dir)
     assert not run_dir.exists()
 
 
@@ -297,6 +242,7 @@ def test_list_valued_features_are_arrays():
     assert a.shape == (4, 2) and b.shape == (4, 3)
 
 
+@pytest.mark.tensorflow
 def test_keras_set_random_seed_fixes_the_drawn_seed():
     """keras.utils.set_random_seed(s) at the top of a script makes the run reproducible, the seed
     included (Keras on TensorFlow does not seed torch); see docs/architecture.md, "Frameworks"."""
@@ -339,6 +285,7 @@ def test_instances_are_checked_too():
         FabricModel(mlp(), lambda: (DATA, None), "mse", "sgd", fn_step_train="train_step")
 
 
+@pytest.mark.tensorflow
 def test_metrics_are_labelled_as_given(run_dir):
     from fabric_model.frameworks.keras.adapter import KerasAdapter
 
@@ -346,25 +293,7 @@ def test_metrics_are_labelled_as_given(run_dir):
     assert adapter.stat_names == ["loss", "mae", "acc", "my_mse", "mae_2"]
 
 
-class Batches(keras.utils.PyDataset):
-    """A batch-level dataset, as ImageDataGenerator().flow() returns: item i is batch i. It
-    records the items it serves in ``<record_dir>/reads-<pid>.txt``."""
-
-    def __init__(self, samples, batch_size, record_dir=None, **kwargs):
-        super().__init__(**kwargs)
-        self.samples, self.batch_size, self.record_dir = samples, batch_size, record_dir
-
-    def __len__(self):
-        return -(-len(self.samples) // self.batch_size)
-
-    def __getitem__(self, i):
-        if self.record_dir is not None:
-            with open(os.path.join(self.record_dir, f"reads-{os.getpid()}.txt"), "a") as f:
-                f.write(f"{i}\n")
-        return collate_numpy(self.samples[i * self.batch_size : (i + 1) * self.batch_size])
-
-
-def pydataset_reference(batches: Batches, epochs: int, micro_batches: int) -> list[np.ndarray]:
+def pydataset_reference(batches: parts.Batches, epochs: int, micro_batches: int) -> list[np.ndarray]:
     """A GradientTape loop over the plan's steps of whole batches, each batch weighing the same
     (the documented rule: a short last batch counts as much as a full one)."""
     model, optimizer = mlp(), sgd()
@@ -377,7 +306,8 @@ def pydataset_reference(batches: Batches, epochs: int, micro_batches: int) -> li
                 for j in range(plan.num_micro_batches(epoch, step))
             ]
             with tf.GradientTape() as tape:
-                loss = tf.add_n([LOSS(y, model(x, training=True)) for x, y in (batches[i] for i in items)]) / len(items)
+                losses = [parts.LOSS(y, model(x, training=True)) for x, y in (batches[i] for i in items)]
+                loss = tf.add_n(losses) / len(items)
             optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
     return trainable(model)
 
@@ -387,11 +317,11 @@ def pydataset_reference(batches: Batches, epochs: int, micro_batches: int) -> li
 def test_pydataset_batches_are_micro_batches(run_dir, tmp_path, workers):
     """250 samples in batches of 16: 16 batches, the last of 10, two to a step."""
     model = mlp()
-    train = Batches(DATA, BATCH, str(tmp_path))
-    result = FabricModel(model, lambda: (train, Batches(DATA[:40], 4)), LOSS, sgd()).train(
+    train = parts.Batches(DATA, BATCH, str(tmp_path))
+    result = FabricModel(model, lambda: (train, parts.Batches(DATA[:40], 4)), parts.LOSS, sgd()).train(
         2, BATCH, workers, effective_batch_size=2 * BATCH, seed=SEED, run_dir=run_dir
     )
-    assert max_rel_diff(trainable(model), pydataset_reference(Batches(DATA, BATCH), 2, 2)) < 1e-5
+    assert max_rel_diff(trainable(model), pydataset_reference(parts.Batches(DATA, BATCH), 2, 2)) < 1e-5
     train_records = records(run_dir, "train")
     assert len(train_records) == 2 * 8
     # The plan counts the dataset's batches: every batch exactly once, by the reports and the reads.
@@ -406,13 +336,16 @@ def test_pydataset_batches_are_micro_batches(run_dir, tmp_path, workers):
 @pytest.mark.processes
 def test_pydataset_batch_size_must_be_its_own(run_dir):
     with pytest.raises(ValueError, match=r"Expected `batch_size` to be the batch size.*batch_size=32.*batch_size=16"):
-        FabricModel(mlp(), lambda: (Batches(DATA, BATCH), None), LOSS, sgd()).train(1, 32, 2, run_dir=run_dir)
+        FabricModel(mlp(), lambda: (parts.Batches(DATA, BATCH), None), parts.LOSS, sgd()).train(
+            1, 32, 2, run_dir=run_dir
+        )
 
 
 KERAS_SCRIPT = textwrap.dedent("""
     import sys
     sys.path.insert(0, {repo!r})
-    from tests.test_keras import DATA, LOSS, mlp, sgd
+    from tests.keras_parts import LOSS
+    from tests.test_keras import DATA, mlp, sgd
     from fabric_model import FabricModel
     from fabric_model.testing import FaultInjector
 
@@ -500,7 +433,7 @@ def test_keras_job_killed_whole_resumes_to_the_undisturbed_weights(tmp_path, und
     assert records(run_dir, "resume")
 
     model = mlp(dropout=0.3, batchnorm=True)
-    FabricModel(model, lambda: (DATA, None), LOSS, sgd()).train(
+    FabricModel(model, lambda: (DATA, None), parts.LOSS, sgd()).train(
         EPOCHS, BATCH, 1, effective_batch_size=3 * BATCH, seed=SEED, run_dir=copy_dir, resume=True
     )
     assert max_rel_diff(floats(model), undisturbed) < 1e-5
@@ -515,7 +448,7 @@ def test_functional_model_with_named_dict_inputs(run_dir):
     model = keras.Model({"a": a, "b": b}, keras.layers.Dense(3)(hidden))
     samples = [({"a": x[:8], "b": x[8:]}, y) for x, y in DATA]
     before = [v.numpy().copy() for v in model.trainable_variables]
-    result = FabricModel(model, lambda: (samples, samples[:40]), LOSS, "sgd", metrics=["accuracy"]).train(
+    result = FabricModel(model, lambda: (samples, samples[:40]), parts.LOSS, "sgd", metrics=["accuracy"]).train(
         2, BATCH, 2, seed=SEED, run_dir=run_dir
     )
     assert len(set(result.replica_digests.values())) == 1
@@ -535,14 +468,14 @@ def test_a_learning_rate_schedule_resumes_and_the_model_comes_back_compiled(run_
     schedule. The model comes back compiled (model.evaluate works); fm.evaluate / predict agree."""
     reference = mlp()
     gradient_tape_reference(
-        reference, scheduled_sgd(), LOSS, DATA, epochs=EPOCHS, batch_size=BATCH, micro_batches=3, seed=SEED
+        reference, scheduled_sgd(), parts.LOSS, DATA, epochs=EPOCHS, batch_size=BATCH, micro_batches=3, seed=SEED
     )
     test = DATA[:40]
-    FabricModel(mlp(), lambda: (DATA, test), LOSS, scheduled_sgd(), metrics=["accuracy"]).train(
+    FabricModel(mlp(), lambda: (DATA, test), parts.LOSS, scheduled_sgd(), metrics=["accuracy"]).train(
         1, BATCH, 1, effective_batch_size=3 * BATCH, seed=SEED, run_dir=run_dir
     )
     model, optimizer = mlp(), scheduled_sgd()
-    fm = FabricModel(model, lambda: (DATA, test), LOSS, optimizer, metrics=["accuracy"])
+    fm = FabricModel(model, lambda: (DATA, test), parts.LOSS, optimizer, metrics=["accuracy"])
     result = fm.train(EPOCHS, BATCH, 1, effective_batch_size=3 * BATCH, run_dir=run_dir, resume=True)
     assert max_rel_diff(trainable(model), trainable(reference)) < 1e-5
     steps = EPOCHS * -(-len(DATA) // (3 * BATCH))
@@ -564,11 +497,11 @@ def test_gradient_clip_norm_clips_the_reduced_step_gradient_as_global_clipnorm_d
     reference = mlp()
     clipping = keras.optimizers.SGD(learning_rate=0.1, momentum=0.9, global_clipnorm=clip)
     gradient_tape_reference(
-        reference, clipping, LOSS, DATA, epochs=EPOCHS, batch_size=BATCH, micro_batches=3, seed=SEED
+        reference, clipping, parts.LOSS, DATA, epochs=EPOCHS, batch_size=BATCH, micro_batches=3, seed=SEED
     )
     assert max_rel_diff(trainable(reference), tape_reference) > 0.1  # the clip binds
     model, optimizer = mlp(), sgd()
-    FabricModel(model, lambda: (DATA, None), LOSS, optimizer, gradient_clip_norm=clip).train(
+    FabricModel(model, lambda: (DATA, None), parts.LOSS, optimizer, gradient_clip_norm=clip).train(
         EPOCHS, BATCH, 2, effective_batch_size=3 * BATCH, seed=SEED, run_dir=run_dir
     )
     assert max_rel_diff(trainable(model), trainable(reference)) < 1e-5
@@ -636,7 +569,7 @@ def test_a_keras_model_built_under_mixed_bfloat16_trains_in_bfloat16(run_dir):
         )
     finally:
         keras.mixed_precision.set_dtype_policy("float32")
-    result = FabricModel(model, lambda: (DATA, None), LOSS, sgd()).train(
+    result = FabricModel(model, lambda: (DATA, None), parts.LOSS, sgd()).train(
         3, BATCH, 2, effective_batch_size=3 * BATCH, seed=SEED, run_dir=run_dir
     )
     assert model.layers[0].compute_dtype == "bfloat16" and model.layers[0].kernel.dtype == "float32"
@@ -648,7 +581,7 @@ def test_verbose_2_shows_tensorflow_s_notices_in_the_worker_logs(run_dir, monkey
     """The default keeps them out (test_gradient_clip_norm_... checks that); verbose=2 lets them in.
     The workers are made to print one (TF_ENABLE_ONEDNN_OPTS=1: oneDNN's notice, on any CPU)."""
     monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", "1")
-    FabricModel(mlp(), lambda: (DATA, None), LOSS, sgd()).train(
+    FabricModel(mlp(), lambda: (DATA, None), parts.LOSS, sgd()).train(
         1, BATCH, 1, effective_batch_size=3 * BATCH, seed=SEED, run_dir=run_dir, verbose=2
     )
     log = (run_dir / "logs" / "worker-0.log").read_text()

@@ -4,29 +4,26 @@ optimizer, and the adapter's step with ``fn_step_train`` or a ``compute_loss`` o
 
 from __future__ import annotations
 
-import os
+import cloudpickle
+import numpy as np
+import pytest
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import cloudpickle  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from fabric_model import quiet_tensorflow  # noqa: E402
-from fabric_model.frameworks.keras.adapter import KerasAdapter  # noqa: E402
-from fabric_model.frameworks.keras.capture import GradientCapture, capturing  # noqa: E402
-from fabric_model.frameworks.keras.user_step import (  # noqa: E402
+from fabric_model.frameworks.keras.adapter import KerasAdapter
+from fabric_model.frameworks.keras.capture import GradientCapture, capturing
+from fabric_model.frameworks.keras.user_step import (
     UserCode,
     gradient_list,
     pack_user_code,
     unpack_user_code,
 )
 
-with quiet_tensorflow():
-    import keras
-    import tensorflow as tf
+from .helpers import Lazily
 
-LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+# TensorFlow at a test's first use, not at collection; the loss and the Model subclasses with it.
+keras, tf = Lazily("keras"), Lazily("tensorflow")
+parts = Lazily(".keras_custom_step_parts", __package__)
+
+pytestmark = pytest.mark.tensorflow
 
 
 def mlp() -> keras.Model:
@@ -66,7 +63,7 @@ def test_capturing_keeps_the_optimizer_s_hands_off_and_refuses_another_optimizer
     def step() -> list:
         with capturing(optimizer, model.trainable_variables, "fn_step_train") as capture:
             with tf.GradientTape() as tape:
-                loss = LOSS(y, model(x, training=True))
+                loss = parts.LOSS(y, model(x, training=True))
             optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
         return capture.gradients
 
@@ -112,8 +109,9 @@ RNG = np.random.default_rng(0)
 X, Y = RNG.normal(size=(16, 6)).astype(np.float32), RNG.integers(0, 3, 16)
 
 
-def shipped(model: keras.Model, loss=LOSS, **kwargs) -> KerasAdapter:
-    """The adapter as a worker gets it, set up."""
+def shipped(model: keras.Model, **kwargs) -> KerasAdapter:
+    """The adapter as a worker gets it, set up (its loss LOSS unless ``loss`` is given)."""
+    loss = kwargs.pop("loss", parts.LOSS)
     adapter = KerasAdapter(model, keras.optimizers.SGD(0.1, momentum=0.9), loss, None, **kwargs)
     adapter.check_rebuild((X[:2], Y[:2]))
     worker = cloudpickle.loads(cloudpickle.dumps(adapter))
@@ -141,7 +139,7 @@ def one_device(model: keras.Model, loss_of=None) -> list[np.ndarray]:
         x, y = X[8 * step : 8 * step + 8], Y[8 * step : 8 * step + 8]
         with tf.GradientTape() as tape:
             out = model(x, training=True)
-            loss = loss_of(model, x, y, out) if loss_of else LOSS(y, out)
+            loss = loss_of(model, x, y, out) if loss_of else parts.LOSS(y, out)
         optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
     return [v.numpy() for v in model.trainable_variables]
 
@@ -154,7 +152,7 @@ def returning_step(model, data, eva, train_set, fn_args):
     x, y = data
     with tf.GradientTape() as tape:
         pred = model(x, training=True)
-        loss = LOSS(y, pred)
+        loss = parts.LOSS(y, pred)
     return eva(y, pred), loss, tape.gradient(loss, model.trainable_variables)
 
 
@@ -168,7 +166,7 @@ def test_a_step_that_returns_its_gradients_trains_as_the_plain_loop():
 
 def lazy_step(model, data, eva, train_set, fn_args):
     x, y = data
-    return 0.0, LOSS(y, model(x, training=True))
+    return 0.0, parts.LOSS(y, model(x, training=True))
 
 
 def applying_and_returning_step(model, data, eva, train_set, fn_args):
@@ -188,45 +186,20 @@ def test_a_step_must_hand_over_its_gradients_once(step, message):
         adapter.train_micro_batch((X[:4], Y[:4]), 4, 8, seed=0)
 
 
-class Doubled(keras.Sequential):
-    """compute_loss overridden: the loss given, twice (a train_step-free subclass)."""
-
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        return 2.0 * super().compute_loss(x, y, y_pred, sample_weight, training=training)
-
-
 def test_a_compute_loss_override_is_what_the_step_differentiates():
     keras.utils.set_random_seed(0)
-    model = Doubled([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
-    adapter = shipped(model, custom_objects={"Doubled": Doubled})
+    model = parts.Doubled([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+    adapter = shipped(model, custom_objects={"Doubled": parts.Doubled})
     assert adapter.model_loss and adapter.stat_names == ["loss"]  # no default accuracy with the model's own loss
     stats = train_two_steps(adapter)
     keras.utils.set_random_seed(0)
     reference = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
-    expected = one_device(reference, lambda m, x, y, out: 2.0 * LOSS(y, out))
+    expected = one_device(reference, lambda m, x, y, out: 2.0 * parts.LOSS(y, out))
     assert close([v.numpy() for v in adapter.model.trainable_variables], expected)
     assert stats[0][0] / 8 > 2.0  # the loss shown is the doubled one (a 3-class loss starts near ln 3)
 
 
-# -- loss_function=None: the model's own loss ---------------------------------------------------------
-class OwnTrainStep(keras.Sequential):
-    """train_step overridden with a loss of its own: nothing compiled is needed."""
-
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            loss = LOSS(y, self(x, training=True))
-        self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_variables), self.trainable_variables))
-        return {"loss": loss}
-
-
-class OwnLoss(keras.Sequential):
-    """compute_loss overridden with a loss of its own (not super()'s, which has no loss compiled)."""
-
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        return 2.0 * LOSS(y, y_pred)
-
-
+# -- loss_function=None: the model's own loss (parts.OwnTrainStep's train_step, parts.OwnLoss's compute_loss)
 def layers() -> list:
     keras.utils.set_random_seed(0)  # mlp()'s weights
     return [keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)]
@@ -235,12 +208,17 @@ def layers() -> list:
 @pytest.mark.parametrize(
     ("make", "kwargs", "loss_of", "stat_names"),
     [
-        (lambda: OwnTrainStep(layers()), {"custom_objects": {"OwnTrainStep": OwnTrainStep}}, None, ["loss"]),
-        (mlp, {"user_code": UserCode(returning_step)}, None, ["loss", "accuracy"]),
         (
-            lambda: OwnLoss(layers()),
-            {"custom_objects": {"OwnLoss": OwnLoss}},
-            lambda m, x, y, out: 2.0 * LOSS(y, out),
+            lambda: parts.OwnTrainStep(layers()),
+            lambda: {"custom_objects": {"OwnTrainStep": parts.OwnTrainStep}},
+            None,
+            ["loss"],
+        ),
+        (mlp, lambda: {"user_code": UserCode(returning_step)}, None, ["loss", "accuracy"]),
+        (
+            lambda: parts.OwnLoss(layers()),
+            lambda: {"custom_objects": {"OwnLoss": parts.OwnLoss}},
+            lambda m, x, y, out: 2.0 * parts.LOSS(y, out),
             ["loss"],
         ),
     ],
@@ -249,7 +227,7 @@ def layers() -> list:
 def test_loss_function_none_is_taken_from_a_model_that_computes_its_own(make, kwargs, loss_of, stat_names):
     """No loss given: the step is the model's (or the user's), and validation shows the model's
     compute_loss where it has its own, else NaN (the metrics as usual)."""
-    adapter = shipped(make(), loss=None, **kwargs)
+    adapter = shipped(make(), loss=None, **kwargs())
     assert adapter.loss_function is None and adapter.stat_names == stat_names
     stats = train_two_steps(adapter)
     assert all(np.isfinite(s).all() and s[-1] == 8.0 for s in stats)
@@ -277,8 +255,8 @@ def test_loss_function_none_is_refused_for_a_model_without_its_own_loss():
     for part in ("`loss_function`", "loss_function=None", "Sequential", "compute_loss", "train_step", "fn_step_train"):
         assert part in message, message
     assert "keras.losses.Loss" in message and "loss(y_true, y_pred)" in message, message
-    FabricModel(OwnTrainStep(layers()), data, None, keras.optimizers.SGD(0.1))
-    FabricModel(OwnLoss(layers()), data, None, keras.optimizers.SGD(0.1))
+    FabricModel(parts.OwnTrainStep(layers()), data, None, keras.optimizers.SGD(0.1))
+    FabricModel(parts.OwnLoss(layers()), data, None, keras.optimizers.SGD(0.1))
     FabricModel(mlp(), data, None, keras.optimizers.SGD(0.1), fn_step_train=returning_step)
     with pytest.raises(TypeError, match="or None, for a model that computes its own loss"):
         FabricModel(mlp(), data, 3, keras.optimizers.SGD(0.1))

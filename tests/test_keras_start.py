@@ -9,16 +9,17 @@ import json
 import os
 from pathlib import Path
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import numpy as np
+import pytest
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+from fabric_model import FabricModel
+from fabric_model.launchers import warm_spare
 
-from fabric_model import FabricModel  # noqa: E402
-from fabric_model.launchers import warm_spare  # noqa: E402
+from .helpers import Lazily
 
 pytestmark = pytest.mark.processes
+
+keras = Lazily("keras")  # at a test's first use: collecting this module imports no TensorFlow
 
 WORKERS = 2
 

@@ -16,15 +16,11 @@ from fabric_model.frameworks.base import UserObjects
 from fabric_model.frameworks.torch.first_batch import check_summed_loss
 from fabric_model.setup.checks import check_loss_reduction
 
-from .helpers import MLP, make_data
+from .helpers import MLP, Lazily, make_data
 
-# Imported with the module, not in a test: importing TensorFlow changes os.environ (conftest checks it).
-if importlib.util.find_spec("tensorflow") and importlib.util.find_spec("keras"):
-    import keras
-    import tensorflow  # noqa: F401
-else:
-    keras = None
-needs_keras = pytest.mark.skipif(keras is None, reason="needs TensorFlow and Keras")
+keras = Lazily("keras")  # at a test's first use: collecting this module imports no TensorFlow
+found = importlib.util.find_spec("tensorflow") and importlib.util.find_spec("keras")
+needs_keras = pytest.mark.skipif(not found, reason="needs TensorFlow and Keras")
 
 DATA = make_data(16)
 
@@ -145,6 +141,7 @@ def test_a_sample_error_has_no_doubled_period():
 
 
 @needs_keras
+@pytest.mark.tensorflow
 def test_a_keras_dict_sample_without_a_target_names_every_key_once():
     _, model = keras_model()
     with pytest.raises(TypeError, match="'target', 'label', 'labels', 'y'") as info:
@@ -172,6 +169,7 @@ KERAS_DATA = [(x.numpy(), y) for x, y in DATA]
 
 
 @needs_keras
+@pytest.mark.tensorflow
 def test_a_summed_keras_loss_is_refused():
     keras, model = keras_model()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
@@ -181,6 +179,7 @@ def test_a_summed_keras_loss_is_refused():
 
 
 @needs_keras
+@pytest.mark.tensorflow
 def test_the_default_keras_reduction_passes_with_the_state_unchanged():
     keras, model = keras_model()
     before = [w.copy() for w in model.get_weights()]  # BatchNormalization's moving statistics included

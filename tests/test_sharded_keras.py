@@ -9,17 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fabric_model import FabricModel, ShardedDataset, quiet_tensorflow
+from fabric_model import FabricModel, ShardedDataset
 from fabric_model.step.plan import Plan
 from fabric_model.testing import FaultInjector, Kill
 
-from .helpers import records
+from .helpers import Lazily, records
 from .test_sharded_runs import used_positions
 
 pytestmark = pytest.mark.processes
 
-with quiet_tensorflow():
-    import keras
+keras = Lazily("keras")  # at a test's first use: collecting this module imports no TensorFlow
 
 SEED, EPOCHS, BATCH, GLOBAL = 3, 3, 16, 32  # 2 streams
 LENGTHS = [40, 0, 17, 33, 9, 25]  # 124 samples: 62 a stream, 4 steps an epoch

@@ -7,6 +7,7 @@ stays Keras 3 for the other tests; the IBM-style script that sets it runs in a p
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -17,16 +18,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fabric_model import FabricModel, quiet_tensorflow
+from fabric_model import FabricModel
 from fabric_model.frameworks.keras.batches import collate_numpy
 from fabric_model.step.plan import Plan, epoch_permutation
 from fabric_model.testing import FaultInjector, HoldForJoin, Kill, WorkerStarter
 
-from .helpers import IndexRecordingDataset, assert_each_sample_once_per_epoch, need, records
+from .helpers import IndexRecordingDataset, Lazily, assert_each_sample_once_per_epoch, need, records
 
-with quiet_tensorflow():
-    tf_keras = need("tf_keras")
-    import tensorflow as tf
+if importlib.util.find_spec("tf_keras") is None:
+    need("tf_keras")  # the module skipped (failed where tox promises every extra)
+
+# tf_keras and TensorFlow at a test's first use, not at collection; the loss, the Model subclasses and
+# the custom layer with them.
+tf_keras, tf = Lazily("tf_keras"), Lazily("tensorflow")
+parts = Lazily(".tf_keras_parts", __package__)
 
 SEED, EPOCHS, BATCH = 7, 2, 16
 REPO = str(Path(__file__).resolve().parents[1])
@@ -88,15 +93,13 @@ def sgd():
     return tf_keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)
 
 
-LOSS = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
 @pytest.fixture(scope="module")
 def sgd_reference():
-    return trainable(tape_reference(mlp(), sgd(), LOSS, DATA))
+    return trainable(tape_reference(mlp(), sgd(), parts.LOSS, DATA))
 
 
 # -- which Keras, without processes ---------------------------------------------------------------
+@pytest.mark.tensorflow
 def test_a_tf_keras_model_is_its_own_framework_and_takes_tf_keras_objects_only():
     from fabric_model.frameworks import framework_name, framework_named
 
@@ -153,7 +156,7 @@ def test_same_weights_for_1_2_3_workers_as_a_gradient_tape_loop(workers, batch, 
         tf_keras.metrics.SparseCategoricalAccuracy(name="acc_obj"),
         tf_keras.metrics.sparse_top_k_categorical_accuracy,
     ]
-    result = FabricModel(model, lambda: (recording, DATA[:40]), LOSS, sgd(), metrics=metrics).train(
+    result = FabricModel(model, lambda: (recording, DATA[:40]), parts.LOSS, sgd(), metrics=metrics).train(
         EPOCHS, batch, workers, effective_batch_size=3 * BATCH, seed=SEED, run_dir=run_dir
     )
     assert max_rel_diff(trainable(model), sgd_reference) < 1e-5
@@ -220,9 +223,9 @@ def test_a_learning_rate_schedule_and_gradient_clip_norm(family, run_dir):
         schedule = tf_keras.optimizers.schedules.ExponentialDecay(0.2, decay_steps=4, decay_rate=0.5)
         return cls(learning_rate=schedule, momentum=0.9, **kwargs)
 
-    reference = tape_reference(mlp(), optimizer(global_clipnorm=0.05), LOSS, DATA)
+    reference = tape_reference(mlp(), optimizer(global_clipnorm=0.05), parts.LOSS, DATA)
     model, ours = mlp(), optimizer()
-    FabricModel(model, lambda: (DATA, None), LOSS, ours, gradient_clip_norm=0.05).train(
+    FabricModel(model, lambda: (DATA, None), parts.LOSS, ours, gradient_clip_norm=0.05).train(
         EPOCHS, BATCH, 2, effective_batch_size=3 * BATCH, seed=SEED, run_dir=run_dir
     )
     assert max_rel_diff(trainable(model), trainable(reference)) < 1e-5
@@ -239,7 +242,7 @@ def keras_train(run_dir, marker_dir, faults=(), joins=(), workers=3, epochs=EPOC
         result = FabricModel(
             model,
             lambda: (DATA, None),
-            LOSS,
+            parts.LOSS,
             optimizer,
             worker_logger_callback=injector,
             driver_logger_callback=starter,
@@ -292,7 +295,7 @@ def deterministic_train(run_dir, workers, faults=(), marker_dir=None):
     model = mlp(dropout=0.2, batchnorm=True)
     optimizer = tf_keras.optimizers.legacy.Adam(learning_rate=0.01)
     injector = FaultInjector(list(faults), marker_dir) if faults else None
-    FabricModel(model, lambda: (DATA[:144], None), LOSS, optimizer, worker_logger_callback=injector).train(
+    FabricModel(model, lambda: (DATA[:144], None), parts.LOSS, optimizer, worker_logger_callback=injector).train(
         6, BATCH, workers, effective_batch_size=3 * BATCH, seed=3, run_dir=run_dir, deterministic=True
     )
     return [v.numpy() for v in model.variables] + legacy_optimizer_values(optimizer, model)
@@ -318,54 +321,37 @@ def test_a_custom_step_and_a_subclassed_model(run_dir):
 
     def build():
         tf_keras.utils.set_random_seed(4)
-        return Subclassed()
+        return parts.Subclassed()
 
     def step(model, data, eva, train_set, fn_args):
         x, y = data
         with tf.GradientTape() as tape:
             pred = model(x, training=True)
-            loss = tf.reduce_mean(LOSS(y, pred))
+            loss = tf.reduce_mean(parts.LOSS(y, pred))
         grads = tape.gradient(loss, model.trainable_variables)
         model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return eva(y, pred), loss
 
     reference = build()
-    tape_reference(reference, sgd(), LOSS, DATA)
+    tape_reference(reference, sgd(), parts.LOSS, DATA)
     model = build()
     result = FabricModel(
         model,
         lambda: (DATA, None),
-        LOSS,
+        parts.LOSS,
         sgd(),
         fn_step_train=step,
-        keras_custom_objects={"Subclassed": Subclassed, "Scale": Scale},
+        keras_custom_objects={"Subclassed": parts.Subclassed, "Scale": parts.Scale},
     ).train(EPOCHS, BATCH, 2, effective_batch_size=3 * BATCH, seed=SEED, run_dir=run_dir)
     assert max_rel_diff(trainable(model), trainable(reference)) < 1e-5
     assert result.history[-1]["loss"] < result.history[0]["loss"]
 
 
-class OwnStep(tf_keras.Model):
-    """A functional model with the usual Keras 2 train_step: compiled_loss, minimize, compute_metrics."""
-
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            pred = self(x, training=True)
-            loss = self.compiled_loss(y, pred)
-        self.optimizer.minimize(loss, self.trainable_variables, tape=tape)  # collected, not applied here
-        return self.compute_metrics(x, y, pred, None)
-
-
-class OwnLoss(tf_keras.Model):
-    """A functional model with its own compute_loss (Keras 2's signature: no `training`), twice the loss given."""
-
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None):
-        return 2.0 * tf.reduce_mean(LOSS(y, y_pred))
-
-
 @pytest.mark.processes
-@pytest.mark.parametrize("cls", [OwnStep, OwnLoss])
-def test_a_model_s_own_train_step_or_compute_loss(cls, run_dir):
+@pytest.mark.parametrize("name", ["OwnStep", "OwnLoss"])
+def test_a_model_s_own_train_step_or_compute_loss(name, run_dir):
+    cls = getattr(parts, name)
+
     def build():
         tf_keras.utils.set_random_seed(5)
         inputs = tf_keras.Input((12,))
@@ -373,49 +359,15 @@ def test_a_model_s_own_train_step_or_compute_loss(cls, run_dir):
         return cls(inputs, tf_keras.layers.Dense(3)(hidden))
 
     reference = build()
-    scale = 2.0 if cls is OwnLoss else 1.0
-    tape_reference(reference, sgd(), lambda y, out: scale * LOSS(y, out), DATA)
+    scale = 2.0 if name == "OwnLoss" else 1.0
+    tape_reference(reference, sgd(), lambda y, out: scale * parts.LOSS(y, out), DATA)
     model = build()
-    metrics = ["accuracy"] if cls is OwnStep else None
+    metrics = ["accuracy"] if name == "OwnStep" else None
     result = FabricModel(
-        model, lambda: (DATA, None), LOSS, sgd(), metrics=metrics, keras_custom_objects={cls.__name__: cls}
+        model, lambda: (DATA, None), parts.LOSS, sgd(), metrics=metrics, keras_custom_objects={cls.__name__: cls}
     ).train(EPOCHS, BATCH, 2, effective_batch_size=3 * BATCH, seed=SEED, run_dir=run_dir)
     assert max_rel_diff(trainable(model), trainable(reference)) < 1e-5
     assert result.history[-1]["loss"] < result.history[0]["loss"]
-
-
-class Scale(tf_keras.layers.Layer):
-    """A custom layer with a weight and a constructor argument."""
-
-    def __init__(self, init: float = 1.0, **kwargs):
-        super().__init__(**kwargs)
-        self.init = init
-
-    def build(self, input_shape):
-        self.scale = self.add_weight(
-            name="scale", shape=(input_shape[-1],), initializer=tf_keras.initializers.Constant(self.init)
-        )
-
-    def call(self, x):
-        return x * self.scale
-
-    def get_config(self):
-        return {**super().get_config(), "init": self.init}
-
-
-class Subclassed(tf_keras.Model):
-    def __init__(self, hidden: int = 16, **kwargs):
-        super().__init__(**kwargs)
-        self.hidden = hidden
-        self.dense = tf_keras.layers.Dense(hidden, activation="relu")
-        self.scale = Scale(0.5)
-        self.out = tf_keras.layers.Dense(3)
-
-    def call(self, x):
-        return self.out(self.scale(self.dense(x)))
-
-    def get_config(self):
-        return {"hidden": self.hidden}
 
 
 # The WMLA script shape: TF_USE_LEGACY_KERAS=1 before TensorFlow, tf.keras everywhere, an
@@ -505,7 +457,7 @@ def test_fabric_model_writes_a_checked_onnx_file_for_tf_keras(run_dir):
             tf_keras.layers.Dense(3),
         ]
     )
-    result = FabricModel(model, lambda: (images, None), LOSS, "adam", save_to_onnx=True).train(
+    result = FabricModel(model, lambda: (images, None), parts.LOSS, "adam", save_to_onnx=True).train(
         1, 8, 2, seed=3, run_dir=run_dir
     )
     assert result.onnx_max_diff is not None and result.onnx_max_diff < 1e-4
@@ -551,6 +503,7 @@ def test_an_augmenting_image_data_generator_trains_bitwise_alike_on_1_and_2_work
     assert not differ, f"not bitwise equal: variables {differ}"
 
 
+@pytest.mark.tensorflow
 def test_an_image_data_generator_flow_transforms_each_sample_by_its_own_seeds():
     """In-process: a sample's flips and shifts are the same read again after other draws, and
     the same in a batch of another size (each sample transformed after its own seeds are set)."""

@@ -5,20 +5,18 @@ the single-device loop over the same global batches ends."""
 
 from __future__ import annotations
 
-import os
+import numpy as np
+import pytest
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from fabric_model import FabricModel
+from fabric_model.frameworks.keras.batches import collate_numpy
+from fabric_model.step.plan import Plan, epoch_permutation
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+from ..helpers import Lazily
 
-from fabric_model import FabricModel, quiet_tensorflow  # noqa: E402
-from fabric_model.frameworks.keras.batches import collate_numpy  # noqa: E402
-from fabric_model.step.plan import Plan, epoch_permutation  # noqa: E402
-
-with quiet_tensorflow():
-    import keras
-    import tensorflow as tf
+# TensorFlow at a test's first use, not at collection; the losses and the Model subclasses with it.
+keras, tf = Lazily("keras"), Lazily("tensorflow")
+parts = Lazily(".keras_models_parts", __package__)
 
 pytestmark = pytest.mark.processes
 
@@ -140,7 +138,9 @@ def test_mobilenet_v2_with_a_custom_step_is_bitwise_equal_on_1_and_2_workers(tmp
 
 
 # -- (c) named inputs, two outputs, a dict of losses -----------------------------------------------
-def two_headed(cls: type = keras.Model) -> keras.Model:
+def two_headed(cls: type | None = None) -> keras.Model:
+    """A keras.Model, or one of class ``cls``."""
+    cls = cls or keras.Model
     keras.utils.set_random_seed(2)
     a, b = keras.Input((6,), name="a"), keras.Input((4,), name="b")
     hidden = keras.layers.Dense(16, activation="relu")(keras.layers.Concatenate()([a, b]))
@@ -152,13 +152,10 @@ def named_samples(n: int = 64) -> list:
     return [({"a": x[:6], "b": x[6:]}, {"cls": y, "reg": x[:1].sum(keepdims=True)}) for x, y in classification(n)]
 
 
-LOSSES = {"cls": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "reg": "mse"}
-
-
 def test_named_inputs_two_outputs_and_a_dict_of_losses(run_dir):
     data, epochs = named_samples(), 3
     model = two_headed()
-    result = FabricModel(model, lambda: (data, data[:16]), LOSSES, keras.optimizers.SGD(0.05)).train(
+    result = FabricModel(model, lambda: (data, data[:16]), parts.LOSSES, keras.optimizers.SGD(0.05)).train(
         epochs, BATCH, 2, effective_batch_size=MICRO * BATCH, seed=SEED, run_dir=run_dir
     )
     assert set(result.history[-1]) == {"epoch", "loss"}  # no default accuracy for two outputs
@@ -167,7 +164,7 @@ def test_named_inputs_two_outputs_and_a_dict_of_losses(run_dir):
     assert len(set(result.replica_digests.values())) == 1
 
     reference, ref_optimizer = two_headed(), keras.optimizers.SGD(0.05)
-    reference.compile(optimizer=ref_optimizer, loss=LOSSES)
+    reference.compile(optimizer=ref_optimizer, loss=parts.LOSSES)
     train_on_compute_loss(reference, ref_optimizer, data, epochs)
     assert max_rel_diff(weights(model), weights(reference)) < 1e-5
 
@@ -187,32 +184,10 @@ def train_on_compute_loss(model: keras.Model, optimizer, data: list, epochs: int
 
 
 # -- (d) a Model subclass with its own train_step and compute_loss ----------------------------------
-@keras.saving.register_keras_serializable("fabric_model_tests")
-class OwnStep(keras.Model):
-    """Keras' guide's pattern: its own train_step (the loss tracker updated by hand) and a compute_loss
-    that adds a penalty on the outputs' size."""
-
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        loss = super().compute_loss(x, y, y_pred, sample_weight, training=training)
-        return loss + 0.1 * tf.reduce_mean(tf.square(y_pred["reg"]))
-
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            pred = self(x, training=True)
-            loss = self.compute_loss(x, y, pred)
-        grads = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
-        for metric in self.metrics:
-            if metric.name == "loss":  # compute_loss updates the per-output losses' own trackers
-                metric.update_state(loss)
-        return {m.name: m.result() for m in self.metrics}
-
-
 def test_a_model_subclass_s_train_step_and_compute_loss_are_honoured(run_dir):
     data, epochs = named_samples(), 3
-    model = two_headed(OwnStep)
-    result = FabricModel(model, lambda: (data, None), LOSSES, keras.optimizers.SGD(0.05)).train(
+    model = two_headed(parts.OwnStep)
+    result = FabricModel(model, lambda: (data, None), parts.LOSSES, keras.optimizers.SGD(0.05)).train(
         epochs, BATCH, 2, effective_batch_size=MICRO * BATCH, seed=SEED, run_dir=run_dir
     )
     assert set(result.history[-1]) == {"epoch", "loss"}
@@ -220,27 +195,17 @@ def test_a_model_subclass_s_train_step_and_compute_loss_are_honoured(run_dir):
 
     def one_device(cls: type) -> keras.Model:
         reference = two_headed(cls)
-        reference.compile(optimizer=keras.optimizers.SGD(0.05), loss=LOSSES)
+        reference.compile(optimizer=keras.optimizers.SGD(0.05), loss=parts.LOSSES)
         step = tf.function(reference.train_step, reduce_retracing=True)
         for batch in global_batches(data, epochs):
             step(batch)
         return reference
 
-    assert max_rel_diff(weights(model), weights(one_device(OwnStep))) < 1e-5
+    assert max_rel_diff(weights(model), weights(one_device(parts.OwnStep))) < 1e-5
     assert max_rel_diff(weights(model), weights(one_device(keras.Model))) > 1e-3  # the overrides mattered
 
 
 # -- (e) a Model subclass with a loss of its own, and no loss_function ------------------------------
-@keras.saving.register_keras_serializable("fabric_model_tests")
-class OwnLoss(keras.Model):
-    """compute_loss overridden with a loss of its own: the mean squared error plus an L2 penalty on the
-    weights. Nothing is compiled (loss_function=None), so it does not call super().compute_loss."""
-
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        mse = tf.reduce_mean(tf.square(y_pred - tf.cast(y, y_pred.dtype)))
-        return mse + 1e-2 * tf.add_n([tf.reduce_sum(tf.square(w)) for w in self.trainable_weights])
-
-
 def regression(n: int = 64) -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(3)
     x = rng.normal(size=(n, 10)).astype(np.float32)
@@ -251,7 +216,7 @@ def regression(n: int = 64) -> list[tuple[np.ndarray, np.ndarray]]:
 def own_loss_model() -> keras.Model:
     keras.utils.set_random_seed(4)
     inputs = keras.Input((10,))
-    return OwnLoss(inputs, keras.layers.Dense(1)(keras.layers.Dense(16, activation="relu")(inputs)))
+    return parts.OwnLoss(inputs, keras.layers.Dense(1)(keras.layers.Dense(16, activation="relu")(inputs)))
 
 
 def train_own_loss(run_dir, engines: int, data: list, epochs: int):

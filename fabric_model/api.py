@@ -167,6 +167,7 @@ class FabricModel(InferenceMixin):
         profile: bool | int | tuple[int, int] | range | None = None,
         shard_optimizer_state: bool = False,
         num_dataloader_processes: int | None = None,
+        checkpoint_steps: int = 0,
     ) -> TrainResult:
         """Train for ``epoch_number`` epochs; the user's ``model`` then holds the trained weights.
 
@@ -226,6 +227,12 @@ class FabricModel(InferenceMixin):
                 ``DataLoader(num_workers=N)`` reads; every sample seeded as on threads, so the
                 result is the same bits (torch; docs/training.md, "Reading in processes").
                 Default: none (threads, ``num_dataloader_threads``).
+            checkpoint_steps: also write a checkpoint after every ``checkpoint_steps``-th optimizer
+                step, counted from the run's first step (global steps, over epochs); 0: none. Where
+                such a step ends an epoch whose end writes one anyway, it is one checkpoint. Each
+                counts in ``keep_checkpoints``; a resume goes on from the newest, mid-epoch or not
+                (docs/run-directory.md, "Checkpoints"). Driver loggers hear of every checkpoint
+                through ``on_step_checkpoint(iteration, name)`` (fabric_model/callbacks.py).
         """
         from .driver.display import check_verbose
         from .orchestrator import pipeline
@@ -247,6 +254,7 @@ class FabricModel(InferenceMixin):
                 profile,
                 shard_optimizer_state,
                 num_dataloader_processes,
+                checkpoint_steps=checkpoint_steps,
             )
             ignored = {"worker_memory": worker_memory, "driver_memory": driver_memory}
             sizes = pipeline.RunSizes(epoch_number, batch_size, engines_number, effective_batch_size)

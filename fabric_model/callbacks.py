@@ -11,7 +11,13 @@ these methods (missing ones are skipped):
 - ``log_test_metrics(metrics, iteration, epoch)``: after each validation;
 - ``record_step(metrics, iteration, epoch, workers)`` (driver only): each committed step's own
   means, once a step, in order (a step redone after a rollback is told again, with the same
-  ``iteration``).
+  ``iteration``);
+- ``on_checkpoint(epoch, name)`` (driver only): the checkpoint taken at the end of ``epoch``
+  (0-based) is on disk, in ``checkpoints/<name>``; not called for one inside an epoch;
+- ``on_step_checkpoint(iteration, name)`` (driver only): a checkpoint is on disk, the state after
+  ``iteration`` steps of the run (counted from 1, ``record_step``'s ``iteration``): called for
+  every checkpoint, those of ``train(checkpoint_steps=...)`` inside an epoch and those at an
+  epoch's end alike (after its ``on_checkpoint``), so a logger that follows steps needs only this one.
 
 IBM's older ``log_train_metrics(loss, acc, completed_batch, worker=0)`` is accepted too. One
 dispatcher, :class:`fabric_model.run.hooks.Hooks`, calls loggers, callbacks and the progress

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fabric_model import FabricModel
+from fabric_model import BestCheckpoints, FabricModel
 from fabric_model.state.checkpoint import (
     FORMAT,
     checkpoint_due,
@@ -30,11 +30,14 @@ from fabric_model.state.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     newest_checkpoint,
+    next_checkpoint_unit,
     prune,
     read_info,
     state_record,
+    step_checkpoint_unit,
     write_checkpoint,
 )
+from fabric_model.state.writer import CheckpointBook
 from fabric_model.step.plan import Plan, Schedule
 from fabric_model.testing import CheckpointFault, FaultInjector, Kill
 from fabric_model.transport import control
@@ -99,6 +102,53 @@ def test_checkpoint_due_after_every_freq_th_epoch():
     assert [u for u in range(SCHEDULE.total_units) if checkpoint_due(SCHEDULE, 1, u)] == [10, 21, 32]
     assert [u for u in range(SCHEDULE.total_units) if checkpoint_due(SCHEDULE, 2, u)] == [21]
     assert not any(checkpoint_due(SCHEDULE, 0, u) for u in range(SCHEDULE.total_units))
+
+
+def test_checkpoint_due_by_epochs_by_steps_and_both():
+    """``checkpoint_steps=k``: before the unit after every k-th global step (over epochs); where
+    that step ends an epoch, the validation slot, one checkpoint with the epoch's own."""
+
+    def due(freq: int, steps: int) -> list[int]:
+        return [u for u in range(SCHEDULE.total_units) if checkpoint_due(SCHEDULE, freq, u, steps)]
+
+    assert due(1, 0) == [10, 21, 32]  # epochs only (10 steps an epoch, then the validation slot)
+    # Steps only: after steps 4, 8 (units 4, 8), 12 (epoch 1, step 1: unit 13), 16, 20 (epoch 1's
+    # last: its validation slot), 24, 28; never before the first step of an epoch.
+    assert due(0, 4) == [4, 8, 13, 17, 21, 26, 30]
+    assert [step_checkpoint_unit(SCHEDULE, n) for n in (4, 8, 12, 16, 20, 24, 28)] == due(0, 4)
+    assert due(1, 4) == [4, 8, 10, 13, 17, 21, 26, 30, 32]  # both; at step 20 they coincide: unit 21 once
+    assert due(2, 10) == due(0, 10) == due(1, 0)  # every epoch's last step: the epoch ends' units
+    assert due(0, 1) == [u for u in range(1, SCHEDULE.total_units) if u % UNITS != 0]  # after every step
+    assert due(3, 7) == [7, 15, 23, 30, 32]  # steps 7, 14, 21, 28; epoch 2's end (freq 3)
+    assert due(0, 0) == [] and due(0, 31) == []  # none; the run has 30 steps
+    for freq, steps in [(1, 0), (0, 4), (1, 4), (2, 10), (0, 1), (3, 7), (0, 0)]:
+        for after in range(-1, SCHEDULE.total_units):  # the uploader's threshold: the next due unit
+            expected = min((u for u in due(freq, steps) if u > after), default=SCHEDULE.total_units)
+            assert next_checkpoint_unit(SCHEDULE, freq, steps, after) == expected, (freq, steps, after)
+
+
+def test_best_checkpoints_score_only_those_at_an_epoch_end(tmp_path):
+    """A checkpoint inside an epoch (checkpoint_steps) holds other weights than the epoch's
+    metrics measured: BestCheckpoints never scores it nor waits for its score; it is kept as one
+    of the newest keep_checkpoints only."""
+    for unit in [4, 8, 10, 13, 17, 21, 26, 30]:  # checkpoint_steps=4, up to step 28
+        _write(tmp_path, unit)
+    logs = {0: {"val_loss": 0.5}, 1: {"val_loss": 0.9}, 2: {"val_loss": 0.1}}  # epoch 2's end: no checkpoint yet
+    best = BestCheckpoints("val_loss", keep=1)
+    book = CheckpointBook(tmp_path, "torch", 2, UNITS, None, best=best, epoch_logs=lambda e: logs.get(e, {}))
+    book.by_unit = dict(list_checkpoints(tmp_path))
+    book._prune()
+    assert units_in(tmp_path) == [10, 26, 30]  # epoch 0's end scored best; the newest two
+    assert [b["unit"] for b in json.loads((tmp_path / "best.json").read_text())["best"]] == [10]
+
+    # No checkpoint at an epoch's end (checkpoint_freq=0): none waits for a score that never comes.
+    for path in tmp_path.iterdir():
+        path.unlink()
+    for unit in [4, 8, 13, 17]:
+        _write(tmp_path, unit)
+    book.by_unit = dict(list_checkpoints(tmp_path))
+    book._prune()
+    assert units_in(tmp_path) == [13, 17]
 
 
 def test_checkpoint_is_written_atomically_and_reads_back(tmp_path):
@@ -420,3 +470,53 @@ def test_result_dir_holds_the_run_and_the_newest_three_checkpoints_by_default(tm
         epochs, BATCH, 1, effective_batch_size=GLOBAL, resume=True
     )
     assert max_rel_diff(again.state_dict(), trained) == 0
+
+
+class CheckpointLog:
+    """A driver logger: what ``on_checkpoint`` and ``on_step_checkpoint`` were told."""
+
+    def __init__(self) -> None:
+        self.epochs: list[tuple[int, str]] = []
+        self.steps: list[tuple[int, str]] = []
+
+    def on_checkpoint(self, epoch, name):
+        self.epochs.append((epoch, name))
+
+    def on_step_checkpoint(self, iteration, name):
+        self.steps.append((iteration, name))
+
+
+@pytest.mark.processes
+def test_checkpoint_steps_writes_mid_epoch_checkpoints_and_a_resume_from_one_is_bitwise(tmp_path):
+    """``checkpoint_steps=4`` over 3 epochs of 10 steps: a checkpoint after global steps 4, 8, 12,
+    ..., 28 and at every epoch's end (step 20 ends epoch 1: one file); the driver logger hears of
+    each; a resume from the one inside epoch 1 ends with the uninterrupted run's bits."""
+    run_dir, copy_dir = tmp_path / "run", tmp_path / "copy"
+    told = CheckpointLog()
+    options = dict(seed=SEED, deterministic=True, checkpoint_steps=4)
+    model, result = train(run_dir, 1, driver_logger=told, keep_checkpoints=20, **options)
+    assert len(result.history) == EPOCHS
+    iterations = [4, 8, 10, 12, 16, 20, 24, 28, 30]
+    units = [4, 8, 10, 13, 17, 21, 26, 30, 32]
+    assert units_in(run_dir / "checkpoints") == units
+    assert [r["unit"] for r in records(run_dir, "checkpoint")] == units
+    assert [read_info(run_dir / "checkpoints" / checkpoint_name(u)).steps_done for u in units] == iterations
+    assert told.steps == [(n, checkpoint_name(u)) for n, u in zip(iterations, units)]
+    assert told.epochs == [(e, checkpoint_name(ckpt_unit(e))) for e in range(EPOCHS)]  # epoch ends only
+    uninterrupted = copy.deepcopy(model.state_dict())
+
+    # Resume from the checkpoint after step 16 (epoch 1, step 6 next): the later ones gone.
+    shutil.copytree(run_dir, copy_dir)
+    for unit, path in list_checkpoints(copy_dir / "checkpoints"):
+        if unit > 17:
+            path.unlink()
+    (copy_dir / "checkpoints" / "snapshot.pt").unlink(missing_ok=True)
+    told = CheckpointLog()
+    model, result = train(copy_dir, 1, driver_logger=told, resume=True, keep_checkpoints=3, **options)
+    assert records(copy_dir, "resume")[-1]["resume_unit"] == 17
+    assert steps_after_last_resume(copy_dir) == [(1, s) for s in range(6, 10)] + [(2, s) for s in range(10)]
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in uninterrupted.items())
+    assert len(result.history) == EPOCHS
+    assert told.steps == [(n, checkpoint_name(u)) for n, u in zip(iterations[5:], units[5:])]
+    assert told.epochs == [(1, checkpoint_name(21)), (2, checkpoint_name(32))]
+    assert units_in(copy_dir / "checkpoints") == [26, 30, 32]  # step checkpoints count in keep_checkpoints

@@ -86,7 +86,13 @@ def _uploaded(adapter: TorchAdapter, kind: str, unit: int, schedule: Schedule) -
     config = type(
         "Config",
         (),
-        {"checkpoint_freq": 1, "batch_size": BATCH, "snapshots": SnapshotCadence(), "shard_optimizer_state": False},
+        {
+            "checkpoint_freq": 1,
+            "checkpoint_steps": 0,
+            "batch_size": BATCH,
+            "snapshots": SnapshotCadence(),
+            "shard_optimizer_state": False,
+        },
     )()
     uploader = StateUploader(channel, schedule, config)
     uploader.framework = "torch"

@@ -15,7 +15,7 @@ from fabric_model import FabricModel
 from fabric_model.driver.book import StateBook
 from fabric_model.setup.config import SnapshotCadence
 from fabric_model.state import wire
-from fabric_model.state.checkpoint import checkpoint_name, decode_state, state_record
+from fabric_model.state.checkpoint import checkpoint_due, checkpoint_name, decode_state, state_record
 from fabric_model.state.uploader import StateUploader
 from fabric_model.state.writer import CheckpointBook
 from fabric_model.step.plan import Plan, Schedule
@@ -192,7 +192,7 @@ def test_the_newest_state_at_or_below_the_committed_unit_is_restored(tmp_path):
 def test_rank_0_uploads_due_checkpoints_and_snapshots_every_n_steps():
     snapshots = SnapshotCadence(steps=4, seconds=0, share=0)
     config = types.SimpleNamespace(
-        checkpoint_freq=1, batch_size=BATCH, snapshots=snapshots, shard_optimizer_state=False
+        checkpoint_freq=1, checkpoint_steps=0, batch_size=BATCH, snapshots=snapshots, shard_optimizer_state=False
     )
     uploads = StateUploader(channel=None, schedule=SCHEDULE, config=config)  # type: ignore[arg-type]
     uploads.entered(p.CheckpointSettings("", "torch", written=-1), resume_unit=0)
@@ -216,20 +216,24 @@ def test_rank_0_uploads_due_checkpoints_and_snapshots_every_n_steps():
     }
 
 
-@pytest.mark.parametrize("freq", [0, 1, 3])
+@pytest.mark.parametrize(("freq", "checkpoint_steps"), [(0, 0), (1, 0), (3, 0), (0, 6), (1, 4)])
 @pytest.mark.parametrize(("steps", "seconds", "share"), [(4, 0, 0), (7, 0, 0.01), (0, 0.5, 0), (3, 0.25, 0.5)])
-def test_the_cheap_answer_of_kind_due_is_its_full_rule_s(monkeypatch, freq, steps, seconds, share):
+def test_the_cheap_answer_of_kind_due_is_its_full_rule_s(monkeypatch, freq, checkpoint_steps, steps, seconds, share):
     """kind_due runs before every unit: its fast path (nothing due before the next checkpoint's
     unit and the unit the steps' rule reaches, unless by time) answers as the whole rule does."""
     clock = [100.0]
     monkeypatch.setattr("fabric_model.state.uploader.time.monotonic", lambda: clock[0])
     snapshots = SnapshotCadence(steps=steps, seconds=seconds, share=share)
     config = types.SimpleNamespace(
-        checkpoint_freq=freq, batch_size=BATCH, snapshots=snapshots, shard_optimizer_state=False
+        checkpoint_freq=freq,
+        checkpoint_steps=checkpoint_steps,
+        batch_size=BATCH,
+        snapshots=snapshots,
+        shard_optimizer_state=False,
     )
     uploads = StateUploader(channel=None, schedule=SCHEDULE, config=config)  # type: ignore[arg-type]
     uploads.entered(p.CheckpointSettings("", "torch", written=-1), resume_unit=0)
-    due = 0
+    due, checkpoints = 0, []
     for unit in range(SCHEDULE.total_units):
         clock[0] += 0.1
         uploads.cost = 0.2 if unit % 5 else 0.0
@@ -237,14 +241,18 @@ def test_the_cheap_answer_of_kind_due_is_its_full_rule_s(monkeypatch, freq, step
         assert kind == (uploads._due(unit) if 0 < unit < SCHEDULE.total_units else None), unit
         if kind:
             due += 1
+            checkpoints += [unit] if kind == "checkpoint" else []
             uploads.mark(kind, unit)
     assert due > 0
+    # Every checkpoint the rule names is taken (train(checkpoint_steps=...) too), none other.
+    rule = [u for u in range(SCHEDULE.total_units) if checkpoint_due(SCHEDULE, freq, u, checkpoint_steps)]
+    assert checkpoints == rule
 
 
 def test_snapshots_by_steps_wait_while_they_would_cost_more_than_their_share():
     snapshots = SnapshotCadence(steps=4, seconds=0, share=0.01)
     config = types.SimpleNamespace(
-        checkpoint_freq=1, batch_size=BATCH, snapshots=snapshots, shard_optimizer_state=False
+        checkpoint_freq=1, checkpoint_steps=0, batch_size=BATCH, snapshots=snapshots, shard_optimizer_state=False
     )
     uploads = StateUploader(channel=None, schedule=SCHEDULE, config=config)  # type: ignore[arg-type]
     uploads.entered(p.CheckpointSettings("", "torch", written=-1), resume_unit=0)

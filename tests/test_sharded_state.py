@@ -437,7 +437,8 @@ def test_a_member_that_gave_up_an_allreduce_its_peers_finished_takes_its_slices_
 def test_every_member_decides_alike_when_a_sharded_state_is_gathered_for_an_upload():
     """Members' clocks differ, and every member takes part in a sharded state's gather: the
     snapshot rules of time and cost are rank 0's alone, voted in a step's allreduce, and every
-    member follows the vote; checkpoints fall at epochs; an upload in flight is waited for."""
+    member follows the vote; checkpoints fall at units the schedule fixes (every 2nd epoch's
+    end, every 4th step: train(checkpoint_steps=4)); an upload in flight is waited for."""
     from fabric_model.setup.config import SnapshotCadence
     from fabric_model.state.uploader import StateUploader
     from fabric_model.step.plan import Plan, Schedule
@@ -445,7 +446,9 @@ def test_every_member_decides_alike_when_a_sharded_state_is_gathered_for_an_uplo
 
     schedule = Schedule(Plan(72, BATCH, 3, SEED), EPOCHS, 1, False)
     cadence = SnapshotCadence(steps=0, seconds=0.001, share=0)  # by time alone: due at nearly every unit
-    config = SimpleNamespace(checkpoint_freq=2, batch_size=BATCH, snapshots=cadence, shard_optimizer_state=True)
+    config = SimpleNamespace(
+        checkpoint_freq=2, checkpoint_steps=4, batch_size=BATCH, snapshots=cadence, shard_optimizer_state=True
+    )
     members = [StateUploader(channel=None, schedule=schedule, config=config) for _ in range(3)]  # type: ignore[arg-type]
     in_flight = threading.Event()
     for uploads in members:
@@ -473,7 +476,10 @@ def test_every_member_decides_alike_when_a_sharded_state_is_gathered_for_an_uplo
         for uploads in members:
             uploads.flush()
     kinds = [k for _, k in decided]
-    assert kinds.count("checkpoint") == 3 and kinds.count("snapshot") >= schedule.total_units // 2, decided
+    # After steps 4, 8 (units 5, 10), 12 (epoch 3's last: with its end's, unit 15), 16 (unit 21);
+    # epochs 1, 3, 5's ends (units 7, 15, 23).
+    assert [u for u, k in decided if k == "checkpoint"] == [5, 7, 10, 15, 21, 23], decided
+    assert kinds.count("snapshot") >= schedule.total_units // 2, decided
     # Alone, a member decides by its own clock, as an unsharded rank 0 does.
     alone = StateUploader(channel=None, schedule=schedule, config=config)  # type: ignore[arg-type]
     alone.entered(p.CheckpointSettings("", "torch", written=-1), resume_unit=0, members=1)

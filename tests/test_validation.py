@@ -108,6 +108,18 @@ TRAIN_CASES = [
     ("validation_freq", dict(epoch_number=1, batch_size=8, validation_freq=0), ValueError, ["`validation_freq`"]),
     ("checkpoint_freq", dict(epoch_number=1, batch_size=8, checkpoint_freq=-1), ValueError, ["`checkpoint_freq`"]),
     (
+        "checkpoint_steps negative",
+        dict(epoch_number=1, batch_size=8, checkpoint_steps=-1),
+        ValueError,
+        ["`checkpoint_steps`", ">= 0", "-1"],
+    ),
+    (
+        "checkpoint_steps str",
+        dict(epoch_number=1, batch_size=8, checkpoint_steps="3"),
+        TypeError,
+        ["`checkpoint_steps`", "'3'", "an int"],
+    ),
+    (
         "effective batch not a multiple",
         dict(epoch_number=1, batch_size=8, effective_batch_size=20),
         ValueError,

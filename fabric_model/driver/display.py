@@ -56,7 +56,9 @@ def driver_hooks(user_loggers: Any, setup: DriverSetup, run: RunDirectory, verbo
         samples,
         verbose=verbose,
         validates=schedule.validation_due,
-        saves=lambda e: checkpoint_due(schedule, config.checkpoint_freq, schedule.unit(e, plan.steps_per_epoch)),
+        saves=lambda e: checkpoint_due(
+            schedule, config.checkpoint_freq, schedule.unit(e, plan.steps_per_epoch), config.checkpoint_steps
+        ),
     )
     recorder = None
     if tensorboard:

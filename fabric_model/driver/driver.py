@@ -416,12 +416,15 @@ class Driver:
             secret, host=self.setup.bind_address, port=port, allocate_id=self.membership.allocate_id, store=self._store
         )
 
-    def _checkpoint_written(self, epoch: int, name: str) -> None:
-        """A checkpoint is on disk: the display hears of it, and the members that may keep a copy
-        of it (rank 0 when it uploaded) drop that copy (state/uploader.py)."""
-        self.hooks.on_checkpoint(epoch, name)
-        unit = next((u for u, path in self.checkpoints.by_unit.items() if path.name == name), None)
-        if unit is not None:
+    def _checkpoint_written(self, unit: int, epoch: int, name: str) -> None:
+        """The checkpoint of ``unit`` is on disk: the display and the loggers hear of it
+        (``on_checkpoint(epoch, name)`` for one at an epoch's end only, ``on_step_checkpoint``
+        for every one, with the steps done before it), and the members that may keep a copy of it
+        (rank 0 when it uploaded) drop that copy (state/uploader.py)."""
+        if self.checkpoints.at_epoch_end(unit):
+            self.hooks.on_checkpoint(epoch, name)
+        self.hooks.on_step_checkpoint(self.schedule.steps_before(unit), name)
+        if unit in self.checkpoints.by_unit:  # (not pruned at once: a newer one was written first)
             self._server.send_all(self.membership.alive(), p.Written(unit))
 
     def _tell_hand_started(self, exc: BaseException) -> None:

@@ -104,6 +104,7 @@ def train_config(epoch_number: int, batch_size: int, sizing: EngineSizing, loop:
         replica_check_steps=DIVERGENCE_CHECK_STEPS.get(),
         shard_optimizer_state=bool(loop.shard_optimizer_state),
         num_dataloader_processes=loop.num_dataloader_processes or 0,
+        checkpoint_steps=loop.checkpoint_steps,
     )
 
 

@@ -132,6 +132,12 @@ class Hooks:
         """The checkpoint after ``epoch`` (0-based) is on disk, in the file ``name``."""
         self._call(self._opening(), "on_checkpoint", epoch, name)
 
+    def on_step_checkpoint(self, iteration: int, name: str) -> None:
+        """The checkpoint taken after ``iteration`` steps of the run (counted from 1, as
+        ``record_step``'s ``iteration``) is on disk, in the file ``name``: every checkpoint, at an
+        epoch's end or inside one (``train(checkpoint_steps=...)``)."""
+        self._call(self._opening(), "on_step_checkpoint", iteration, name)
+
     def note(self, line: str) -> None:
         """A line for the progress display (what happened after training, say)."""
         self._call(self._opening(), "note", line)

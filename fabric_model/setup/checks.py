@@ -63,6 +63,7 @@ ARGUMENT_CHECKS: dict[str, dict[str, str]] = {
         "num_dataloader_processes": f"{_SELF}:check_positive_int",
         "validation_freq": f"{_SELF}:check_positive_int",
         "checkpoint_freq": f"{_SELF}:check_positive_int",
+        "checkpoint_steps": f"{_SELF}:check_positive_int",
         "effective_batch_size": f"{_SELF}:check_effective_batch",
         "seed": f"{_SELF}:check_train_arguments",
         "run_dir": "fabric_model.run.rundir:RunDirectory.resolve",
@@ -150,8 +151,10 @@ def check_logger(name: str, logger: Any) -> None:
             f"Expected `{name}` to be a logger object. Received the class {logger.__name__}. "
             f"HINT: pass an instance, {name}={logger.__name__}()"
         )
-    # The driver also tells its loggers each committed step's own means (run/hooks.py).
-    hooks = (*HOOKS, "record_step") if name == "driver_logger_callback" else HOOKS
+    # The driver also tells its loggers each committed step's own means and each checkpoint on
+    # disk (run/hooks.py).
+    driver_only = ("record_step", "on_checkpoint", "on_step_checkpoint")
+    hooks = (*HOOKS, *driver_only) if name == "driver_logger_callback" else HOOKS
     if not any(callable(getattr(logger, hook, None)) for hook in hooks):
         raise TypeError(
             f"Expected `{name}` to be an object with at least one of the methods {', '.join(hooks)}. "
@@ -320,6 +323,7 @@ def check_train_arguments(
     check_positive_int("num_dataloader_processes", loop.num_dataloader_processes, minimum=0, allow_none=True)
     check_positive_int("validation_freq", loop.validation_freq)
     check_positive_int("checkpoint_freq", loop.checkpoint_freq, minimum=0)
+    check_positive_int("checkpoint_steps", loop.checkpoint_steps, minimum=0)
     check_resume("resume", resume)
     check_positive_int("keep_checkpoints", loop.keep_checkpoints)
     check_bool("deterministic", loop.deterministic)

@@ -181,6 +181,9 @@ class TrainConfig:
     shard_optimizer_state: bool = False
     #: Processes per worker reading its micro-batches (0: threads; frameworks/torch/reader_processes.py).
     num_dataloader_processes: int = 0
+    #: Also checkpoint after every this many optimizer steps of the run (0: at epoch ends only:
+    #: state/checkpoint.py, ``checkpoint_due``).
+    checkpoint_steps: int = 0
 
 
 class LoopOptions(NamedTuple):
@@ -194,3 +197,4 @@ class LoopOptions(NamedTuple):
     profile: Any = None
     shard_optimizer_state: Any = False
     num_dataloader_processes: Any = None
+    checkpoint_steps: Any = 0

@@ -7,6 +7,9 @@ so its score is epoch ``e``'s ``logs`` value (``loss``, a metric, or ``val_`` an
 which the driver has from its history. The driver keeps the newest ``keep_checkpoints`` and
 the ``keep`` best scored ones; a checkpoint whose epoch's score is not known yet (its
 validation runs after it is taken) is kept until it is. ``checkpoints/best.json`` lists the best.
+A checkpoint inside an epoch (``train(checkpoint_steps=...)``, a preemption's) holds other
+weights than any epoch's metrics measured: it is never scored nor waited for, and stays only as
+one of the newest ``keep_checkpoints`` (state/writer.py, ``CheckpointBook._prune``).
 
 A leaf module: no torch.
 """
@@ -29,6 +32,8 @@ BEST_FILE = "best.json"
 class BestCheckpoints(Callback):
     """Keep, besides the newest ``keep_checkpoints``, the ``keep`` checkpoints that scored best by
     ``monitor``. Given in ``user_callback``; the driver does the keeping (it has no worker hooks).
+    Only checkpoints at an epoch's end are scored; those inside an epoch (``checkpoint_steps``)
+    are ignored here and kept only as the newest ``keep_checkpoints``.
 
     Args:
         monitor: a key of an epoch's logs: ``"loss"``, a metric's name, or ``"val_"`` and one of them.

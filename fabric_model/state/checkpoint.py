@@ -1,12 +1,17 @@
 """Checkpoints and resume (docs/architecture.md, "Run directory" and "Elasticity").
 
-A checkpoint is the state after the last step of every ``checkpoint_freq``-th epoch: one
-``torch.save`` file, ``<run_dir>/checkpoints/ckpt-unit-<unit, 8 digits>.pt``, named after
-the *unit* the run goes on from (that epoch's validation slot, see
-:class:`~fabric_model.step.plan.Schedule`). It holds a dict of plain values and tensors::
+A checkpoint is the state after the last step of every ``checkpoint_freq``-th epoch and, with
+``train(checkpoint_steps=k)``, after every ``k``-th optimizer step of the run (global steps,
+counted from the run's first over epochs; :func:`checkpoint_due`): one ``torch.save`` file,
+``<run_dir>/checkpoints/ckpt-unit-<unit, 8 digits>.pt``, named after the *unit* the run goes
+on from (an epoch's validation slot, or the unit that follows the step, see
+:class:`~fabric_model.step.plan.Schedule`). Where a step's checkpoint falls on an epoch's last
+step that also ends with a checkpoint, the two are one file, at the validation slot. Every
+checkpoint counts alike in ``keep_checkpoints``; ``BestCheckpoints`` scores only those at an
+epoch's end (state/best.py). It holds a dict of plain values and tensors::
 
     {"format": FORMAT, "framework": "torch" | "keras" | "tf_keras", "unit": next unit to run,
-     "epoch": e, "step": last step of e, "steps_done": steps committed so far,
+     "epoch": e, "step": e's last step done, "steps_done": steps committed so far,
      "batch_size": train()'s batch_size, "plan": {num_samples, items_per_micro_batch, micro_batches, seed},
      "model": adapter.model_state(), "optimizer": adapter.optimizer_state(), "time": ...}
 
@@ -64,13 +69,46 @@ def checkpoint_name(unit: int) -> str:
     return f"ckpt-unit-{unit:08d}.pt"
 
 
-def checkpoint_due(schedule: Schedule, freq: int, unit: int) -> bool:
+def checkpoint_due(schedule: Schedule, freq: int, unit: int, steps: int = 0) -> bool:
     """Whether a checkpoint is taken before running ``unit``: the validation slot that
-    follows the last step of every ``freq``-th epoch."""
-    if freq <= 0 or not 0 <= unit < schedule.total_units:
+    follows the last step of every ``freq``-th epoch (``freq`` 0: none), and, with ``steps`` > 0,
+    the unit that follows every ``steps``-th step of the run (global steps counted from 1 over
+    epochs: :func:`step_checkpoint_unit`). Where the two meet, at the validation slot after an
+    epoch's last step, it is one checkpoint."""
+    if not 0 <= unit < schedule.total_units:
         return False
     epoch, step = schedule.locate(unit)
-    return step is None and (epoch + 1) % freq == 0
+    if step is None and freq > 0 and (epoch + 1) % freq == 0:
+        return True
+    if steps <= 0 or unit == 0 or schedule.locate(unit - 1)[1] is None:
+        return False  # no step ends right before ``unit`` (it follows a validation slot)
+    return schedule.steps_before(unit) % steps == 0
+
+
+def step_checkpoint_unit(schedule: Schedule, step: int) -> int:
+    """The unit that follows global step ``step`` (counted from 1): the checkpoint taken after
+    it is taken before this unit (the epoch's validation slot after its last step)."""
+    epoch, k = divmod(step - 1, schedule.plan.steps_per_epoch)
+    return schedule.unit(epoch, k) + 1
+
+
+def next_checkpoint_unit(schedule: Schedule, freq: int, steps: int, after: int) -> int:
+    """The first unit past ``after`` before which :func:`checkpoint_due` takes a checkpoint;
+    ``schedule.total_units`` when none is left."""
+    found = schedule.total_units
+    if freq > 0:
+        epoch = max(0, (after + 1) // schedule.units_per_epoch)
+        epoch += (freq - (epoch + 1) % freq) % freq  # the next epoch a checkpoint ends
+        found = min(found, schedule.unit(epoch, schedule.plan.steps_per_epoch))
+    if steps > 0:
+        done = schedule.steps_before(max(after + 1, 0))
+        step = max(steps, -(-done // steps) * steps)  # the first multiple of ``steps`` not yet passed
+        unit = step_checkpoint_unit(schedule, step)
+        while unit <= after:
+            step += steps
+            unit = step_checkpoint_unit(schedule, step)
+        found = min(found, unit)
+    return min(found, schedule.total_units)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,7 +378,9 @@ def find_resume_point(
             f"Expected `seed` to be None or {info.plan.seed}, the seed of the run being resumed ({info.path}). "
             f"Received: seed={seed}. HINT: leave seed out when resuming; pass resume=False for a new run."
         )
-    log.info("resuming from %s: epoch %d done, unit %d", info.path, info.epoch + 1, info.unit)
+    log.info(
+        "resuming from %s: %d steps done (epoch %d), unit %d", info.path, info.steps_done, info.epoch + 1, info.unit
+    )
     return info, info.plan.seed
 
 

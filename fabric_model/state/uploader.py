@@ -18,11 +18,11 @@ due checkpoint waits for the one in flight to finish.
 
 With a sharded optimizer state (``train(shard_optimizer_state=True)``) every member of a
 generation of several takes part in gathering it (state/layouts.py, ``uploads_together``), so
-all must decide alike when an upload is due (``agreed``). Checkpoints fall at epochs, alike
-everywhere; the snapshot rules read the clock, which differs between members, so rank 0 alone
-applies them (``snapshot_due``) and votes inside a step's allreduce; every member reads the same
-sum and gathers before the next unit (``voted``). A snapshot due while one is in flight waits
-for it there.
+all must decide alike when an upload is due (``agreed``). Checkpoints fall at units fixed by the
+schedule (epoch ends, every ``checkpoint_steps``-th step), alike everywhere; the snapshot rules
+read the clock, which differs between members, so rank 0 alone applies them (``snapshot_due``)
+and votes inside a step's allreduce; every member reads the same sum and gathers before the
+next unit (``voted``). A snapshot due while one is in flight waits for it there.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from ..step.plan import Schedule
 from ..transport import protocol as p
 from ..transport.control import Channel
 from . import wire
-from .checkpoint import checkpoint_due, state_record
+from .checkpoint import checkpoint_due, next_checkpoint_unit, state_record
 from .layouts import layout_for
 
 log = logging.getLogger(__name__)
@@ -52,13 +52,14 @@ class StateUploader:
     Args:
         channel: the worker's control channel (``send`` is thread-safe).
         schedule: the run's schedule.
-        config: the run's configuration (``checkpoint_freq``, ``batch_size``, ``snapshots``, and
+        config: the run's configuration (``checkpoint_freq``, ``checkpoint_steps``, ``batch_size``, ``snapshots``, and
             its state layout's: state/layouts.py).
     """
 
     def __init__(self, channel: Channel, schedule: Schedule, config: TrainConfig) -> None:
         self.channel, self.schedule = channel, schedule
         self.freq, self.batch_size = config.checkpoint_freq, config.batch_size
+        self.checkpoint_steps = config.checkpoint_steps
         cadence = config.snapshots
         self.every_steps, self.every_seconds, self.share = (
             int(cadence.steps),
@@ -92,11 +93,7 @@ class StateUploader:
         """Before these, nothing is due but by time: the next checkpoint's unit, and the unit the
         steps' rule reaches (``kind_due`` runs before every unit: its common answer is cheap)."""
         schedule, per_epoch = self.schedule, self.schedule.plan.steps_per_epoch
-        self._checkpoint_unit = schedule.total_units
-        if self.freq > 0:
-            epoch = max(0, (self.written + 1) // schedule.units_per_epoch)
-            epoch += (self.freq - (epoch + 1) % self.freq) % self.freq  # the next epoch a checkpoint ends
-            self._checkpoint_unit = min(schedule.total_units, schedule.unit(epoch, per_epoch))
+        self._checkpoint_unit = next_checkpoint_unit(schedule, self.freq, self.checkpoint_steps, self.written)
         self._steps_unit = schedule.total_units
         if self.every_steps > 0:
             target = self._last_steps + self.every_steps
@@ -110,18 +107,21 @@ class StateUploader:
             return None
         if self.agreed:
             voted, self.voted = self.voted, False
-            if unit >= self._checkpoint_unit and unit > self.written and checkpoint_due(self.schedule, self.freq, unit):
+            if unit >= self._checkpoint_unit and unit > self.written and self._checkpoint_due(unit):
                 return "checkpoint"
             return "snapshot" if voted else None
         return None if self._quiet(unit) else self._due(unit)
 
     def _due(self, unit: int) -> str | None:
         """``kind_due``'s rule in full (not agreed)."""
-        if unit > self.written and checkpoint_due(self.schedule, self.freq, unit):
+        if unit > self.written and self._checkpoint_due(unit):
             return "checkpoint"
         if self._thread is not None and self._thread.is_alive():
             return None  # the last one is still on its way: try at the next boundary
         return "snapshot" if self._snapshot_due(unit) else None
+
+    def _checkpoint_due(self, unit: int) -> bool:
+        return checkpoint_due(self.schedule, self.freq, unit, self.checkpoint_steps)
 
     def snapshot_due(self, unit: int) -> bool:
         """Rank 0 of agreed members, in the step before ``unit``: whether to vote that every

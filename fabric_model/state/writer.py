@@ -52,7 +52,8 @@ class CheckpointBook:
             "Testing seams").
         best: which of the older checkpoints to spare by a monitored metric, if any.
         epoch_logs: ``epoch -> logs`` (training averages and ``val_`` metrics) the driver has so far.
-        on_written: called with ``(epoch, file name)`` once a checkpoint is on disk (the display's mark).
+        on_written: called with ``(unit, epoch, file name)`` once a checkpoint is on disk (the
+            display's mark, the driver loggers' ``on_checkpoint`` and ``on_step_checkpoint``).
         failures: what reports a failure of the writer's thread (the driver's records it in
             ``run.json``); after one, checkpoints are no longer accepted and nothing waits for it.
     """
@@ -67,7 +68,7 @@ class CheckpointBook:
         wrap_stream: Any = None,
         best: BestCheckpoints | None = None,
         epoch_logs: Callable[[int], dict[str, float]] | None = None,
-        on_written: Callable[[int, str], None] | None = None,
+        on_written: Callable[[int, int, str], None] | None = None,
         failures: BackgroundFailures | None = None,
     ) -> None:
         self.directory, self.framework, self.keep, self.metrics = directory, framework, keep, metrics
@@ -187,11 +188,18 @@ class CheckpointBook:
         if self.best is not None and self._scores() != self._scored:
             self._prune()
 
+    def at_epoch_end(self, unit: int) -> bool:
+        """Whether the checkpoint of ``unit`` holds the state after an epoch's last step (it is
+        taken before that epoch's validation slot), not one inside an epoch (``checkpoint_steps``,
+        a preemption's)."""
+        return unit % self.units_per_epoch == self.units_per_epoch - 1
+
     def _scores(self) -> dict[int, float]:
-        """The monitored value of each checkpoint whose epoch's logs have it."""
+        """The monitored value of each checkpoint at an epoch's end whose epoch's logs have it (one
+        inside an epoch holds other weights than the epoch's metrics measured: it is never scored)."""
         assert self.best is not None and self.epoch_logs is not None
         scores = {}
-        for unit in self.by_unit:
+        for unit in filter(self.at_epoch_end, self.by_unit):
             value = self.epoch_logs(unit // self.units_per_epoch).get(self.best.monitor)
             if value is not None:
                 scores[unit] = float(value)
@@ -202,7 +210,9 @@ class CheckpointBook:
         spare: set[int] = set()
         if self.best is not None:
             self._scored = scores = self._scores()
-            spare = self.best.protected(sorted(self.by_unit), scores)
+            # Only checkpoints at an epoch's end are candidates (or wait for their score); those
+            # inside an epoch are kept as the newest ``keep`` only.
+            spare = self.best.protected(sorted(filter(self.at_epoch_end, self.by_unit)), scores)
         removed = checkpoint.prune(self.directory, self.keep, spare)
         self.by_unit = {u: q for u, q in self.by_unit.items() if q not in removed}
         if self.best is not None:
@@ -237,6 +247,11 @@ class CheckpointBook:
             seconds=done.seconds,
             removed=[q.name for q in removed],
         )
-        log.info("checkpoint %s after epoch %d (%.3f s)", done.path.name, done.epoch + 1, done.seconds)
+        said = f"after epoch {done.epoch + 1}"
+        if not self.at_epoch_end(done.unit):  # checkpoint_steps', a preemption's
+            said = (
+                f"in epoch {done.epoch + 1}, after step {done.unit % self.units_per_epoch}/{self.units_per_epoch - 1}"
+            )
+        log.info("checkpoint %s %s (%.3f s)", done.path.name, said, done.seconds)
         if self.on_written is not None:
-            self.on_written(done.epoch, done.path.name)
+            self.on_written(done.unit, done.epoch, done.path.name)

@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -119,6 +120,7 @@ class FabricModel(InferenceMixin):
         from .launchers.warm_slot import WarmSlot
 
         self.framework = framework_name(model)  # as run records and checkpoints spell it
+        self._stop_request = threading.Event()  # stop_training(): the running train()'s driver acts on it
         # The job's warm process imports from now on, beside this constructor and train()'s
         # checks: it is what bounds start-up (docs/architecture.md, "Start-up").
         self._warm = WarmSlot.prestart(self.framework)
@@ -239,6 +241,7 @@ class FabricModel(InferenceMixin):
         from .run.startup import StartUp
 
         startup = StartUp()  # from here to the first committed step, in phases (run.json's "startup")
+        self._stop_request.clear()  # a stop asked outside a run does not end the next one
         ray_cluster = None
         try:
             verbose = check_verbose(verbose)
@@ -279,6 +282,14 @@ class FabricModel(InferenceMixin):
                 ray_cluster.close()
         self.run_dir = run.path
         return result
+
+    def stop_training(self) -> None:
+        """End the running ``train()`` now, from any thread (a driver logger, a signal handler,
+        another cell of a notebook): the workers abandon the step they are in, and ``train()``
+        returns normally with the state after the last step every worker completed, each of its
+        samples read once. Outside ``train()`` it does nothing. docs/training.md, "Stopping from
+        the caller"."""
+        self._stop_request.set()
 
     def download(self, out_dir: str | os.PathLike[str] | None = None) -> str:
         """Zip the last run's ``model/`` directory into ``out_dir`` (default: the run directory);

@@ -10,8 +10,8 @@ these methods (missing ones are skipped):
   number of steps completed and the number of live workers;
 - ``log_test_metrics(metrics, iteration, epoch)``: after each validation;
 - ``record_step(metrics, iteration, epoch, workers)`` (driver only): each committed step's own
-  means, once a step, in order (a step redone after a rollback is told again, with the same
-  ``iteration``);
+  means (and ``grad_norm``, its gradient's norm before ``gradient_clip_norm`` clipped it), once
+  a step, in order (a step redone after a rollback is told again, with the same ``iteration``);
 - ``on_checkpoint(epoch, name)`` (driver only): the checkpoint taken at the end of ``epoch``
   (0-based) is on disk, in ``checkpoints/<name>``; not called for one inside an epoch;
 - ``on_step_checkpoint(iteration, name)`` (driver only): a checkpoint is on disk, the state after

@@ -27,6 +27,7 @@ class ClipThenStep:
     def __init__(self, opt, model, clip, scaler=None) -> None:
         self.opt, self.model, self.clip, self.scaler = opt, model, clip, scaler
         self.scales: list[float] = []
+        self.norms: list[float] = []  # each step's norm before clipping
 
     def zero_grad(self) -> None:
         self.opt.zero_grad()
@@ -35,7 +36,7 @@ class ClipThenStep:
         if self.scaler is not None:
             self.scaler.unscale_(self.opt)
         if self.clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+            self.norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)))
         if self.scaler is None:
             self.opt.step()
             return
@@ -62,12 +63,15 @@ def train(epochs, run_dir, data=DATA, workers=2, resume=False, **options):
 
 @pytest.mark.processes
 def test_clipping_equals_clip_grad_norm_on_the_plain_loop_s_whole_step_gradient(run_dir):
-    """Two workers, three micro-batches a step: clipped once, on the reduced gradient."""
-    clipped, _ = reference(2, clip=CLIP)
+    """Two workers, three micro-batches a step: clipped once, on the reduced gradient, whose norm
+    before clipping each step's record carries as the plain loop's clip_grad_norm_ returns it."""
+    clipped, shim = reference(2, clip=CLIP)
     unclipped, _ = reference(2)
     assert max_rel_diff(unclipped, clipped) > 0.1  # the clip binds: the test would see it missing
     model, _, _ = train(2, run_dir, gradient_clip_norm=CLIP)
     assert max_rel_diff(model.state_dict(), clipped) < 1e-5
+    norms = [r["metrics"]["grad_norm"] for r in records(run_dir, "train")]
+    assert norms == pytest.approx(shim.norms, rel=1e-4) and len(norms) == 20
 
 
 @pytest.mark.processes

@@ -170,6 +170,42 @@ def test_a_stop_at_the_step_a_join_follows_ends_training_there(run_dir, tmp_path
     assert records(run_dir, "end")[-1]["stopped_after_epoch"] == 0  # inside the first epoch
 
 
+class StopsAt:
+    """A driver logger that asks ``fm`` to stop once it sees step ``iteration`` committed."""
+
+    def __init__(self, iteration: int) -> None:
+        self.iteration, self.fm, self.seen = iteration, None, []
+
+    def record_step(self, metrics, iteration, epoch, workers) -> None:
+        self.seen.append(iteration)
+        if iteration == self.iteration:
+            self.fm.stop_training()
+
+
+@pytest.mark.processes
+def test_stop_training_from_the_caller_ends_at_a_completed_step_with_its_state(run_dir, tmp_path):
+    """``stop_training()`` from a driver logger after step 3, on two deterministic workers: train()
+    returns normally at a step every worker completed, each step recorded once, and the weights are
+    bitwise those of a run that a callback stopped after the same number of steps."""
+    model, opt = fresh_model_and_optimizer()
+    logger = StopsAt(3)
+    fm = FabricModel(model, lambda: (DATA, None), F.cross_entropy, opt, driver_logger_callback=logger)
+    logger.fm = fm
+    fm.train(3, BATCH, 2, effective_batch_size=GLOBAL, seed=SEED, run_dir=run_dir, deterministic=True)
+    done = [r["iteration"] for r in records(run_dir, "train")]
+    assert 3 <= len(done) < 3 * STEPS and done == list(range(1, len(done) + 1))
+    assert logger.seen == done and records(run_dir, "end")[-1]["iteration"] == len(done)
+
+    reference, ref_opt = fresh_model_and_optimizer()
+    fm2 = FabricModel(
+        reference, lambda: (DATA, None), F.cross_entropy, ref_opt, user_callback=[StopAfter(len(done) - 1)]
+    )
+    fm2.train(3, BATCH, 1, effective_batch_size=GLOBAL, seed=SEED, run_dir=tmp_path / "ref", deterministic=True)
+    assert [r["iteration"] for r in records(tmp_path / "ref", "train")] == done
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(tensor, model.state_dict()[name]), name
+
+
 @pytest.mark.processes
 def test_best_checkpoints_are_kept_and_evaluate_and_predict_use_the_trained_model(run_dir):
     """keep_checkpoints=1 with the best by val_loss in "max" mode (the worst, so it is an old one):

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import logging
 import queue
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -159,6 +160,8 @@ class Driver:
         store_factory: the rendezvous store; a :class:`StoreService` by default.
         watch: catches the preemption signals from ``start()`` to ``finish()``; by default one
             of the job's settings. A test sets on it what a caught signal sets, then ``preempt()``.
+        stop_request: set from any thread when the caller wants training to end now
+            (``FabricModel.stop_training()``); :meth:`iterate` acts on it once (:meth:`stop_on_request`).
     """
 
     def __init__(
@@ -171,6 +174,7 @@ class Driver:
         server_factory: ServerFactory | None = None,
         store_factory: StoreFactory | None = None,
         watch: SignalWatch | None = None,
+        stop_request: threading.Event | None = None,
     ) -> None:
         self.setup, self.run_dir, self.hooks = setup, run_dir, hooks
         self._layout = layout_for(setup.config)  # the state layout's class answers: state/layouts.py
@@ -223,6 +227,7 @@ class Driver:
         self._store_factory = store_factory or StoreService
         preemption = config.preemption
         self._watch = watch or SignalWatch(preemption.signals, preemption.grace)
+        self._stop_request = stop_request or threading.Event()
         self._hosts: dict[int, str] = {}  # worker id -> where it runs (its Hello, or the launcher's word)
         self.reattach = Reattach(
             setup=setup,
@@ -339,6 +344,8 @@ class Driver:
             self._next_event()
             if self._watch.signal_name is not None and self._halt is None:
                 self.preempt()
+            elif self._stop_request.is_set() and self._halt is None and self._final is None:
+                self.stop_on_request()
 
     def finish(self) -> FinalState:
         """Everything after the loop: a preempted run's state written (``Preempted`` raised), else
@@ -370,7 +377,11 @@ class Driver:
         if final.divergence is None:
             final = self._final = self._check_finished_replicas(final)
         steps = self.progress.iteration  # from the run's start (a resumed run's history starts later)
-        if final.divergence is None and steps < config.epochs * self.schedule.plan.steps_per_epoch:
+        if self._halt is not None and self._halt.requested:
+            line = f"training stopped by stop_training() after step {steps}"
+            log.info("%s", line)
+            self.hooks.note(line)
+        elif final.divergence is None and steps < config.epochs * self.schedule.plan.steps_per_epoch:
             # every replica skipped to the end alike
             epochs = steps // self.schedule.plan.steps_per_epoch
             log.info("training stopped by a callback after epoch %d", epochs)
@@ -604,7 +615,10 @@ class Driver:
         while (worker := halt.next(time.monotonic())) is not None:
             if self.membership.state(worker) is not WorkerState.GONE and self._server.send(worker, p.SendFinalState()):
                 return
-        self._final = self._saved_state(halt.divergence) if halt.divergence is not None else self._held_state()
+        if halt.divergence is not None:
+            self._final = self._saved_state(halt.divergence)
+        else:
+            self._final = self._requested_state() if halt.requested else self._held_state()
 
     def _while_halted(self, worker_id: int, message: Any) -> None:
         halt = self._halt
@@ -618,7 +632,7 @@ class Driver:
                 log.warning("worker %d did not stop with the others; keeping the newest state held", worker_id)
                 halt.stopping.clear()
             if not halt.stopping:
-                self._final = self._held_state()
+                self._final = self._held_state() if halt.preempted else self._requested_state()
             return
         if worker_id != halt.asked:
             return
@@ -627,7 +641,8 @@ class Driver:
             if self.progress.settle(message.unit, self.membership.generation) is not None:
                 self._moved_on()
             rank = "rank 0, " if halt.divergence is not None and halt.divergence.reference == worker_id else ""
-            source = f"training stopped; worker {worker_id}'s state ({rank}{self._position(message.unit)})"
+            how = "stopped by stop_training()" if halt.requested else "stopped"
+            source = f"training {how}; worker {worker_id}'s state ({rank}{self._position(message.unit)})"
             model_state = self.setup.frozen.complete(message.model_state, message.omitted)  # the job's frozen part
             self._final = FinalState(
                 model_state, message.optimizer_state, worker_id, message.unit, halt.divergence, source
@@ -659,6 +674,39 @@ class Driver:
         state = decode_state(restore.data, self.setup.plan, restore.name)
         source = f"training stopped; no member sent its state, so the {restore.name} ({self._position(restore.unit)})"
         return FinalState(state["model"], state["optimizer"], -1, restore.unit, divergence, source)
+
+    # -- the caller's stop (docs/training.md, "Stopping from the caller") ---------------------
+    def stop_on_request(self) -> None:
+        """Act on ``stop_request`` (:meth:`iterate` does, once): stop training as a halt does, and
+        end the run normally with the state after the last step every member completed: the step
+        in flight is abandoned (exactly-once holds for the steps kept), rank 0 asked for its
+        state (then rank 1...). A sharded optimizer state: the members stop together after one
+        step, rank 0 uploading the state gathered from their slices."""
+        members = [m for m in self.membership.members if self.membership.state(m) is not WorkerState.GONE]
+        log.info("stop_training(): stopping training at the last step every member completed")
+        patience = self.setup.config.timeouts.recovery
+        if not self._layout.whole_on_each_member and members and self.membership.generation >= 0:
+            self._halt = Halt(None, [], patience, requested=True, stopping=set(members))
+            for worker_id in members:
+                self._server.send(worker_id, p.StopTogether("stop_training()"))
+            return
+        self._halt = Halt(None, members, patience, requested=True)
+        if members and self.membership.generation >= 0:
+            self._execute([AbortGeneration(self.membership.generation, tuple(members))])
+        self._ask_for_state()
+
+    def _requested_state(self) -> FinalState:
+        """No member sent its state after ``stop_training()``: the newest checkpoint or snapshot
+        held (every member lost at once, or a sharded state's members that did not stop together)."""
+        restore = self.states.restore_point(self.schedule.total_units)
+        if restore is None:
+            raise RuntimeError(
+                "training was stopped by stop_training(), but no member sent its state and the driver holds no "
+                "checkpoint or snapshot: no model was written (driver.log says what became of the workers)"
+            )
+        state = decode_state(restore.data, self.setup.plan, restore.name)
+        log.info("stop_training(): no member sent its state; the %s is the result", restore.name)
+        return FinalState(state["model"], state["optimizer"], -1, restore.unit, source=f"the {restore.name}")
 
     # -- preemption (docs/architecture.md, "Preemption") -------------------------------------
     def preempt(self) -> None:

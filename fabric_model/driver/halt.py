@@ -1,12 +1,13 @@
 """Ending training before its end with a state for the user: replicas diverged
-(docs/architecture.md, "Replica checks"), or the driver was told to go ("Preemption").
+(docs/architecture.md, "Replica checks"), the driver was told to go ("Preemption"), or the
+caller asked (``FabricModel.stop_training()``: docs/training.md, "Stopping from the caller").
 
 Training stops: every member is sent ``Abort``, and the members are asked for their state one
 at a time, in rank order (rank 0 first), until one sends it. A member answers in place of
 entering a next generation, or at once if it had finished. Membership no longer acts: no new
 generation, no replacement. Pure: the driver does the sending.
 
-A preempted job whose optimizer state is sharded asks no one: no member holds the whole state.
+A preempted or stopped job whose optimizer state is sharded asks no one: no member holds the whole state.
 Its members are told to stop together instead (``stopping``): they vote to, leave after the same
 step, and rank 0 uploads the state gathered from all their slices before it leaves.
 """
@@ -27,6 +28,7 @@ class Halt:
         candidates: the members still to ask, rank 0 first.
         patience: seconds a member has to send its state before the next is asked.
         preempted: the signal's name when the driver was told to go.
+        requested: the caller asked training to stop (a normal end, at the state handed back).
         stopping: the members told to stop together that have not left yet.
     """
 
@@ -34,6 +36,7 @@ class Halt:
     candidates: list[int]
     patience: float
     preempted: str | None = None
+    requested: bool = False
     asked: int = -1
     since: float = 0.0
     stopping: set[int] = dataclasses.field(default_factory=set)

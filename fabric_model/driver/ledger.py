@@ -167,6 +167,9 @@ class Progress:
                 f"{report.computed} micro-batches, expected {n}"
             )
         stats = report.stats
+        step_metrics = stat_means(self.stat_names, stats)
+        if report.grad_norm is not None:  # the step's own, not averaged over the epoch
+            step_metrics["grad_norm"] = report.grad_norm
         self.iteration += 1
         self.committed.advance(self.schedule.unit(epoch, step) + 1)
         self._stats[(epoch, step)] = stats
@@ -179,7 +182,7 @@ class Progress:
             iteration=self.iteration,
             generation=report.generation,
             workers=world,
-            metrics=(step_metrics := stat_means(self.stat_names, stats)),
+            metrics=step_metrics,
             epoch_metrics=averages,
             micro_batches=shares,
             inferred=inferred,

@@ -232,7 +232,7 @@ def run_job(
                 from ..driver.waiting import release_waiting
 
                 release_waiting(run)
-            driver = Driver(setup, run, hooks, launcher)
+            driver = Driver(setup, run, hooks, launcher, stop_request=fm._stop_request)
             return driver, driver.run()
 
         try:

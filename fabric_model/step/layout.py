@@ -36,6 +36,8 @@ class StepResult:
             driver's exactly-once check (driver/ledger.py).
         snapshot: whether rank 0 asked every member to gather a snapshot before the next unit
             (a sharded optimizer state: only rank 0's clock decides, state/uploader.py).
+        grad_norm: the reduced gradient's L2 norm before clipping, where ``gradient_clip_norm``
+            clipped it (the same on every member); None otherwise.
     """
 
     stats: list[float]
@@ -43,6 +45,7 @@ class StepResult:
     leaving: int = 0
     micro_batches: int = 0
     snapshot: bool = False
+    grad_norm: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -133,6 +133,7 @@ class StepDone:
     micro_batches: tuple[int, ...]
     stats: tuple[float, ...]
     computed: int
+    grad_norm: float | None = None  # the gradient's norm before clipping (gradient_clip_norm=)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -496,6 +496,7 @@ class TrainingLoop:
             tuple(mine),
             tuple(stats),
             result.micro_batches if collective.world_size > 1 else len(mine),
+            result.grad_norm,
         )
         with self.phases(ph.REPORT):
             self._report(report)

@@ -42,6 +42,8 @@ class GradientStep:
         self.scale = self.INITIAL_SCALE if self.scales_loss else 1.0
         self.growth_tracker = 0  # finite steps since the scale last changed
         self.mixed = _DTYPES.get(self.options.precision) is not None  # whether the forward runs in autocast
+        #: The last step's whole gradient's L2 norm before clipping (a 0-d tensor; None unless it clipped).
+        self.last_norm: torch.Tensor | None = None
 
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
         """The context the forward pass and the loss run in."""
@@ -50,10 +52,11 @@ class GradientStep:
 
     def apply(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> bool:
         """Unscale (float16), clip, step; False when an overflow skipped the step."""
+        self.last_norm = None
         if self.scales_loss and not self._unscale([p.grad for p in params if p.grad is not None]):
             return False
         if self.options.gradient_clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, self.options.gradient_clip_norm)
+            self.last_norm = torch.nn.utils.clip_grad_norm_(params, self.options.gradient_clip_norm)
         optimizer.step()
         return True
 

@@ -10,6 +10,7 @@ framework's part: the model's call, its buffers, metrics, seeding and the device
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -152,7 +153,9 @@ class TorchStep:
         tail = self.read_tail()
         self.update.after(buffer, self.collective, phases)
         self.sums.into(tail)
-        return buffer.layout.result(tail)
+        result = buffer.layout.result(tail)
+        norm = self.update.grad_step.last_norm
+        return result if norm is None else dataclasses.replace(result, grad_norm=float(norm))
 
     def read_tail(self) -> list[float]:
         """The reduced tail's values (stat sums, count, micro-batches, votes)."""

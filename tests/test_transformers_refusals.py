@@ -42,7 +42,6 @@ def trainer(tmp_path_factory: pytest.TempPathFactory) -> Any:
         ({"deepspeed": "ds_config.json"}, "deepspeed", "shard_optimizer_state"),
         ({"fsdp": "full_shard"}, "fsdp", "Leave fsdp unset"),
         ({"torch_compile": True}, "torch_compile", "torch.compile(model)"),
-        ({"eval_strategy": "steps"}, "eval_strategy", "eval_strategy='epoch'"),
         ({"save_strategy": "best"}, "save_strategy", "'epoch'"),
         ({"label_smoothing_factor": 0.1}, "label_smoothing_factor", "Leave it 0"),
         ({"auto_find_batch_size": True}, "auto_find_batch_size", "per_device_train_batch_size"),

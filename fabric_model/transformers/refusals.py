@@ -3,10 +3,7 @@ argument, what it received and what to do instead (docs/transformers.md, "What i
 
 from __future__ import annotations
 
-import logging
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 #: Trainer's methods whose override would change the step FabricModel makes for it.
 STEP_METHODS = ("training_step", "compute_loss", "get_batch_samples", "_inner_training_loop", "get_train_dataloader")
@@ -19,13 +16,6 @@ def _refuse(argument: str, received: Any, instead: str) -> ValueError:
 def check_trainer(trainer: Any, resume_from_checkpoint: Any, trial: Any) -> None:
     """Raise a ValueError for the first setting of ``trainer`` FabricTrainer cannot honour."""
     args = trainer.args
-    if args.save_strategy == "steps":
-        # Trainer's default (every 500 steps): refusing it would refuse every script as written.
-        log.warning(
-            "FabricTrainer writes Trainer's checkpoint folders at each epoch's end and at the end, not every "
-            "save_steps (save_strategy='steps'): set save_strategy='epoch' to say so. FabricModel's own "
-            "checkpoints and snapshots under output_dir/fabric_run keep the run through lost workers."
-        )
     checks: list[tuple[bool, str, Any, str]] = [
         (
             bool(args.deepspeed),
@@ -42,16 +32,10 @@ def check_trainer(trainer: Any, resume_from_checkpoint: Any, trial: Any) -> None
             "Compile the model yourself before building the trainer (model = torch.compile(model)), or leave it False.",
         ),
         (
-            args.eval_strategy not in ("no", "epoch"),
-            "eval_strategy",
-            str(args.eval_strategy),
-            "Use eval_strategy='epoch' (or 'no', and call trainer.evaluate() after train()).",
-        ),
-        (
             args.save_strategy not in ("no", "epoch", "steps"),
             "save_strategy",
             str(args.save_strategy),
-            "Use save_strategy='epoch' or 'no'.",
+            "Use save_strategy='steps', 'epoch' or 'no' (with load_best_model_at_end, the best is kept).",
         ),
         (
             args.label_smoothing_factor != 0,

@@ -1,11 +1,12 @@
-"""Trainer's evaluation and ``checkpoint-N/`` folders at an epoch's end, in the caller.
+"""Trainer's evaluation and ``checkpoint-N/`` folders, in the caller, on FabricModel's checkpoints.
 
-FabricModel writes its own checkpoint at each epoch's end (``checkpoint_freq=1``); when it is on
-disk the driver tells its loggers (``on_checkpoint``). :class:`EpochState` loads that state into
-the caller's model, optimizer and scheduler (which the workers no longer use: they trained
-copies), and Trainer's own methods evaluate (``eval_strategy="epoch"``) and write the folder
-(``save_strategy="epoch"``: ``_save_checkpoint``, so the layout is Trainer's and ``Trainer``
-resumes from it), with ``state.global_step`` that of the epoch's last step.
+FabricModel writes its own checkpoint at each epoch's end (``checkpoint_freq=1``) and every
+``checkpoint_steps`` steps (``eval_steps`` and ``save_steps``); when one is on disk the driver
+tells its loggers (``on_step_checkpoint``). :class:`CheckpointState` loads that state into the
+caller's model, optimizer and scheduler (which the workers no longer use: they trained copies),
+and Trainer's own methods evaluate (``eval_strategy``) and write the folder (``save_strategy``:
+``_save_checkpoint``, so the layout is Trainer's and ``Trainer`` resumes from it), with
+``state.global_step`` that of the checkpoint's step.
 """
 
 from __future__ import annotations
@@ -17,25 +18,29 @@ from ..state.checkpoint import load_checkpoint
 from ..step.loop_state import LoopState
 
 
-class EpochState:
-    """Puts FabricModel's epoch-end checkpoints into the caller's Trainer (module docstring)."""
+class CheckpointState:
+    """Puts FabricModel's checkpoints into the caller's Trainer (module docstring)."""
 
     def __init__(self, trainer: Any, run_dir: Path, lr_scheduling: Any) -> None:
         self.trainer, self.run_dir, self.lr_scheduling = trainer, run_dir, lr_scheduling
 
-    def load(self, name: str) -> None:
-        """The checkpoint ``name`` into the trainer's model, optimizer and scheduler."""
+    def read(self, name: str) -> dict[str, Any]:
+        """The checkpoint ``name``'s record (kept by a trainer stopped there: the run may delete the file)."""
+        return load_checkpoint(self.run_dir / "checkpoints" / name)
+
+    def load(self, name: str | dict[str, Any]) -> None:
+        """The checkpoint ``name`` (or a record :meth:`read`) into the trainer's model, optimizer and scheduler."""
         trainer = self.trainer
-        record = load_checkpoint(self.run_dir / "checkpoints" / name)
+        record = self.read(name) if isinstance(name, str) else name
         missing, unexpected = trainer.model.load_state_dict(record["model"], strict=False)
         if unexpected:
             raise RuntimeError(f"the checkpoint {name} holds tensors the model lacks: {unexpected[:5]}")
         own = LoopState(["loss"], self.lr_scheduling, []).unpack(record["optimizer"])  # the scheduler's too
         trainer.optimizer.load_state_dict(own)
 
-    def at_epoch_end(self, name: str | None, global_step: int, epoch: float, evaluate: bool, save: bool) -> None:
-        """Trainer's evaluation and save of the epoch that ended at ``global_step`` (``name``: its
-        checkpoint; None: the state the model holds)."""
+    def evaluate_and_save(self, name: str | None, global_step: int, epoch: float, evaluate: bool, save: bool) -> None:
+        """Trainer's evaluation and save at step ``global_step`` (``name``: its checkpoint; None:
+        the state the model holds)."""
         trainer = self.trainer
         state = trainer.state
         now = state.global_step, state.epoch

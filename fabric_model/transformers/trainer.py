@@ -8,6 +8,7 @@ docs/architecture.md ("Front ends") where it sits.
 
 from __future__ import annotations
 
+import math
 import shutil
 import time
 from pathlib import Path
@@ -26,7 +27,7 @@ from .data import TrainerData, TrainerDatasets, loss_weighting, sampler_orders
 from .progress import TrainerProgress, shadow_scheduler
 from .refusals import check_trainer
 from .resume import checkpoint_folder, load_folder, write_start
-from .saving import EpochState, prepare_for_evaluation
+from .saving import CheckpointState, prepare_for_evaluation
 
 #: Where FabricModel's run directory (logs, its own checkpoints) goes under ``output_dir``.
 RUN_FOLDER = "fabric_run"
@@ -120,7 +121,8 @@ class FabricTrainer(Trainer):
             gradient_clip_norm=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None,
             worker_logger_callback=self.fabric_options.get("worker_logger_callback"),
         )
-        progress.epoch_state = EpochState(
+        progress.stop = fabric.stop_training  # control.should_training_stop (progress.py)
+        progress.checkpoint_state = CheckpointState(
             self, run_dir, fabric.lr_scheduling
         )  # (the scheduler as FabricModel holds it)
         options: dict[str, Any] = {
@@ -128,6 +130,7 @@ class FabricTrainer(Trainer):
             "deterministic": self.deterministic,
             "run_dir": run_dir,
             "checkpoint_freq": 1,
+            "checkpoint_steps": self._checkpoint_steps(),
             "resume": first_step > 0,
             "tensorboard": False,  # report_to's callbacks log, from Trainer's own on_log
         }
@@ -145,11 +148,26 @@ class FabricTrainer(Trainer):
         )
         self.fabric_run_dir = str(fabric.run_dir)
         progress.finish()
+        if progress.stopped_at is not None:  # a callback stopped training at an epoch's end: its state
+            record, step, epoch = progress.stopped_at
+            progress.checkpoint_state.load(record)
+            self.state.global_step, self.state.epoch = step, epoch
         if args.save_strategy != "no" and progress.saved_at != self.state.global_step:
             # The end's save (Trainer saves at max_steps): the final state is in the model by now.
             self._save_checkpoint(model, trial=None)
             self.control = self.callback_handler.on_save(args, self.state, self.control)
         return self._finish(progress, start_time, num_train_samples)
+
+    def _checkpoint_steps(self) -> int:
+        """FabricModel's ``checkpoint_steps``: a checkpoint at every step where ``eval_steps`` or
+        ``save_steps`` may ask for an evaluation or a save (0: neither strategy is ``"steps"``)."""
+        args, state = self.args, self.state
+        every = [
+            int(steps)
+            for strategy, steps in ((args.eval_strategy, state.eval_steps), (args.save_strategy, state.save_steps))
+            if strategy == "steps" and steps
+        ]
+        return math.gcd(*every) if every else 0
 
     def _start_state(self, max_steps: int, epochs: int) -> None:
         """A fresh ``TrainerState``, as Trainer's loop makes one."""

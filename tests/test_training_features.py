@@ -206,6 +206,27 @@ def test_stop_training_from_the_caller_ends_at_a_completed_step_with_its_state(r
         assert torch.equal(tensor, model.state_dict()[name]), name
 
 
+class StopsAtBegin:
+    """A driver logger that asks ``fm`` to stop before any worker has started."""
+
+    fm = None
+
+    def on_train_begin(self) -> None:
+        self.fm.stop_training()
+
+
+@pytest.mark.processes
+def test_stop_training_asked_before_the_workers_start_waits_for_them_and_ends_normally(run_dir):
+    model, opt = fresh_model_and_optimizer()
+    logger = StopsAtBegin()
+    fm = FabricModel(model, lambda: (DATA, None), F.cross_entropy, opt, driver_logger_callback=logger)
+    logger.fm = fm
+    result = fm.train(3, BATCH, 2, effective_batch_size=GLOBAL, seed=SEED, run_dir=run_dir)
+    done = records(run_dir, "end")[-1]["iteration"]
+    assert done == len(records(run_dir, "train")) < 3 * STEPS and (run_dir / "model").is_dir()
+    assert len(result.history.history.get("loss", [])) <= done // STEPS
+
+
 @pytest.mark.processes
 def test_best_checkpoints_are_kept_and_evaluate_and_predict_use_the_trained_model(run_dir):
     """keep_checkpoints=1 with the best by val_loss in "max" mode (the worst, so it is an old one):

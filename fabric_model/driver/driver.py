@@ -9,7 +9,8 @@ docs/architecture.md, "Processes" and "Elasticity".
 ``run()`` is ``start()``, ``iterate()`` until there is a ``final`` state, then ``finish()``. A
 test drives those, or ``listen()`` and then ``handle()`` and ``tick()``, over fakes that the
 constructor's factories make (docs/architecture.md, "Testing seams"). Taking back the workers of
-a vanished driver is ``reattach.py``'s.
+a vanished driver is ``reattach.py``'s; ending training before its end (replicas diverged, a
+preemption signal, ``stop_training()``) is ``ending.py``'s.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from ..run.rundir import RunDirectory
 from ..run.startup import StartUp
 from ..setup.config import TrainConfig
 from ..state.best import BestCheckpoints, epoch_logs
-from ..state.checkpoint import CheckpointInfo, decode_state, encode_state, state_record
+from ..state.checkpoint import CheckpointInfo
 from ..state.durable import DurableSnapshot
 from ..state.frozen import FrozenBase
 from ..state.layouts import layout_for
@@ -47,14 +48,14 @@ from ..transport.control import ControlServer
 from ..transport.network import DEFAULT_BIND_ADDRESS, advertised_address
 from ..transport.store.server import StoreService
 from .book import StateBook
-from .commands import AbortGeneration, Command, Formed, Kill, Limits, RestorePoint, RollBack, Send, Settle, Start
-from .halt import Halt
+from .commands import AbortGeneration, Command, Formed, Kill, Limits, RollBack, Send, Settle, Start
+from .ending import Ending, FinalState
 from .heap import long_lived_frozen
 from .ledger import Progress
-from .membership import Membership, WorkerState
+from .membership import Membership
 from .preemption import Preempted, SignalWatch
 from .reattach import Reattach, where
-from .replicas import Divergence, ReplicaChecks, ReplicaDivergenceError
+from .replicas import ReplicaChecks, ReplicaDivergenceError
 
 log = logging.getLogger(__name__)
 
@@ -128,25 +129,6 @@ class DriverSetup:
     identity: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-@dataclasses.dataclass
-class FinalState:
-    """The trained model and optimizer state, as one replica sent them (or, when replicas
-    diverged and none could, the newest state the driver held).
-
-    Attributes:
-        worker, unit: who sent it (-1: a saved state), with every unit below ``unit`` done.
-        divergence: set when replicas diverged: the state is handed back, then the error raised.
-        source: for a person, whose state this is ("worker 0's final state").
-    """
-
-    model_state: dict[str, Any]
-    optimizer_state: dict[str, Any]
-    worker: int = -1
-    unit: int = -1
-    divergence: Divergence | None = None
-    source: str = ""
-
-
 class Driver:
     """Runs one training job and returns the final state.
 
@@ -177,7 +159,6 @@ class Driver:
         stop_request: threading.Event | None = None,
     ) -> None:
         self.setup, self.run_dir, self.hooks = setup, run_dir, hooks
-        self._layout = layout_for(setup.config)  # the state layout's class answers: state/layouts.py
         config, timeouts = setup.config, setup.config.timeouts
         self.schedule = Schedule(setup.plan, config.epochs, config.validation_freq, setup.has_test)
         history, epoch_so_far = None, []
@@ -215,10 +196,8 @@ class Driver:
         self.membership = Membership(limits, self.states, self._log_tails, self.progress.committed)
         # Replica checks (docs/architecture.md, "Replica checks"): once they differ, training halts.
         self.replicas = ReplicaChecks(lambda generation, unit: f"{self._position(unit)} (generation {generation})")
-        self._halt: Halt | None = None
         # Rank 0's profile, with train(profile=...) (docs/training.md, "Profiling").
         self.profiles = ProfileInbox(run_dir.profile, _shown_path(run_dir.profile))
-        self._held: RestorePoint | None = None  # the saved state a preempted run writes, when no member sent one
         if setup.resume is not None and history is not None:
             self.progress.start_at(setup.resume.unit, *history)
             self.progress.resume_epoch(epoch_so_far)  # resumed inside an epoch: its average so far
@@ -228,6 +207,7 @@ class Driver:
         preemption = config.preemption
         self._watch = watch or SignalWatch(preemption.signals, preemption.grace)
         self._stop_request = stop_request or threading.Event()
+        self._first_iteration = self.progress.iteration  # (a resumed run's history starts later)
         self._hosts: dict[int, str] = {}  # worker id -> where it runs (its Hello, or the launcher's word)
         self.reattach = Reattach(
             setup=setup,
@@ -240,6 +220,23 @@ class Driver:
             make_server=self._server_factory,
             moved_on=self._moved_on,
             position=lambda unit: self._position(unit, screen=True),
+        )
+        # Ending before the end: replicas diverged, preempted, stop_training() (driver/ending.py).
+        self.ending = Ending(
+            setup=setup,
+            whole_on_each_member=layout_for(config).whole_on_each_member,  # the state layout's: state/layouts.py
+            schedule=self.schedule,
+            membership=self.membership,
+            progress=self.progress,
+            states=self.states,
+            checkpoints=self.checkpoints,
+            watch=self._watch,
+            send=lambda worker_id, message: self._server.send(worker_id, message),
+            execute=self._execute,
+            ended=lambda worker_id, now: worker_id in self._launcher.exited() and self._drained(worker_id, now),
+            moved_on=self._moved_on,
+            position=self._position,
+            clock=lambda: time.monotonic(),  # read when called: a test replaces the module's time
         )
         self._rejoining = False  # listening where a vanished driver's workers wait (listen())
         self._final: FinalState | None = None
@@ -342,9 +339,9 @@ class Driver:
         a preemption signal caught is acted on. A failure ends the run and is raised."""
         with self._ending_on_failure():
             self._next_event()
-            if self._watch.signal_name is not None and self._halt is None:
+            if self._watch.signal_name is not None and not self.ending.halted:
                 self.preempt()
-            elif self._stop_request.is_set() and self._halt is None and self._final is None:
+            elif self._stop_request.is_set() and self._stop_acts():
                 self.stop_on_request()
 
     def finish(self) -> FinalState:
@@ -354,9 +351,9 @@ class Driver:
         stop = self.setup.config.timeouts.stop
         try:
             assert self._final is not None, "finish() once the run has its final state"
-            if self._halt is not None and self._halt.preempted:
+            if self.ending.preempted:
                 stop = max(0.5, min(stop, self._watch.deadline - time.monotonic()))  # what the grace leaves
-                self._save_preempted(self._final, self._watch)  # raises Preempted
+                self.ending.save_preempted(self._final)  # raises Preempted
             self._end_training()
         except BaseException as exc:
             self._tell_hand_started(exc)
@@ -377,7 +374,7 @@ class Driver:
         if final.divergence is None:
             final = self._final = self._check_finished_replicas(final)
         steps = self.progress.iteration  # from the run's start (a resumed run's history starts later)
-        if self._halt is not None and self._halt.requested:
+        if self.ending.requested:
             line = f"training stopped by stop_training() after step {steps}"
             log.info("%s", line)
             self.hooks.note(line)
@@ -484,8 +481,8 @@ class Driver:
         """Route one message from ``worker_id``."""
         alive = self.membership.seen(worker_id, time.monotonic())
         # A leaving rank 0's upload (docs/architecture.md, "Preemption") counts while halted too.
-        if self._halt is not None and not isinstance(message, (p.StepDone, p.EvalDone, p.StateChunk)):
-            self._while_halted(worker_id, message)  # replicas diverged: only the state asked for matters
+        if self.ending.halted and not isinstance(message, (p.StepDone, p.EvalDone, p.StateChunk)):
+            self._ended_with(self.ending.handle(worker_id, message))  # only the state asked for matters
             return
         # A gone worker's error still counts: its exit may have been noticed before its report.
         if alive or isinstance(message, (p.WorkerFailed, p.ConnectionLost)):
@@ -496,12 +493,9 @@ class Driver:
         ``heartbeats`` False leaves out the check of every worker's silence (membership.tick)."""
         now = time.monotonic()
         self.failures.record()  # on this thread: run.json's other writers run here
-        if self._halt is not None:
-            if self._final is None and self._halt.preempted and now > self._watch.deadline - self._watch.reserve:
-                log.warning("no member sent its state within the grace; keeping the newest state held")
-                self._final = self._held_state()
-            elif self._final is None and (self._halt.overdue(now) or self._asked_has_ended(now)):
-                self._ask_next(self._halt.asked)
+        if self.ending.halted:
+            if self._final is None:  # the grace spent, or the member asked overdue or ended
+                self._ended_with(self.ending.tick(now))
             self.checkpoints.poll()
             return
         self.membership.placement(self._launcher.pending(), now)
@@ -510,13 +504,6 @@ class Driver:
                 self._execute(self.membership.process_exited(worker_id, code, now))
         self._execute(self.membership.tick(now, heartbeats))
         self.checkpoints.poll()
-
-    def _asked_has_ended(self, now: float) -> bool:
-        """The member asked for its state has ended and all it sent was read: a leaving rank 0's
-        snapshot, sent just before it exits, is the newest state (docs/architecture.md, "Preemption")."""
-        assert self._halt is not None
-        asked = self._halt.asked
-        return asked in self._launcher.exited() and self._drained(asked, now)
 
     def _drained(self, worker_id: int, now: float) -> bool:
         """Whether an ended process's exit can be acted on: everything it sent has been handled.
@@ -589,191 +576,29 @@ class Driver:
             return  # a generation already left: its members were re-formed
         divergence = self.replicas.add(worker_id, message)
         if divergence is not None:
-            self._halt_training(divergence)
+            self._ended_with(self.ending.diverged(divergence))
 
-    def _halt_training(self, divergence: Divergence) -> None:
-        """Stop training: abort the generation, then ask rank 0 for its state (then rank 1...)."""
-        members = [m for m in self.membership.members if self.membership.state(m) is not WorkerState.GONE]
-        log.error(
-            "replicas diverged %s: %s; training stops, asking rank 0 (worker %d) for its state",
-            divergence.where,
-            divergence.describe(),
-            members[0],
-        )
-        self._halt = Halt(divergence, members, self.setup.config.timeouts.recovery)
-        self._execute([AbortGeneration(self.membership.generation, tuple(members))])
-        self._ask_for_state()
-
-    def _ask_for_state(self) -> None:
-        halt = self._halt
-        assert halt is not None
-        if not self._layout.whole_on_each_member and halt.asked < 0:
-            # No member holds the whole optimizer state (docs/elasticity.md, "Sharded optimizer
-            # state"): the newest whole state saved, never a member's slices as if they were all.
-            log.warning("sharded optimizer state: the newest saved is kept")
-            halt.candidates.clear()
-        while (worker := halt.next(time.monotonic())) is not None:
-            if self.membership.state(worker) is not WorkerState.GONE and self._server.send(worker, p.SendFinalState()):
-                return
-        if halt.divergence is not None:
-            self._final = self._saved_state(halt.divergence)
-        else:
-            self._final = self._requested_state() if halt.requested else self._held_state()
-
-    def _while_halted(self, worker_id: int, message: Any) -> None:
-        halt = self._halt
-        assert halt is not None
-        if isinstance(message, p.LeftGeneration) and message.last is not None:
-            self.progress.copy(message.last)  # a step rank 0 did not report, when it was lost
-        if worker_id in halt.stopping:
-            if isinstance(message, p.LeftGeneration) and message.leaving:
-                halt.stopping.discard(worker_id)  # rank 0's upload came before its LeftGeneration
-            elif isinstance(message, (p.LeftGeneration, p.WorkerFailed, p.ConnectionLost)):
-                log.warning("worker %d did not stop with the others; keeping the newest state held", worker_id)
-                halt.stopping.clear()
-            if not halt.stopping:
-                self._final = self._held_state() if halt.preempted else self._requested_state()
-            return
-        if worker_id != halt.asked:
-            return
-        if isinstance(message, p.FinalState):
-            # Its steps below ``unit`` completed in an allreduce: the state handed back holds them.
-            if self.progress.settle(message.unit, self.membership.generation) is not None:
-                self._moved_on()
-            rank = "rank 0, " if halt.divergence is not None and halt.divergence.reference == worker_id else ""
-            how = "stopped by stop_training()" if halt.requested else "stopped"
-            source = f"training {how}; worker {worker_id}'s state ({rank}{self._position(message.unit)})"
-            model_state = self.setup.frozen.complete(message.model_state, message.omitted)  # the job's frozen part
-            self._final = FinalState(
-                model_state, message.optimizer_state, worker_id, message.unit, halt.divergence, source
-            )
-        elif isinstance(message, (p.WorkerFailed, p.ConnectionLost)) or (
-            isinstance(message, p.LeftGeneration) and message.leaving
-        ):
-            self._ask_next(worker_id)
-
-    def _ask_next(self, worker_id: int) -> None:
-        """The member asked sent no state (it ended, or took too long): ask the next. Expected when
-        preempted (a member told to go too may have left), so said in driver.log only then."""
-        assert self._halt is not None
-        if self._halt.preempted:
-            log.info("worker %d sent no state (it may have left on a notice of its own); asking the next", worker_id)
-        else:
-            log.warning("worker %d sent no state; asking the next member", worker_id)
-        self._ask_for_state()
-
-    def _saved_state(self, divergence: Divergence) -> FinalState:
-        """No member sent its state: the newest checkpoint or snapshot the driver holds."""
-        restore = self.states.restore_point(self.progress.committed_unit)
-        if restore is None:
-            raise ReplicaDivergenceError(
-                f"replicas diverged {divergence.where}: {divergence.describe()}. No member sent its state and the "
-                "driver holds no checkpoint or snapshot: no model was written",
-                divergence,
-            )
-        state = decode_state(restore.data, self.setup.plan, restore.name)
-        source = f"training stopped; no member sent its state, so the {restore.name} ({self._position(restore.unit)})"
-        return FinalState(state["model"], state["optimizer"], -1, restore.unit, divergence, source)
-
-    # -- the caller's stop (docs/training.md, "Stopping from the caller") ---------------------
+    # -- ending before the end: driver/ending.py ----------------------------------------------
     def stop_on_request(self) -> None:
-        """Act on ``stop_request`` (:meth:`iterate` does, once): stop training as a halt does, and
-        end the run normally with the state after the last step every member completed: the step
-        in flight is abandoned (exactly-once holds for the steps kept), rank 0 asked for its
-        state (then rank 1...). A sharded optimizer state: the members stop together after one
-        step, rank 0 uploading the state gathered from their slices."""
-        members = [m for m in self.membership.members if self.membership.state(m) is not WorkerState.GONE]
-        log.info("stop_training(): stopping training at the last step every member completed")
-        patience = self.setup.config.timeouts.recovery
-        if not self._layout.whole_on_each_member and members and self.membership.generation >= 0:
-            self._halt = Halt(None, [], patience, requested=True, stopping=set(members))
-            for worker_id in members:
-                self._server.send(worker_id, p.StopTogether("stop_training()"))
-            return
-        self._halt = Halt(None, members, patience, requested=True)
-        if members and self.membership.generation >= 0:
-            self._execute([AbortGeneration(self.membership.generation, tuple(members))])
-        self._ask_for_state()
+        """Act on ``stop_request`` (:meth:`iterate` does, once): training stops as a halt does and
+        the run ends normally (:meth:`Ending.stop_on_request <fabric_model.driver.ending.Ending.stop_on_request>`)."""
+        self._ended_with(self.ending.stop_on_request())
 
-    def _requested_state(self) -> FinalState:
-        """No member sent its state after ``stop_training()``: the newest checkpoint or snapshot
-        held (every member lost at once, or a sharded state's members that did not stop together)."""
-        restore = self.states.restore_point(self.schedule.total_units)
-        if restore is None:
-            raise RuntimeError(
-                "training was stopped by stop_training(), but no member sent its state and the driver holds no "
-                "checkpoint or snapshot: no model was written (driver.log says what became of the workers)"
-            )
-        state = decode_state(restore.data, self.setup.plan, restore.name)
-        log.info("stop_training(): no member sent its state; the %s is the result", restore.name)
-        return FinalState(state["model"], state["optimizer"], -1, restore.unit, source=f"the {restore.name}")
-
-    # -- preemption (docs/architecture.md, "Preemption") -------------------------------------
     def preempt(self) -> None:
-        """Act on the preemption signal the watch caught (:meth:`iterate` does, once): stop training
-        as a halt does, asking the members for their state with what the grace leaves (a third of
-        it each, the rest for writing and stopping)."""
-        watch = self._watch
-        assert watch.signal_name is not None, "no preemption signal was caught"
-        members = [m for m in self.membership.members if self.membership.state(m) is not WorkerState.GONE]
-        log.info(
-            "%s: stopping training and saving the newest state (FABRIC_MODEL_PREEMPT_GRACE %.0f s)",
-            watch.signal_name,
-            watch.grace,
-        )
-        watch.acted = True
-        patience = max(0.5, (watch.deadline - watch.reserve - time.monotonic()) / 3)
-        if not self._layout.whole_on_each_member and members and self.membership.generation >= 0:
-            # No member holds the whole optimizer state: they stop together, and rank 0 uploads
-            # the state gathered from all their slices (driver/halt.py). Not in time: the newest held.
-            self._halt = Halt(None, [], patience, preempted=watch.signal_name, stopping=set(members))
-            for worker_id in members:
-                self._server.send(worker_id, p.StopTogether(str(watch.signal_name)))
-            return
-        self._halt = Halt(None, members, patience, preempted=watch.signal_name)
-        if members and self.membership.generation >= 0:
-            self._execute([AbortGeneration(self.membership.generation, tuple(members))])
-        self._ask_for_state()
+        """Act on the preemption signal the watch caught (:meth:`iterate` does, once): training stops
+        as a halt does (:meth:`Ending.preempt <fabric_model.driver.ending.Ending.preempt>`)."""
+        self._ended_with(self.ending.preempt())
 
-    def _held_state(self) -> FinalState:
-        """No member sent its state in time: the newest checkpoint or snapshot the driver holds
-        (``_save_preempted`` writes a snapshot), else unit 0, the initial weights. The newest at any
-        unit: rank 0 uploads a state after reporting its steps, and the last of them counts only
-        at the next report (driver/ledger.py), so a state one step past the committed unit is the
-        furthest any member held, its steps all done."""
-        self._held = restore = self.states.restore_point(self.schedule.total_units)
-        log.info("the newest state held: %s", restore.name if restore is not None else "none (the initial weights)")
-        if restore is None:
-            return FinalState({}, {}, -1, 0, source="the initial weights")
-        return FinalState({}, {}, -1, restore.unit, source=f"the {restore.name}")
+    def _stop_acts(self) -> bool:
+        """Whether a requested stop is acted on now: once, while training, and once a step was
+        committed since this driver started (a worker still entering its first generation has no
+        state to hand back: the request waits for the members to be training)."""
+        return not self.ending.halted and self._final is None and self.progress.iteration > self._first_iteration
 
-    def _save_preempted(self, final: FinalState | None, watch: SignalWatch) -> None:
-        """Write the state a member sent (or the snapshot held) as a checkpoint, then raise
-        :class:`~fabric_model.driver.preemption.Preempted`; :meth:`finish` then stops the workers."""
-        assert final is not None and watch.signal_name is not None
-        unit, generation = final.unit, self.membership.generation
-        # The steps below ``unit`` completed in an allreduce: commit those still waiting (driver/ledger.py).
-        if self.progress.settle(unit, generation) is not None:
-            self._moved_on()
-        if final.worker >= 0:
-            record = state_record(
-                self.schedule,
-                unit,
-                self.setup.framework,
-                self.setup.config.batch_size,
-                final.model_state,
-                final.optimizer_state,
-            )
-            self.checkpoints.store(final.worker, generation, unit, encode_state(record))
-        elif self._held is not None and self._held.kind == "snapshot":  # a checkpoint is on disk already
-            self.checkpoints.store(-1, generation, unit, self._held.data)
-        self.checkpoints.close(max(0.5, watch.deadline - time.monotonic()))
-        written = self.checkpoints.newest_on_disk(unit)
-        path = written[1] if written is not None and written[0] == unit else None
-        seconds = time.monotonic() - watch.received
-        saved = f"{path.name} ({path.stat().st_size} bytes)" if path is not None else "nothing (no step was done)"
-        log.info("%s: saved %s in %.2f s", watch.signal_name, saved, seconds)
-        raise Preempted(watch.signal_name, path, unit, self._position(unit, screen=True), seconds)
+    def _ended_with(self, final: FinalState | None) -> None:
+        """The ending's final state, once it has one, is the run's."""
+        if final is not None:
+            self._final = final
 
     def _check_finished_replicas(self, final: FinalState) -> FinalState:
         """Invariant 4 at the end: replicas that differ hand back the state asked for (rank 0's)."""

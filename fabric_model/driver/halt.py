@@ -5,7 +5,7 @@ caller asked (``FabricModel.stop_training()``: docs/training.md, "Stopping from 
 Training stops: every member is sent ``Abort``, and the members are asked for their state one
 at a time, in rank order (rank 0 first), until one sends it. A member answers in place of
 entering a next generation, or at once if it had finished. Membership no longer acts: no new
-generation, no replacement. Pure: the driver does the sending.
+generation, no replacement. Pure: driver/ending.py does the sending.
 
 A preempted or stopped job whose optimizer state is sharded asks no one: no member holds the whole state.
 Its members are told to stop together instead (``stopping``): they vote to, leave after the same

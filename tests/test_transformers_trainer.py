@@ -241,8 +241,10 @@ def test_two_workers_one_killed_and_one_joining_give_the_one_engine_bits(tmp_pat
         options = {"worker_logger_callback": FaultInjector(faults, tmp_path)} if faults else {}
         fabric = FabricTrainer(
             model=model,
-            args=lm_args(tmp_path / f"e{engines}", max_steps=9),  # the last epoch stopped mid-way
+            # The last epoch stopped mid-way; evaluated every 3 steps, on checkpoints inside the epochs.
+            args=lm_args(tmp_path / f"e{engines}", max_steps=9, eval_strategy="steps", eval_steps=3),
             train_dataset=lm_data(),
+            eval_dataset=lm_data(12),
             callbacks=[seen],
             engines_number=engines,
             deterministic=True,
@@ -251,11 +253,11 @@ def test_two_workers_one_killed_and_one_joining_give_the_one_engine_bits(tmp_pat
         fabric.train()
         runs[engines] = (model, fabric, seen)
     (one, one_trainer, seen_one), (two, two_trainer, seen) = runs[1], runs[2]
+    runs_of = (one_trainer, two_trainer)
     assert weights_gap(one, two) == 0.0
     assert seen.steps == seen_one.steps == [2, 4, 6, 8]  # every logged step once, the kill's replay too
-    assert [e["loss"] for e in two_trainer.state.log_history[:-1]] == [
-        e["loss"] for e in one_trainer.state.log_history[:-1]
-    ]
+    logged = [[(e["step"], e.get("loss"), e.get("eval_loss")) for e in t.state.log_history[:-1]] for t in runs_of]
+    assert logged[0] == logged[1] and [s for s, _, evaluated in logged[1] if evaluated] == [3, 6, 9]
     # Exactly once: every micro-batch of every committed step once, as the plan divides the
     # epochs of Trainer's sampler order (each order a permutation: checked in the caller).
     lines = (Path(two_trainer.fabric_run_dir) / "logs" / "metrics.jsonl").read_text().splitlines()

@@ -2,8 +2,10 @@
 
 Scripts written as Trainer's documentation writes them (a GPT-2 causal LM, a BERT classifier
 with ``compute_metrics``; models built from configs), run with ``Trainer`` and ``FabricTrainer``:
-the same weights to float32 rounding and the same logs on one engine; bitwise the one-engine
-run on two workers with one killed; each refused argument's message, before any worker starts.
+the same weights to float32 rounding and the same logs on one engine, evaluated and saved by
+epoch or by steps, stopped by a callback; bitwise the one-engine run on two and three workers
+with one killed and one joining; LoRA; checkpoint folders resumed across Trainer and
+FabricTrainer (the refusals: test_transformers_refusals.py).
 """
 
 from __future__ import annotations
@@ -269,6 +271,37 @@ def test_two_workers_one_killed_and_one_joining_give_the_one_engine_bits(tmp_pat
     for (epoch, step), record in last.items():
         micro = sorted(j for mbs in record["micro_batches"].values() for j in mbs)
         assert micro == ([0] if step == 5 else [0, 1]), (epoch, step, micro)  # 44 samples: 5 x 8, then 4
+
+
+def test_the_classifier_on_three_workers_one_killed_and_one_joining_gives_the_one_engine_bits(tmp_path):
+    """The BERT script (compute_metrics, evaluated each epoch) on three deterministic workers, one
+    SIGKILLed mid-epoch and a new one joining: the one-engine run's weights, logs and metrics."""
+    changes = dict(per_device_train_batch_size=4, gradient_accumulation_steps=3, num_train_epochs=2, logging_steps=1)
+    changes.update(eval_strategy="epoch")
+    runs = []
+    for engines, faults in ((1, []), (3, [Kill(worker=2, step=1), HoldForJoin(5)])):
+        model, seen = bert(), SeenLogs()
+        options = {"worker_logger_callback": FaultInjector(faults, tmp_path)} if faults else {}
+        fabric = FabricTrainer(
+            model=model,
+            args=lm_args(tmp_path / f"c{engines}", **changes),
+            train_dataset=cls_data(42),
+            eval_dataset=cls_data(20),
+            compute_metrics=accuracy,
+            callbacks=[seen],
+            engines_number=engines,
+            deterministic=True,
+            fabric_options=options,
+        )
+        fabric.train()
+        runs.append((model, fabric.state.log_history[:-1], seen.steps, fabric.fabric_run_dir))
+    (one, logs_one, seen_one, _), (three, logs_three, seen_three, run_dir) = runs
+    assert weights_gap(one, three) == 0.0
+    assert seen_three == seen_one == list(range(1, 9))  # every logged step once, the kill's replay too
+    same_logs(logs_one, logs_three)  # (the losses logged are float sums: docs/deterministic.md)
+    lines = (Path(run_dir) / "logs" / "metrics.jsonl").read_text().splitlines()
+    members = [len(r["members"]) for r in map(json.loads, lines) if r["type"] == "generation"]
+    assert members[0] == 3 and members[-1] == 3 and min(members) == 2  # the kill, then the join
 
 
 def StopAt(event: str, step: int) -> Any:  # noqa: N802

@@ -66,6 +66,33 @@ def test_phases_cost_nothing_when_off_and_time_exclusively_when_on():
     assert phases(ph.STEP) is phases(ph.DATA)
 
 
+def test_a_followed_object_s_methods_run_in_their_ranges_only_while_a_window_is_open():
+    class Part:
+        def __init__(self) -> None:
+            self.bound = len  # another object's method, held bound
+
+        def work(self) -> int:
+            time.sleep(0.01)
+            return 1
+
+    phases, part, other = Phases(), Part(), Part()
+    phases.follow(part, {"work": ph.FORWARD, "bound": ph.DATA})
+    assert vars(part) == {"bound": len}  # off: the object's own methods, nothing around them
+    phases.open()
+    phases.follow(other, {"work": ph.BACKWARD})  # followed while a window is open
+    assert part.work() == 1 and part.bound("ab") == 2 and other.work() == 1
+    times = phases.close()
+    assert times[ph.FORWARD] >= 0.009 and times[ph.BACKWARD] >= 0.009 and ph.DATA in times
+    assert vars(part) == {"bound": len} and vars(other) == {"bound": len}
+    phases.open()
+    phases.unfollow(part)  # its own methods again, and for good
+    assert vars(part) == {"bound": len}
+    phases.close()
+    phases.open()
+    part.work()
+    assert ph.FORWARD not in phases.close()
+
+
 def test_the_summary_splits_a_step_into_the_users_code_and_ours():
     figures = {
         "worker": 0,

@@ -1,11 +1,17 @@
 """Named ranges of the step loop: free while no profile window is open, timed and marked in the
 torch profiler's trace while one is (docs/architecture.md, "Profiling").
 
-The loop and the adapters wrap each part of a step in ``with phases(NAME):``. Off (every step
-outside a window, every worker but the profiling one), the call returns one shared object whose
-``__enter__`` and ``__exit__`` do nothing: a tenth of a microsecond each. On, each range is a
-``torch.profiler.record_function`` (so the trace shows it) and its *exclusive* time (its own,
-less the ranges nested in it) adds to a total per name, from which the summary is made.
+The parts of a step a range times are methods: the loop and the torch step strategies name
+theirs (``{method: range name}``) to :meth:`Phases.follow`. While no window is open (every step
+outside one, every worker but the profiling one) those methods are the objects' own: no call and
+no ``with`` on the step's path (a range that is not there costs nothing; a no-op one cost three
+Python calls, ~27 of a null step's ~220). While a window is open each runs inside its range: an
+instance attribute, made when the window opens (or when an object is followed during one) and
+removed when it closes, shadows the method. Parts off the step's path (validation, callbacks,
+uploads, metrics) keep ``with phases(NAME):``, which off returns one shared object whose
+``__enter__`` and ``__exit__`` do nothing. On, each range is a ``torch.profiler.record_function``
+(so the trace shows it) and its *exclusive* time (its own, less the ranges nested in it) adds to
+a total per name, from which the summary is made.
 
 Marking a range costs microseconds while the profiler records (its ``record_function`` and the
 clock), paid where the range begins and ends, that is in its parent's time. :meth:`Phases.calibrate`
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable, Mapping
 from typing import Any
 
 # The ranges, as the trace and the summary name them. "user/": the user's code (through ours);
@@ -85,8 +92,27 @@ class _Range:
         self.mark.__exit__(*exc)
 
 
+class _Timed:
+    """A followed object's method while a window is open: the method, inside its range."""
+
+    __slots__ = ("phases", "name", "method", "own")
+
+    def __init__(self, phases: Phases, name: str, method: Callable[..., Any], own: bool) -> None:
+        self.phases, self.name, self.method = phases, name, method
+        self.own = own  # the method was an instance attribute (put back on close), not the class's
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with _Range(self.phases, self.name):
+            return self.method(*args, **kwargs)
+
+
+def _nothing() -> None:
+    return None
+
+
 class Phases:
-    """The loop's named ranges; ``phases(name)`` is a context manager. ``on`` opens the window."""
+    """The loop's named ranges; ``phases(name)`` is a context manager, and the methods of the
+    objects it follows (:meth:`follow`) run in theirs while a window is open (:meth:`open`)."""
 
     def __init__(self) -> None:
         self.on = False
@@ -94,34 +120,78 @@ class Phases:
         self._stack: list[_Range] = []
         self.overhead = 0.0  # seconds a range's marking costs outside its own time (calibrate)
         self.marked = 0  # ranges closed since open
+        self._followed: list[tuple[Any, Mapping[str, str]]] = []  # (object, {method: range name})
 
     def __call__(self, name: str) -> Any:
         return _Range(self, name) if self.on else _OFF
 
+    def follow(self, owner: Any, ranges: Mapping[str, str]) -> None:
+        """While a window is open, each method of ``owner`` that ``ranges`` names (``{method:
+        range name}``) runs inside its range; while none is, the methods are ``owner``'s own."""
+        self._followed.append((owner, ranges))
+        if self.on:
+            self._time(owner, ranges)
+
+    def unfollow(self, owner: Any) -> None:
+        """``owner``'s methods are its own again, and stay so (a no-op for an object not followed)."""
+        for i, (followed, ranges) in enumerate(self._followed):
+            if followed is owner:
+                del self._followed[i]
+                if self.on:
+                    _untime(owner, ranges)
+                return
+
+    def _time(self, owner: Any, ranges: Mapping[str, str]) -> None:
+        own = vars(owner)
+        for method, name in ranges.items():
+            setattr(owner, method, _Timed(self, name, getattr(owner, method), method in own))
+
     def open(self) -> None:
-        """Start timing (totals from zero)."""
+        """Start timing (totals from zero): the followed methods run in their ranges."""
         self.totals.clear()
         self._stack.clear()
         self.marked = 0
         self.on = True
+        for owner, ranges in self._followed:
+            self._time(owner, ranges)
 
     def calibrate(self, rounds: int = 200) -> None:
         """Measure what marking a range costs now (the profiler running): the time ``rounds``
-        empty ranges add to the one around them."""
+        empty ranges, each a followed method's, add to the one around them."""
         self.overhead = 0.0
+        empty = _Timed(self, CALIBRATION, _nothing, False)
         with self(CALIBRATION):
             for _ in range(rounds):
-                with self(CALIBRATION):
-                    pass
+                empty()
         self.overhead = self.totals.pop(CALIBRATION) / (rounds + 1)  # the outer range's own time, mostly
         self.marked = 0
 
     def close(self) -> dict[str, float]:
-        """Stop timing; the exclusive seconds per name since :meth:`open`, and under
-        :data:`INSTRUMENTATION` what marking the ranges cost."""
+        """Stop timing (the followed methods are their objects' own again); the exclusive
+        seconds per name since :meth:`open`, and under :data:`INSTRUMENTATION` what marking the
+        ranges cost."""
+        if self.on:
+            for owner, ranges in self._followed:
+                _untime(owner, ranges)
         self.on = False
         return {**self.totals, INSTRUMENTATION: self.marked * self.overhead}
 
 
+def _untime(owner: Any, ranges: Mapping[str, str]) -> None:
+    for method in ranges:
+        timed = vars(owner)[method]
+        if timed.own:
+            setattr(owner, method, timed.method)
+        else:
+            delattr(owner, method)
+
+
+class _Never(Phases):
+    """Ranges no window opens: it follows nothing (so holds on to nothing)."""
+
+    def follow(self, owner: Any, ranges: Mapping[str, str]) -> None:
+        return None
+
+
 #: What an adapter holds until a loop gives it its own: always off.
-OFF = Phases()
+OFF = _Never()

@@ -170,13 +170,13 @@ class Plan:
         # run.json holds the lengths as a JSON list: the plan read back must equal the one written.
         object.__setattr__(self, "shard_lengths", tuple(int(n) for n in self.shard_lengths))
 
-    @property
+    # Cached: the step path asks a dozen times a step (the plan never changes; the cache is
+    # no field, so equality, asdict and replace are the fields' alone).
+    @functools.cached_property
     def sharded_data(self) -> bool:
         """Whether the training data is read as streams of shards (step/stream_order.py)."""
         return bool(self.shard_lengths)
 
-    # Cached: the step path asks a dozen times a step (the plan never changes; the cache is
-    # no field, so equality, asdict and replace are the fields' alone).
     @functools.cached_property
     def global_batch(self) -> int:
         return self.items_per_micro_batch * self.micro_batches

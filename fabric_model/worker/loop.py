@@ -74,6 +74,11 @@ log = logging.getLogger(__name__)
 REPORTS_KEPT = 1024
 
 
+#: The loop's parts of a step that a profile window's named ranges time (profiling/phases.py,
+#: ``Phases.follow``): outside a window they run as they are, with no ``with`` on the step's path.
+STEP_RANGES = {"_step": ph.STEP, "_next_batch": ph.DATA, "_all_reduce": ph.REDUCE, "_report": ph.REPORT}
+
+
 class WorkerLeft(Exception):
     """This worker left the job after a step, told to by a preemption signal (worker/notice.py)."""
 
@@ -143,6 +148,10 @@ class TrainingLoop:
         inbox.on_written = self.uploads.confirmed  # the driver's word that a checkpoint is on disk
         # Named ranges of the step, free unless this worker profiles (train(profile=...): profiling/).
         self.phases = self.adapter.phases = Phases()
+        # The step's parts that are another object's method, held bound (STEP_RANGES).
+        self._next_batch: Callable[[Iterator[Any]], Any] = next  # a micro-batch from the loader
+        self._all_reduce: Callable[[Collective], None] = self.adapter.all_reduce
+        self.phases.follow(self, STEP_RANGES)
         device = str(getattr(collective, "device", "cpu"))
         self.profiler = StepProfiler(config.profile, self.phases, channel, device, context.worker_id)
         # What this worker holds of the state and how it moves (state/layouts.py): replicated, or
@@ -444,8 +453,9 @@ class TrainingLoop:
                 yield (epoch, step, j), indices + epoch * self.plan.num_samples if self._epoch_items else indices
 
     def _step(self, epoch: int, step: int, batches: Iterator[tuple[Hashable, np.ndarray, Any]]) -> bool:
-        """One step; returns whether the members voted to switch generation after it."""
-        plan, adapter, collective, phases = self.plan, self.adapter, self.collective, self.phases
+        """One step; returns whether the members voted to switch generation after it. (In a
+        profile window, the ``fabric_model/step`` range: STEP_RANGES.)"""
+        plan, adapter, collective, next_batch = self.plan, self.adapter, self.collective, self._next_batch
         self.context.epoch, self.context.step = epoch, step
         self.context.global_step = epoch * plan.steps_per_epoch + step
         step_weight = self.weighting.step_total(plan, self.order, epoch, step)
@@ -453,32 +463,29 @@ class TrainingLoop:
         steps = self._steps
         mine = steps.full if step < steps.full_steps else steps.mine(epoch, step)
         inbox, generation = self.inbox, collective.generation
-        with phases(ph.STEP):
-            adapter.begin_step(collective)
-            for position, j in enumerate(mine):
-                if inbox.abort_generation >= generation:  # (_check_abort's test, without its call)
-                    self._check_abort()
-                with phases(ph.DATA):
-                    key, indices, batch = next(batches)
-                assert key == (epoch, step, j), f"loader out of order: {key} != {(epoch, step, j)}"
-                seed = self._seeds(epoch, step, j)
-                adapter.train_micro_batch(batch, weigh(indices), step_weight, seed, last=position == len(mine) - 1)
-            # The micro-batch count and the switch vote ride in the same allreduce, so every
-            # member reads the same sums. A lone worker sums nothing: its count is its own
-            # (``_step_done``), and a tensor write a step is a tenth of a null step's overhead.
-            if collective.world_size > 1:
-                adapter.count_micro_batches(len(mine))
-            stopping = self.inbox.stop_together is not None  # the job stops: every member leaves
-            leaving = self.voted_leave = self.notice.requested or stopping
-            if leaving or self.inbox.pending_generation > collective.generation:
-                adapter.vote_switch(leaving, stopping)
-            # A sharded state's snapshot: rank 0's clock decides for every member (state/uploader.py).
-            if self.uploads.agreed and collective.rank == 0 and self.uploads.snapshot_due(self.next_unit + 1):
-                adapter.vote_snapshot()
-            with phases(ph.REDUCE):
-                adapter.all_reduce(collective)
-            result = adapter.finish_step()
-            return self._step_done(epoch, step, mine, result)
+        adapter.begin_step(collective)
+        for position, j in enumerate(mine):
+            if inbox.abort_generation >= generation:  # (_check_abort's test, without its call)
+                self._check_abort()
+            key, indices, batch = next_batch(batches)
+            assert key == (epoch, step, j), f"loader out of order: {key} != {(epoch, step, j)}"
+            seed = self._seeds(epoch, step, j)
+            adapter.train_micro_batch(batch, weigh(indices), step_weight, seed, last=position == len(mine) - 1)
+        # The micro-batch count and the switch vote ride in the same allreduce, so every
+        # member reads the same sums. A lone worker sums nothing: its count is its own
+        # (``_step_done``), and a tensor write a step is a tenth of a null step's overhead.
+        if collective.world_size > 1:
+            adapter.count_micro_batches(len(mine))
+        stopping = self.inbox.stop_together is not None  # the job stops: every member leaves
+        leaving = self.voted_leave = self.notice.requested or stopping
+        if leaving or self.inbox.pending_generation > collective.generation:
+            adapter.vote_switch(leaving, stopping)
+        # A sharded state's snapshot: rank 0's clock decides for every member (state/uploader.py).
+        if self.uploads.agreed and collective.rank == 0 and self.uploads.snapshot_due(self.next_unit + 1):
+            adapter.vote_snapshot()
+        self._all_reduce(collective)
+        result = adapter.finish_step()
+        return self._step_done(epoch, step, mine, result)
 
     def _step_done(self, epoch: int, step: int, mine: Any, result: Any) -> bool:
         """The step's stats into the loop's sums, its report, the loggers; returns the switch vote."""
@@ -498,8 +505,7 @@ class TrainingLoop:
             result.micro_batches if collective.world_size > 1 else len(mine),
             result.grad_norm,
         )
-        with self.phases(ph.REPORT):
-            self._report(report)
+        self._report(report)
         if self._logs_train:
             with self.phases(ph.CALLBACKS):
                 metrics = stat_means(adapter.stat_names, stats)

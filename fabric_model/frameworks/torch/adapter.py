@@ -182,6 +182,7 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
     def _drop_step(self) -> None:
         if self._step is not None:
             self._step.deactivate()
+            self.phases.unfollow(self._step)
         self._step = None
 
     def gradient_bytes(self) -> int:
@@ -226,6 +227,7 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
             self._drop_step()
             step = self._step = choose_step(self, self._buffer, world_size)
             step.activate()
+            self.phases.follow(step, step.ranges)  # its parts in a profile window's ranges (profiling/phases.py)
         step.begin(collective)
 
     def train_micro_batch(self, batch: Any, num_samples: int, step_samples: int, seed: int, last: bool = False) -> None:

@@ -6,11 +6,16 @@ A strategy (docs/architecture.md, "Adding a step mode") is made for one generati
 :meth:`TorchStep.finish`. It owns how gradients reach the step buffer, how the buffer is reduced,
 and (through its :class:`~.update.WholeUpdate`) how the update is applied; the adapter owns the
 framework's part: the model's call, its buffers, metrics, seeding and the device.
+
+The parts of a micro-batch and of a step that a profile window times are methods named in
+:attr:`TorchStep.ranges` (profiling/phases.py, ``Phases.follow``): outside a window they run as
+they are, with no ``with`` on the step's path.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,6 +37,17 @@ class TorchStep:
     #: must give the same bits (deterministic=True).
     buffers_in_place = False
 
+    #: The methods a profile window's named ranges time (``Phases.follow``: the adapter's phases follow the strategy).
+    ranges = {
+        "prepare": ph.SEED,
+        "forward": ph.FORWARD,
+        "backward": ph.BACKWARD,
+        "record_buffers": ph.BUFFERS,
+        "add_stats": ph.STATS,
+        "settle_buffers": ph.BUFFERS,
+        "apply_update": ph.OPTIMIZER,
+    }
+
     def __init__(self, adapter: Any, buffer: StepBuffer, update: WholeUpdate, world_size: int) -> None:
         self.adapter, self.buffer, self.update, self.world_size = adapter, buffer, update, world_size
         self.params: list[torch.Tensor] = adapter.params
@@ -40,10 +56,18 @@ class TorchStep:
         self.fresh = False  # this micro-batch's backward writes fresh gradients, not into the views
         self.got = [0.0] * len(self.params)  # the got-gradient flags, written to the buffer per micro-batch
         self.buf_start: list[torch.Tensor] = []
-        self.sums: TensorSums | PythonSums = TensorSums(adapter, buffer)
+        self.sums: TensorSums | PythonSums = self.make_sums()
+        # Parts that are another object's method, held bound (no call of ours around them, ``ranges``).
+        self.forward: Callable[[Any, Any], tuple[Any, torch.Tensor]] = adapter.forward
+        self.add_stats: Callable[[torch.Tensor, Any, Any, int], None] = self.sums.add
+        self.apply_update: Callable[[], None] = update.apply
         self.seed_generators = adapter.seeder()  # (decided once: the model's generators are found at set-up)
         #: Whether the model has forward-updated buffers to carry through the step (decided once).
         self.has_buffers = bool(adapter.buffer_slots)
+
+    def make_sums(self) -> TensorSums | PythonSums:
+        """Where the step's stat sums are added (decided once)."""
+        return TensorSums(self.adapter, self.buffer)
 
     # -- a generation -----------------------------------------------------------------------
     def activate(self) -> None:
@@ -71,26 +95,28 @@ class TorchStep:
     def micro_batch(self, batch: Any, num_samples: int, step_samples: int, seed: int, last: bool) -> None:
         """One micro-batch of this worker's share of the step (``last``: its last one): the batch
         on the device, the buffers at the step's values, the generators seeded, then :meth:`learn`."""
-        adapter = self.adapter
-        with adapter.phases(ph.SEED):
-            inputs, target = adapter.on_device(batch)
-            # Forward-updated buffers (BatchNorm statistics) start every micro-batch from the
-            # step's values, so the result does not depend on how micro-batches are divided.
-            if not self.buffers_at_start and self.has_buffers:
-                adapter.restore_buffers(self.buf_start)
-            self.buffers_at_start = False
-            self.seed_generators(seed)
+        inputs, target = self.prepare(batch, seed)
         self.learn(inputs, target, num_samples / step_samples, num_samples, last)
+
+    def prepare(self, batch: Any, seed: int) -> tuple[Any, Any]:
+        """The batch's ``(inputs, target)`` on the device, the buffers at the step's values, the generators seeded."""
+        adapter = self.adapter
+        inputs, target = adapter.on_device(batch)
+        # Forward-updated buffers (BatchNorm statistics) start every micro-batch from the
+        # step's values, so the result does not depend on how micro-batches are divided.
+        if not self.buffers_at_start and self.has_buffers:
+            adapter.restore_buffers(self.buf_start)
+        self.buffers_at_start = False
+        self.seed_generators(seed)
+        return inputs, target
 
     #: The micro-batch's computation, for a strategy whose ``micro_batch`` wraps it (one name, no extra call).
     compute = micro_batch
 
     def learn(self, inputs: Any, target: Any, share: float, num_samples: int, last: bool) -> None:
         """The model's forward and loss, backward into the gradients, the buffers' changes, the sums."""
-        adapter, phases = self.adapter, self.adapter.phases
-        with phases(ph.FORWARD):
-            output, loss = adapter.forward(inputs, target)
-        weight = share * adapter.grad_step.scale  # float16's loss scale (1 otherwise), divided out after
+        output, loss = self.forward(inputs, target)
+        weight = share * self.adapter.grad_step.scale  # float16's loss scale (1 otherwise), divided out after
         if not self.fresh:
             self.buffer.materialize()  # after the forward: its peak memory holds no gradients (stage 2)
             self.buffer.ensure_grad_views()
@@ -100,19 +126,20 @@ class TorchStep:
         if self.fresh and share == 1.0 and self.buffers_in_place:
             self.buffers_as_left = True
         elif not self.fresh or self.has_buffers:
-            with phases(ph.BUFFERS):
-                if not self.fresh:
-                    self.write_flags()
-                # No torch.no_grad() here or in finish: every operand is detached or a buffer, so
-                # nothing is recorded, and entering the context costs ~20 us after a backward.
-                if self.has_buffers:
-                    self.add_buffer_deltas(share)  # unscaled: the loss scale is the gradients' only
-        with phases(ph.STATS):
-            self.sums.add(loss, output, target, num_samples)
+            self.record_buffers(share)
+        self.add_stats(loss, output, target, num_samples)
 
     def backward(self, loss: torch.Tensor, weight: float, last: bool) -> None:
-        with self.adapter.phases(ph.BACKWARD):
-            (loss if weight == 1.0 else loss * weight).backward()  # x * 1.0 == x: one op less
+        (loss if weight == 1.0 else loss * weight).backward()  # x * 1.0 == x: one op less
+
+    def record_buffers(self, share: float) -> None:
+        """The micro-batch's got-gradient flags (gradients in the views) and buffer changes into the step buffer."""
+        if not self.fresh:
+            self.write_flags()
+        # No torch.no_grad() here or in finish: every operand is detached or a buffer, so
+        # nothing is recorded, and entering the context costs ~20 us after a backward.
+        if self.has_buffers:
+            self.add_buffer_deltas(share)  # unscaled: the loss scale is the gradients' only
 
     def add_buffer_deltas(self, weight: float) -> None:
         # Reduce what the forward pass changed, not the values: a buffer the forward leaves
@@ -139,19 +166,17 @@ class TorchStep:
     def finish(self) -> StepResult:
         # Outside torch.no_grad(), as in a plain loop: the optimizer's step and clipping set
         # their own grad mode, and the buffers and gradients written here record nothing.
-        phases, buffer = self.adapter.phases, self.buffer
+        buffer = self.buffer
         unused: list[int] = []
         if not self.fresh or self.has_buffers:  # (fresh gradients and no buffers: nothing to settle)
-            with phases(ph.BUFFERS):
-                unused = self.settle_buffers()
-        with phases(ph.OPTIMIZER):  # float16's unscale and overflow check, then clipping, then the step
-            self.update.apply()
+            unused = self.settle_buffers()
+        self.apply_update()  # float16's unscale and overflow check, then clipping, then the step
         if not self.fresh:  # (a lone worker's full buffer holds no memory: None stays, as in a plain loop)
             for i in unused:
                 self.params[i].grad = buffer.grad_views[i]
         self.in_step = False
         tail = self.read_tail()
-        self.update.after(buffer, self.collective, phases)
+        self.update.after(buffer, self.collective, self.adapter.phases)
         self.sums.into(tail)
         result = buffer.layout.result(tail)
         norm = self.update.grad_step.last_norm

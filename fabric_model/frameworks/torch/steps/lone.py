@@ -13,7 +13,7 @@ from typing import Any
 
 from ..step_buffer import StepBuffer
 from .base import TorchStep
-from .sums import PythonSums
+from .sums import PythonSums, TensorSums
 from .update import WholeUpdate
 
 
@@ -25,8 +25,6 @@ class LoneStep(TorchStep):
     def __init__(self, adapter: Any, buffer: StepBuffer, update: WholeUpdate, world_size: int) -> None:
         super().__init__(adapter, buffer, update, world_size)
         self.fresh = True
-        if adapter.device.type == "cpu":
-            self.sums = PythonSums(adapter, buffer.full_layout.n_stats)
         # Whether a step writes the lone buffer itself: buffer deltas, sums in the buffer. If
         # not, the buffer holds zeros but where code outside the step wrote (a vote: ``lent``),
         # and a step neither zeroes it nor reads it back (two tensor operations a step; on a
@@ -34,6 +32,11 @@ class LoneStep(TorchStep):
         self.writes = self.has_buffers or not isinstance(self.sums, PythonSums)
         layout = buffer.full_layout
         self.tail_size = layout.n_stats + 1 + layout.LOOP_SLOTS  # (the tail: step/layout.py)
+
+    def make_sums(self) -> TensorSums | PythonSums:
+        if self.adapter.device.type == "cpu":
+            return PythonSums(self.adapter, self.buffer.full_layout.n_stats)
+        return super().make_sums()
 
     def begin_buffer(self) -> None:
         buffer = self.buffer

@@ -375,9 +375,8 @@ class Driver:
             final = self._final = self._check_finished_replicas(final)
         steps = self.progress.iteration  # from the run's start (a resumed run's history starts later)
         if self.ending.requested:
-            line = f"training stopped by stop_training() after step {steps}"
-            log.info("%s", line)
-            self.hooks.note(line)
+            log.info("training stopped by stop_training() after step %d", steps)
+            self.hooks.note(f"training stopped by stop_training() after step {steps}")
         elif final.divergence is None and steps < config.epochs * self.schedule.plan.steps_per_epoch:
             # every replica skipped to the end alike
             epochs = steps // self.schedule.plan.steps_per_epoch

@@ -28,8 +28,9 @@ SAID_BY_THE_DISPLAY = (
     "generation %d ending: %s",
     "worker %d lost: %s",
     "generation %d: %d worker(s) %s on %s, resuming at unit %d (%s)",
-    "checkpoint %s after epoch %d (%.3f s)",  # the epoch's line gets a mark
+    "checkpoint %s %s (%.3f s)",  # the epoch's line gets a mark (state/writer.py)
     "training stopped by a callback after epoch %d",  # a note of the display's
+    "training stopped by stop_training() after step %d",  # likewise
     # A preemption: the display's last line says where it stopped and how to resume.
     "%s: stopping training and saving the newest state (FABRIC_MODEL_PREEMPT_GRACE %.0f s)",
     "%s: saved %s in %.2f s",

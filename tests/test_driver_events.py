@@ -18,6 +18,7 @@ from typing import Any
 from unittest import mock
 
 import pytest
+import torch
 
 from fabric_model.driver import driver as driver_module
 from fabric_model.driver.driver import EXIT_DRAIN, Driver, DriverSetup
@@ -29,6 +30,8 @@ from fabric_model.run.hooks import Hooks
 from fabric_model.run.metrics_log import read_records
 from fabric_model.run.rundir import RunDirectory
 from fabric_model.setup.config import EngineSizing, SnapshotCadence, Timeouts, TrainConfig
+from fabric_model.state import wire
+from fabric_model.state.checkpoint import state_record
 from fabric_model.step.plan import Plan
 from fabric_model.transport import protocol as p
 from fabric_model.transport.control import ControlServer
@@ -318,3 +321,54 @@ def test_a_halt_gives_up_on_the_asked_worker_s_exit_only_once_all_it_sent_was_re
     harness.clock.now += EXIT_DRAIN * 1.1
     harness.driver.tick()
     assert asked() == [0, 1]  # nothing came within the bound: the next member is asked
+
+
+def _preempted_with_step_1_committed(harness: Harness) -> None:
+    """Rank 0 reported steps 0 and 1 (the committed unit is 2), then the driver was told to go
+    and asked rank 0 for its state."""
+    harness.start()
+    harness.step(0, 0)
+    harness.step(0, 1)
+    assert harness.driver.progress.committed_unit == 2
+    harness.watch.signal_name, harness.watch.received = "SIGTERM", harness.clock.now  # as a caught signal
+    harness.driver.preempt()
+
+
+def _leaves_with_a_snapshot(harness: Harness, worker: int, unit: int) -> None:
+    """``worker``, rank 0 of generation 0, leaving on a notice of its own: its snapshot of
+    ``unit``, its LeftGeneration, and its connection's end, in that order."""
+    model = {"w": torch.full((3,), float(unit))}
+    record = state_record(harness.driver.schedule, unit, "torch", PLAN.items_per_micro_batch, model, {"state": {}})
+    harness.driver.handle(worker, p.StateChunk(0, unit, "snapshot", 0, wire.encode(record), last=True))
+    harness.driver.handle(worker, p.LeftGeneration(0, unit, False, "leaves (SIGTERM)", True))
+    harness.driver.handle(worker, p.ConnectionLost("ended"))
+
+
+def _answers_behind(harness: Harness, worker: int, unit: int) -> None:
+    harness.driver.handle(worker, p.FinalState({"w": torch.zeros(3)}, {"state": {}}, unit))
+
+
+def test_a_member_s_state_behind_the_committed_step_gives_way_to_the_snapshot_that_holds_it(harness: Harness):
+    """An abort can end a step's allreduce on rank 1 after it completed on rank 0, which reported
+    the step: rank 1 undoes it. Every process told to go, rank 0 leaves with its snapshot of the
+    committed unit, and rank 1, asked next, answers one step behind. The state kept is the
+    snapshot: a preempted run's checkpoint holds every step committed (CI once wrote rank 1's)."""
+    _preempted_with_step_1_committed(harness)
+    _leaves_with_a_snapshot(harness, 0, 2)
+    assert [w for w, _ in harness.sent(p.SendFinalState)] == [0, 1]
+    _answers_behind(harness, 1, 1)
+    final = harness.driver.final
+    assert final is not None and final.unit == 2 and final.worker == -1, final
+    assert harness.driver.progress.committed_unit == 2
+
+
+def test_a_member_s_state_behind_the_committed_step_is_the_result_only_when_nothing_holds_more(harness: Harness):
+    """The same, but rank 0 died without a snapshot: rank 1's state, one step behind, is the
+    newest there is. It is the result, and the step past it is un-committed (redone on resume)."""
+    _preempted_with_step_1_committed(harness)
+    harness.driver.handle(0, p.ConnectionLost("ended"))
+    assert [w for w, _ in harness.sent(p.SendFinalState)] == [0, 1]
+    _answers_behind(harness, 1, 1)
+    final = harness.driver.final
+    assert final is not None and final.unit == 1 and final.worker == 1, final
+    assert harness.driver.progress.committed_unit == 1

@@ -98,6 +98,10 @@ class Ending:
         self._moved_on, self._position, self._clock = moved_on, position, clock
         self.halt: Halt | None = None
         self._held: RestorePoint | None = None  # the saved state a preempted run writes, when no member sent one
+        # A member's state below the committed unit (see ``_behind_committed``): used only when
+        # no member or saved state holds more.
+        self._behind: FinalState | None = None
+        self._asked: set[int] = set()  # members asked so far: a late answer still counts
 
     @property
     def halted(self) -> bool:
@@ -141,10 +145,23 @@ class Ending:
             halt.candidates.clear()
         while (worker := halt.next(self._clock())) is not None:
             if self.membership.state(worker) is not WorkerState.GONE and self._send(worker, p.SendFinalState()):
+                self._asked.add(worker)
                 return None
+        return self._without_member()
+
+    def _without_member(self) -> FinalState:
+        """No member (left) to ask: the newest saved state, or a member's below the committed unit
+        when it holds more (``_behind_committed``)."""
+        halt = self.halt
+        assert halt is not None
+        limit = self.progress.committed_unit if halt.divergence is not None else self.schedule.total_units
+        restore = self.states.restore_point(limit)
+        behind = self._behind
+        if behind is not None and (restore is None or restore.unit < behind.unit):
+            return self._roll_back_to(behind)
         if halt.divergence is not None:
-            return self._saved_state(halt.divergence)
-        return self._requested_state() if halt.requested else self._held_state()
+            return self._saved_state(halt.divergence, restore)
+        return self._requested_state(restore) if halt.requested else self._held_state(restore)
 
     def handle(self, worker_id: int, message: Any) -> FinalState | None:
         """A message from ``worker_id`` while halted: only the state asked for matters (and who
@@ -162,17 +179,16 @@ class Ending:
             if not halt.stopping:
                 return self._held_state() if halt.preempted else self._requested_state()
             return None
-        if worker_id != halt.asked:
-            return None
-        if isinstance(message, p.FinalState):
+        if isinstance(message, p.FinalState) and worker_id in self._asked:
+            final = self._final_state(worker_id, message)
+            if message.unit < self.progress.committed_unit:
+                return self._behind_committed(worker_id, final)
             # Its steps below ``unit`` completed in an allreduce: the state handed back holds them.
             if self.progress.settle(message.unit, self.membership.generation) is not None:
                 self._moved_on()
-            rank = "rank 0, " if halt.divergence is not None and halt.divergence.reference == worker_id else ""
-            how = "stopped by stop_training()" if halt.requested else "stopped"
-            source = f"training {how}; worker {worker_id}'s state ({rank}{self._position(message.unit, False)})"
-            model_state = self.setup.frozen.complete(message.model_state, message.omitted)  # the job's frozen part
-            return FinalState(model_state, message.optimizer_state, worker_id, message.unit, halt.divergence, source)
+            return final  # the member asked, or one asked before whose answer came late
+        if worker_id != halt.asked:
+            return None
         if isinstance(message, (p.WorkerFailed, p.ConnectionLost)) or (
             isinstance(message, p.LeftGeneration) and message.leaving
         ):
@@ -186,7 +202,7 @@ class Ending:
         assert halt is not None
         if halt.preempted and now > watch.deadline - watch.reserve:
             log.warning("no member sent its state within the grace; keeping the newest state held")
-            return self._held_state()
+            return self._without_member()
         if halt.overdue(now) or self._asked_has_ended(now):
             return self._ask_next(halt.asked)
         return None
@@ -196,6 +212,47 @@ class Ending:
         snapshot, sent just before it exits, is the newest state (docs/architecture.md, "Preemption")."""
         assert self.halt is not None
         return self._ended(self.halt.asked, now)
+
+    def _final_state(self, worker_id: int, message: p.FinalState) -> FinalState:
+        halt = self.halt
+        assert halt is not None
+        rank = "rank 0, " if halt.divergence is not None and halt.divergence.reference == worker_id else ""
+        how = "stopped by stop_training()" if halt.requested else "stopped"
+        source = f"training {how}; worker {worker_id}'s state ({rank}{self._position(message.unit, False)})"
+        model_state = self.setup.frozen.complete(message.model_state, message.omitted)  # the job's frozen part
+        return FinalState(model_state, message.optimizer_state, worker_id, message.unit, halt.divergence, source)
+
+    def _behind_committed(self, worker_id: int, final: FinalState) -> FinalState | None:
+        """A member's state below the committed unit: the abort came while its step's allreduce
+        had completed on rank 0 (which reported the step) and not yet on this member, which undid
+        it. Ending with it would drop a committed step, so the next member is asked, and once none
+        is left the newest saved state counts (a leaving rank 0's snapshot holds the step); this
+        one only if nothing holds more (docs/architecture.md, "Preemption")."""
+        assert self.halt is not None
+        log.info(
+            "worker %d's state is at %s, below the last committed step; looking for a newer one",
+            worker_id,
+            self._position(final.unit, False),
+        )
+        if self._behind is None or final.unit > self._behind.unit:
+            self._behind = final
+        if worker_id != self.halt.asked:
+            return None  # a late answer: the member asked now may still send more
+        return self._ask_for_state()
+
+    def _roll_back_to(self, final: FinalState) -> FinalState:
+        """No member and no saved state holds the committed steps: the newest state a member sent
+        is the result, and the steps past it are un-committed (a resume redoes them; in the
+        metrics log the later record of a step wins)."""
+        log.warning(
+            "no member or saved state holds the last committed step: ending with %s; the steps from %s on "
+            "are redone on resume",
+            final.source,
+            self._position(final.unit, False),
+        )
+        self._behind = None
+        self.progress.roll_back(final.unit)
+        return final
 
     def _ask_next(self, worker_id: int) -> FinalState | None:
         """The member asked sent no state (it ended, or took too long): ask the next. Expected when
@@ -207,9 +264,8 @@ class Ending:
             log.warning("worker %d sent no state; asking the next member", worker_id)
         return self._ask_for_state()
 
-    def _saved_state(self, divergence: Divergence) -> FinalState:
-        """No member sent its state: the newest checkpoint or snapshot the driver holds."""
-        restore = self.states.restore_point(self.progress.committed_unit)
+    def _saved_state(self, divergence: Divergence, restore: RestorePoint | None) -> FinalState:
+        """No member sent its state: the newest checkpoint or snapshot the driver holds (``restore``)."""
         if restore is None:
             raise ReplicaDivergenceError(
                 f"replicas diverged {divergence.where}: {divergence.describe()}. No member sent its state and the "
@@ -241,10 +297,10 @@ class Ending:
             self._execute([AbortGeneration(self.membership.generation, tuple(members))])
         return self._ask_for_state()
 
-    def _requested_state(self) -> FinalState:
+    def _requested_state(self, restore: RestorePoint | None = None) -> FinalState:
         """No member sent its state after ``stop_training()``: the newest checkpoint or snapshot
         held (every member lost at once, or a sharded state's members that did not stop together)."""
-        restore = self.states.restore_point(self.schedule.total_units)
+        restore = restore or self.states.restore_point(self.schedule.total_units)
         if restore is None:
             raise RuntimeError(
                 "training was stopped by stop_training(), but no member sent its state and the driver holds no "
@@ -281,13 +337,13 @@ class Ending:
             self._execute([AbortGeneration(self.membership.generation, tuple(members))])
         return self._ask_for_state()
 
-    def _held_state(self) -> FinalState:
+    def _held_state(self, restore: RestorePoint | None = None) -> FinalState:
         """No member sent its state in time: the newest checkpoint or snapshot the driver holds
         (:meth:`save_preempted` writes a snapshot), else unit 0, the initial weights. The newest at
         any unit: rank 0 uploads a state after reporting its steps, and the last of them counts
         only at the next report (driver/ledger.py), so a state one step past the committed unit is
         the furthest any member held, its steps all done."""
-        self._held = restore = self.states.restore_point(self.schedule.total_units)
+        self._held = restore = restore or self.states.restore_point(self.schedule.total_units)
         log.info("the newest state held: %s", restore.name if restore is not None else "none (the initial weights)")
         if restore is None:
             return FinalState({}, {}, -1, 0, source="the initial weights")

@@ -45,6 +45,7 @@ LOG_FILE_ONLY = (
     # Which states a halt or a preemption could fall back on (driver/book.py, driver/driver.py).
     "%s from worker %d: %d bytes (generation %d)",
     "the newest state held: %s",
+    "worker %d's state is at %s, below the last committed step; looking for a newer one",
 )
 
 

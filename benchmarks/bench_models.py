@@ -171,7 +171,10 @@ class Quiet:
         pass
 
 
-def run_fabric(work: Workload, samples: int, batch: int, steps: int, warmup: int, run_dir: Path) -> float:
+def run_fabric(
+    work: Workload, samples: int, batch: int, steps: int, warmup: int, run_dir: Path, threads: int | None = None
+) -> float:
+    """FabricModel on 1 engine; ``threads``: ``num_dataloader_threads`` (None: train()'s default)."""
     from fabric_model import FabricModel
 
     torch.manual_seed(0)
@@ -187,7 +190,7 @@ def run_fabric(work: Workload, samples: int, batch: int, steps: int, warmup: int
         fn_batch_collate=work.collate,
     )
     epochs = -(-(steps + warmup) * batch // samples)
-    result = fm.train(epochs, batch, 1, run_dir=run_dir, seed=0, verbose=0, checkpoint_freq=0)
+    result = fm.train(epochs, batch, 1, threads, run_dir=run_dir, seed=0, verbose=0, checkpoint_freq=0)
     lines = (result.run_dir / "logs" / "metrics.jsonl").read_text().splitlines()
     stamps = sorted((r["iteration"], r["time"]) for r in map(json.loads, lines) if r.get("type") == "train")
     return span_rate([t for _, t in stamps], warmup, batch)
@@ -253,7 +256,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=150, help="timed steps per run, at least")
     parser.add_argument("--seconds", type=float, default=4.0, help="the plain loop's timed span, at least")
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps at the start of each run")
+    parser.add_argument(
+        "--reader-threads",
+        default="",
+        help="comma-separated num_dataloader_threads values, each a FabricModel run a round, in alternating "
+        "order (default: train()'s own)",
+    )
     args = parser.parse_args(argv)
+    variants: list[int | None] = [int(v) for v in args.reader_threads.split(",")] if args.reader_threads else [None]
     logging.getLogger("fabric_model").setLevel(logging.ERROR)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     chosen: dict[str, Any] = {**workloads(), "trainer": None}
@@ -269,31 +279,38 @@ def main(argv: list[str]) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="bench-models-"))
     try:
         for name, work in chosen.items():
-            ratios, plains, fabrics = [], [], []
+            plains: list[float] = []
+            fabrics: dict[int | None, list[float]] = {v: [] for v in variants}
 
             def plain_run(n: int, r: int, name: str = name, work: Any = work) -> float:
                 if work is None:  # Trainer's script under Trainer
                     return run_trainer(samples, args.batch_size, n, args.warmup, scratch / f"{name}-plain{r}")
                 return run_plain(work, samples, args.batch_size, n, args.warmup)
 
-            def fabric_run(n: int, r: int, name: str = name, work: Any = work) -> float:
+            def fabric_run(n: int, r: int, threads: int | None, name: str = name, work: Any = work) -> float:
+                out = scratch / f"{name}{r}-{threads}"
                 if work is None:  # the same under FabricTrainer
-                    return run_fabric_trainer(samples, args.batch_size, n, args.warmup, scratch / f"{name}{r}")
-                return run_fabric(work, samples, args.batch_size, n, args.warmup, scratch / f"{name}{r}")
+                    return run_fabric_trainer(samples, args.batch_size, n, args.warmup, out)
+                return run_fabric(work, samples, args.batch_size, n, args.warmup, out, threads)
 
             trial = plain_run(30, -1)  # steps of seconds, at least
             steps = max(args.steps, int(args.seconds * trial / args.batch_size))
             for r in range(args.rounds):
-                plain = plain_run(steps, r)
-                fabric = fabric_run(steps, r)
-                plains.append(plain)
-                fabrics.append(fabric)
-                ratios.append(fabric / plain)
-            print(
-                f"{name:<12} {steps:>6} {statistics.median(plains):>16,.0f} {statistics.median(fabrics):>17,.0f} "
-                f"{statistics.median(ratios):>7.2f}  [{min(ratios):.2f}-{max(ratios):.2f}]",
-                flush=True,
-            )
+                plains.append(plain_run(steps, r))
+                for threads in variants if r % 2 == 0 else variants[::-1]:  # neither always runs first
+                    fabrics[threads].append(fabric_run(steps, r, threads))
+            for threads, rates in fabrics.items():
+                ratios = [f / p for f, p in zip(rates, plains)]
+                label = name if threads is None else f"{name} t={threads}"
+                print(
+                    f"{label:<12} {steps:>6} {statistics.median(plains):>16,.0f} {statistics.median(rates):>17,.0f} "
+                    f"{statistics.median(ratios):>7.2f}  [{min(ratios):.2f}-{max(ratios):.2f}]",
+                    flush=True,
+                )
+            if len(variants) == 2:  # paired within each round: which read faster, how often
+                a, b = variants
+                wins = sum(x > y for x, y in zip(fabrics[a], fabrics[b]))
+                print(f"{'':<12} t={a} faster than t={b} in {wins} of {args.rounds} rounds", flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return 0

@@ -182,9 +182,9 @@ class FabricModel(InferenceMixin):
                 batch. Default: one per local GPU (1 on CPU).
             num_dataloader_threads: threads per worker reading upcoming micro-batches (0: none).
                 Default: none for a dataset read in one gather (a ``TensorDataset``, one with
-                ``__getitems__``), else one per two of the worker's cores, up to 4. Every sample is
-                read after its seeds are set; a dataset that draws from torch's global generator is
-                read on the training thread (docs/deterministic.md, "Augmentation").
+                ``__getitems__``, a list or tuple of samples), else one per two of the worker's
+                cores, up to 4. Every sample is read after its seeds are set; a dataset that draws
+                from torch's global generator is read on the training thread (docs/deterministic.md, "Augmentation").
             validation_freq: validate after every ``validation_freq``-th epoch.
             checkpoint_freq: checkpoint after every ``checkpoint_freq``-th epoch (0: never).
             effective_batch_size: the global batch, a multiple of ``batch_size``; see

@@ -176,6 +176,25 @@ def test_a_dataset_with_getitems_is_asked_once_per_micro_batch() -> None:
     assert got == [[(2, -2)], [(3, -3), (5, -5)]]
 
 
+def test_a_list_of_samples_is_taken_at_once_and_read_on_the_training_thread() -> None:
+    """A list's samples are in memory: a micro-batch is its items taken in one call, in the
+    plan's order, collated on the training thread by default (no reader thread to hand over from:
+    benchmarks/README.md, "Real models, one engine beside their plain loops"). A subclass may
+    override ``__getitem__``, so it is read item by item, as before."""
+    samples = [(i, -i) for i in range(10)]
+    assert fetch(samples, np.array([7, 2, 7]), list) == [(7, -7), (2, -2), (7, -7)]
+    assert fetch(tuple(samples), np.array([3]), list) == [(3, -3)]
+    assert reads_at_once(samples, None) and reads_at_once(tuple(samples), None)
+    assert loader_threads(None, reads_at_once(samples, None), 2) == 0
+
+    class Augmented(list):
+        def __getitem__(self, i):  # type: ignore[no-untyped-def]
+            return ("augmented", super().__getitem__(i))
+
+    assert not reads_at_once(Augmented(samples), None)
+    assert fetch(Augmented(samples), np.array([1]), list) == [("augmented", (1, -1))]
+
+
 def test_loader_threads_default_counts_the_workers_cores() -> None:
     assert loader_threads(3, True, 2) == 3  # the user's number stands
     assert loader_threads(None, True, 16) == 0  # one gather: no thread to hand it over

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import operator
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
@@ -26,7 +27,11 @@ def fetch(dataset: Any, indices: np.ndarray, collate: Collate) -> Any:
     """Read ``indices`` from ``dataset`` and collate them into one batch.
 
     A dataset with ``__getitems__`` (torch's batched-read protocol, as its ``DataLoader``
-    uses it) is asked once for all of them; any other item by item."""
+    uses it) is asked once for all of them, a list or tuple in one C call; any other item by item."""
+    if type(dataset) in (list, tuple):
+        return collate(
+            list(operator.itemgetter(*indices.tolist())(dataset)) if len(indices) > 1 else [dataset[int(indices[0])]]
+        )
     getitems = getattr(dataset, "__getitems__", None)
     if callable(getitems):
         return collate(getitems([int(i) for i in indices]))
@@ -34,8 +39,9 @@ def fetch(dataset: Any, indices: np.ndarray, collate: Collate) -> Any:
 
 
 def reads_at_once(dataset: Any, reader: Reader | None) -> bool:
-    """Whether a micro-batch of ``dataset`` is one read (a gather, ``__getitems__``), not one per sample."""
-    return reader is not None or callable(getattr(dataset, "__getitems__", None))
+    """Whether a micro-batch of ``dataset`` is one read (a gather, ``__getitems__``, a list's
+    items taken at once), not one per sample: such reads stay on the training thread by default."""
+    return reader is not None or type(dataset) in (list, tuple) or callable(getattr(dataset, "__getitems__", None))
 
 
 def loader_threads(requested: int | None, at_once: bool, cores: int) -> int:
@@ -43,8 +49,11 @@ def loader_threads(requested: int | None, at_once: bool, cores: int) -> int:
 
     The default counts the readers in the worker's thread budget: on 2 cores every reader
     thread takes time from the compute threads, and a micro-batch read in one gather costs
-    less than handing it over from another thread, so such a dataset gets none. Item by item,
-    reading overlaps compute: one thread per two cores, up to 4."""
+    less than handing it over from another thread, so such a dataset gets none. A list's
+    samples are in memory already: its collate, under the interpreter's lock on any thread,
+    is all there is to read, and on a reader thread it ran slower (benchmarks/README.md,
+    "Real models, one engine beside their plain loops"). Item by item, reading overlaps
+    compute: one thread per two cores, up to 4."""
     if requested is not None:
         return requested
     return 0 if at_once else max(1, min(4, cores // 2))

@@ -6,7 +6,8 @@ Training halts (driver/halt.py says who is asked): the generation is aborted and
 are asked for their state, rank 0 first, or, with a sharded optimizer state, told to stop
 together. While halted, :class:`Ending` alone reads the members' messages and the deadlines,
 until there is a state to end with: the one a member sent, else the newest saved one the driver
-holds. A preempted run's state is then written as a checkpoint and ``Preempted`` raised.
+holds (a member's state below the committed unit only when nothing holds more). A preempted
+run's state is then written as a checkpoint and ``Preempted`` raised.
 
 Each entry point returns the run's final state (:class:`FinalState`) once it has one (None
 until then); the driver keeps it, as it keeps the one a finished run's rank 0 sends.

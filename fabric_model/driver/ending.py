@@ -178,7 +178,7 @@ class Ending:
                 log.warning("worker %d did not stop with the others; keeping the newest state held", worker_id)
                 halt.stopping.clear()
             if not halt.stopping:
-                return self._held_state() if halt.preempted else self._requested_state()
+                return self._without_member()
             return None
         if isinstance(message, p.FinalState) and worker_id in self._asked:
             final = self._final_state(worker_id, message)
@@ -298,10 +298,9 @@ class Ending:
             self._execute([AbortGeneration(self.membership.generation, tuple(members))])
         return self._ask_for_state()
 
-    def _requested_state(self, restore: RestorePoint | None = None) -> FinalState:
+    def _requested_state(self, restore: RestorePoint | None) -> FinalState:
         """No member sent its state after ``stop_training()``: the newest checkpoint or snapshot
         held (every member lost at once, or a sharded state's members that did not stop together)."""
-        restore = restore or self.states.restore_point(self.schedule.total_units)
         if restore is None:
             raise RuntimeError(
                 "training was stopped by stop_training(), but no member sent its state and the driver holds no "
@@ -338,13 +337,13 @@ class Ending:
             self._execute([AbortGeneration(self.membership.generation, tuple(members))])
         return self._ask_for_state()
 
-    def _held_state(self, restore: RestorePoint | None = None) -> FinalState:
+    def _held_state(self, restore: RestorePoint | None) -> FinalState:
         """No member sent its state in time: the newest checkpoint or snapshot the driver holds
         (:meth:`save_preempted` writes a snapshot), else unit 0, the initial weights. The newest at
         any unit: rank 0 uploads a state after reporting its steps, and the last of them counts
         only at the next report (driver/ledger.py), so a state one step past the committed unit is
         the furthest any member held, its steps all done."""
-        self._held = restore = restore or self.states.restore_point(self.schedule.total_units)
+        self._held = restore
         log.info("the newest state held: %s", restore.name if restore is not None else "none (the initial weights)")
         if restore is None:
             return FinalState({}, {}, -1, 0, source="the initial weights")

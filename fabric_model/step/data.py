@@ -23,12 +23,17 @@ def is_map_dataset(obj: Any) -> bool:
     return hasattr(obj, "__len__") and hasattr(obj, "__getitem__")
 
 
+def is_sample_list(dataset: Any) -> bool:
+    """A plain list or tuple of samples (not a subclass: it may override ``__getitem__``)."""
+    return type(dataset) in (list, tuple)
+
+
 def fetch(dataset: Any, indices: np.ndarray, collate: Collate) -> Any:
     """Read ``indices`` from ``dataset`` and collate them into one batch.
 
     A dataset with ``__getitems__`` (torch's batched-read protocol, as its ``DataLoader``
     uses it) is asked once for all of them, a list or tuple in one C call; any other item by item."""
-    if type(dataset) in (list, tuple):
+    if is_sample_list(dataset):
         return collate(
             list(operator.itemgetter(*indices.tolist())(dataset)) if len(indices) > 1 else [dataset[int(indices[0])]]
         )
@@ -41,7 +46,7 @@ def fetch(dataset: Any, indices: np.ndarray, collate: Collate) -> Any:
 def reads_at_once(dataset: Any, reader: Reader | None) -> bool:
     """Whether a micro-batch of ``dataset`` is one read (a gather, ``__getitems__``, a list's
     items taken at once), not one per sample: such reads stay on the training thread by default."""
-    return reader is not None or type(dataset) in (list, tuple) or callable(getattr(dataset, "__getitems__", None))
+    return reader is not None or is_sample_list(dataset) or callable(getattr(dataset, "__getitems__", None))
 
 
 def loader_threads(requested: int | None, at_once: bool, cores: int) -> int:

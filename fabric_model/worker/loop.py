@@ -42,6 +42,7 @@ from ..step.data import (
     fetch,
     first_of,
     is_batch_level,
+    is_sample_list,
     loader_threads,
     own_shuffle,
     reads_at_once,
@@ -406,7 +407,7 @@ class TrainingLoop:
         if isinstance(dataset, StreamedDataset):
             # A stream is read front to back: one thread reads ahead, in the plan's order.
             threads = min(threads, 1) if self.config.num_dataloader_threads is not None else 1
-        if reader is not None or (type(dataset) in (list, tuple) and self.adapter.own_collate):
+        if reader is not None or (is_sample_list(dataset) and self.adapter.own_collate):
             return PrefetchLoader(dataset, collate, threads, reader)  # no user code reads: none draws
         seeded = self._seeded_reads.get(id(dataset))
         if seeded is None:  # one per dataset: its first read, made once, says where the rest run

@@ -9,9 +9,7 @@ import numpy as np
 import pytest
 
 from fabric_model.errors import RemoteTraceback, WorkerError, encode_exception, rebuild_exception
-from fabric_model.orchestrator.run_setup import deterministic_threads, worker_threads
 from fabric_model.setup.config import size_engines, threads_per_worker
-from fabric_model.setup.cores import usable_cores
 from fabric_model.step.digest import state_digest
 from fabric_model.step.metrics import EpochAverage, stat_means
 from fabric_model.step.plan import (
@@ -144,19 +142,6 @@ def test_threads_are_shared_fairly():
     assert threads_per_worker(2, cpu_count=2) == 1
     assert threads_per_worker(3, cpu_count=16) == 5
     assert threads_per_worker(4, cpu_count=2) == 1
-
-
-def test_a_lone_cpu_worker_on_the_driver_s_host_leaves_the_driver_a_core():
-    assert threads_per_worker(1, cpu_count=2, beside_driver=True) == 1
-    assert threads_per_worker(1, cpu_count=16, beside_driver=True) == 15
-    assert threads_per_worker(1, cpu_count=1, beside_driver=True) == 1
-    assert threads_per_worker(2, cpu_count=4, beside_driver=True) == 2  # several share the cores as before
-    assert threads_per_worker(1, cpu_count=2) == 2  # a hand-started worker's host has no driver
-    cores = usable_cores()
-    assert worker_threads(False, None, 0, 1) == max(1, cores - 1)
-    assert worker_threads(False, None, 0, 2) == max(1, cores // 2)
-    assert worker_threads(False, None, 1, 1) == cores  # a GPU worker's host threads: every core, as before
-    assert worker_threads(True, None, 0, 1) == deterministic_threads()  # deterministic=True: one count everywhere
 
 
 def test_epoch_average_is_sample_weighted_and_resets_each_epoch():

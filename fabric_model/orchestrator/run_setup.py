@@ -139,9 +139,7 @@ def worker_threads(deterministic: bool, ray_cluster: Any, gpus: int, max_workers
     """Intra-op threads per CPU worker: a fixed count when deterministic, else a fair share of the cores."""
     if deterministic:
         return deterministic_threads()
-    if ray_cluster:
-        return int(ray_cluster.threads)
-    return threads_per_worker(1) if gpus else threads_per_worker(max_workers, beside_driver=True)
+    return int(ray_cluster.threads) if ray_cluster else threads_per_worker(1 if gpus else max_workers)
 
 
 def make_deterministic(framework: str, adapter: Any, max_micro_batches: int) -> Any:

@@ -143,16 +143,9 @@ def size_engines(per_micro_batch: int, engines_number: int | None, effective_bat
     return EngineSizing(engines, engines, per_micro_batch * engines)
 
 
-def threads_per_worker(workers_on_host: int, cpu_count: int | None = None, *, beside_driver: bool = False) -> int:
-    """A fair share of this host's cores for each CPU worker's intra-op threads (at least 1).
-
-    ``beside_driver``: the workers run on the driver's host. A lone worker there leaves the
-    driver a core: torch's thread team waits at every parallel region for its slowest thread,
-    so a driver that takes a core from one of them stalls the whole step (docs/architecture.md,
-    "Devices")."""
+def threads_per_worker(workers_on_host: int, cpu_count: int | None = None) -> int:
+    """A fair share of this host's cores for each CPU worker's intra-op threads (at least 1)."""
     cores = cpu_count if cpu_count is not None else usable_cores()
-    if beside_driver and workers_on_host == 1:
-        cores -= 1
     return max(1, cores // max(1, workers_on_host))
 
 

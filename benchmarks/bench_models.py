@@ -1,8 +1,9 @@
 """The real-model corpus (tests/models) at speed: FabricModel on 1 engine against the plain loop its user writes.
 
-For each corpus model, one run of each, on the same data, batch, optimizer and threads:
+For each corpus model, one run of each, on the same data, batch and optimizer:
 
-  plain   a ``torch.utils.data.DataLoader`` (shuffled, the corpus' collate), and per step
+  plain   a ``torch.utils.data.DataLoader`` (shuffled, the corpus' collate), torch's default
+          intra-op threads (every core), and per step
           ``zero_grad``, the loss as the user computes it by hand, ``backward``, ``step`` and
           ``loss.item()`` (what a loop that logs its loss does; FabricModel reads it every step);
   fabric  ``FabricModel(model, ..., metrics=[]).train(epochs, batch, 1)`` with its defaults
@@ -144,7 +145,7 @@ def span_rate(times: list[float], warmup: int, batch: int) -> float:
 
 
 def run_plain(work: Workload, samples: int, batch: int, steps: int, warmup: int) -> float:
-    torch.set_num_threads(os.cpu_count() or 1)  # FabricModel's lone CPU worker takes every core
+    torch.set_num_threads(os.cpu_count() or 1)  # torch's default, as the user's script has it
     torch.manual_seed(0)
     model, optimizer = work.build()
     data = work.data(samples)
@@ -164,6 +165,17 @@ def run_plain(work: Workload, samples: int, batch: int, steps: int, warmup: int)
     return span_rate(times, warmup, batch)
 
 
+class IntraOpThreads:
+    """A worker callback that sets the lone worker's intra-op threads as it starts training (a
+    ``--worker-threads`` variant; ``train()`` chooses them otherwise)."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+
+    def on_train_begin(self) -> None:
+        torch.set_num_threads(self.threads)
+
+
 class Quiet:
     """A driver logger that prints nothing (in place of the progress display)."""
 
@@ -172,9 +184,17 @@ class Quiet:
 
 
 def run_fabric(
-    work: Workload, samples: int, batch: int, steps: int, warmup: int, run_dir: Path, threads: int | None = None
+    work: Workload,
+    samples: int,
+    batch: int,
+    steps: int,
+    warmup: int,
+    run_dir: Path,
+    threads: int | None = None,
+    worker_threads: int | None = None,
 ) -> float:
-    """FabricModel on 1 engine; ``threads``: ``num_dataloader_threads`` (None: train()'s default)."""
+    """FabricModel on 1 engine; ``threads``: ``num_dataloader_threads``, ``worker_threads``: the
+    worker's intra-op threads (None: train()'s choice)."""
     from fabric_model import FabricModel
 
     torch.manual_seed(0)
@@ -188,6 +208,7 @@ def run_fabric(
         metrics=[],
         driver_logger_callback=Quiet(),
         fn_batch_collate=work.collate,
+        worker_logger_callback=None if worker_threads is None else IntraOpThreads(worker_threads),
     )
     epochs = -(-(steps + warmup) * batch // samples)
     result = fm.train(epochs, batch, 1, threads, run_dir=run_dir, seed=0, verbose=0, checkpoint_freq=0)
@@ -262,8 +283,19 @@ def main(argv: list[str]) -> int:
         help="comma-separated num_dataloader_threads values, each a FabricModel run a round, in alternating "
         "order (default: train()'s own)",
     )
+    parser.add_argument(
+        "--worker-threads",
+        default="",
+        help="comma-separated intra-op thread counts of the lone worker, each a FabricModel run a round, in "
+        "alternating order (0: train()'s own: the cores shared among the host's workers)",
+    )
     args = parser.parse_args(argv)
-    variants: list[int | None] = [int(v) for v in args.reader_threads.split(",")] if args.reader_threads else [None]
+    # Each variant: (its label, num_dataloader_threads, the worker's intra-op threads); None: train()'s own.
+    variants: list[tuple[str, int | None, int | None]] = [("", None, None)]
+    if args.reader_threads:
+        variants = [(f"t={v}", int(v), None) for v in args.reader_threads.split(",")]
+    elif args.worker_threads:
+        variants = [(f"w={v}", None, int(v) or None) for v in args.worker_threads.split(",")]
     logging.getLogger("fabric_model").setLevel(logging.ERROR)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     chosen: dict[str, Any] = {**workloads(), "trainer": None}
@@ -280,37 +312,40 @@ def main(argv: list[str]) -> int:
     try:
         for name, work in chosen.items():
             plains: list[float] = []
-            fabrics: dict[int | None, list[float]] = {v: [] for v in variants}
+            fabrics: dict[str, list[float]] = {label: [] for label, _, _ in variants}
 
             def plain_run(n: int, r: int, name: str = name, work: Any = work) -> float:
                 if work is None:  # Trainer's script under Trainer
                     return run_trainer(samples, args.batch_size, n, args.warmup, scratch / f"{name}-plain{r}")
                 return run_plain(work, samples, args.batch_size, n, args.warmup)
 
-            def fabric_run(n: int, r: int, threads: int | None, name: str = name, work: Any = work) -> float:
-                out = scratch / f"{name}{r}-{threads}"
+            def fabric_run(
+                n: int, r: int, variant: tuple[str, int | None, int | None], name: str = name, work: Any = work
+            ) -> float:
+                label, threads, worker_threads = variant
+                out = scratch / f"{name}{r}-{label}"
                 if work is None:  # the same under FabricTrainer
                     return run_fabric_trainer(samples, args.batch_size, n, args.warmup, out)
-                return run_fabric(work, samples, args.batch_size, n, args.warmup, out, threads)
+                return run_fabric(work, samples, args.batch_size, n, args.warmup, out, threads, worker_threads)
 
             trial = plain_run(30, -1)  # steps of seconds, at least
             steps = max(args.steps, int(args.seconds * trial / args.batch_size))
             for r in range(args.rounds):
                 plains.append(plain_run(steps, r))
-                for threads in variants if r % 2 == 0 else variants[::-1]:  # neither always runs first
-                    fabrics[threads].append(fabric_run(steps, r, threads))
-            for threads, rates in fabrics.items():
+                for variant in variants if r % 2 == 0 else variants[::-1]:  # neither always runs first
+                    fabrics[variant[0]].append(fabric_run(steps, r, variant))
+            for variant_label, rates in fabrics.items():
                 ratios = [f / p for f, p in zip(rates, plains)]
-                label = name if threads is None else f"{name} t={threads}"
+                label = f"{name} {variant_label}".strip()
                 print(
                     f"{label:<12} {steps:>6} {statistics.median(plains):>16,.0f} {statistics.median(rates):>17,.0f} "
                     f"{statistics.median(ratios):>7.2f}  [{min(ratios):.2f}-{max(ratios):.2f}]",
                     flush=True,
                 )
-            if len(variants) == 2:  # paired within each round: which read faster, how often
-                a, b = variants
+            if len(variants) == 2:  # paired within each round: which ran faster, how often
+                a, b = (label for label, _, _ in variants)
                 wins = sum(x > y for x, y in zip(fabrics[a], fabrics[b]))
-                print(f"{'':<12} t={a} faster than t={b} in {wins} of {args.rounds} rounds", flush=True)
+                print(f"{'':<12} {a} faster than {b} in {wins} of {args.rounds} rounds", flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return 0

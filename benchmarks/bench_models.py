@@ -277,13 +277,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=150, help="timed steps per run, at least")
     parser.add_argument("--seconds", type=float, default=4.0, help="the plain loop's timed span, at least")
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps at the start of each run")
-    parser.add_argument(
+    variant_of = parser.add_mutually_exclusive_group()  # one thing varied at a time
+    variant_of.add_argument(
         "--reader-threads",
         default="",
         help="comma-separated num_dataloader_threads values, each a FabricModel run a round, in alternating "
         "order (default: train()'s own)",
     )
-    parser.add_argument(
+    variant_of.add_argument(
         "--worker-threads",
         default="",
         help="comma-separated intra-op thread counts of the lone worker, each a FabricModel run a round, in "
@@ -312,7 +313,9 @@ def main(argv: list[str]) -> int:
     try:
         for name, work in chosen.items():
             plains: list[float] = []
-            fabrics: dict[str, list[float]] = {label: [] for label, _, _ in variants}
+            # FabricTrainer takes neither variant: it runs once a round, with train()'s own choices.
+            runs = variants if work is not None else [("", None, None)]
+            fabrics: dict[str, list[float]] = {label: [] for label, _, _ in runs}
 
             def plain_run(n: int, r: int, name: str = name, work: Any = work) -> float:
                 if work is None:  # Trainer's script under Trainer
@@ -332,7 +335,7 @@ def main(argv: list[str]) -> int:
             steps = max(args.steps, int(args.seconds * trial / args.batch_size))
             for r in range(args.rounds):
                 plains.append(plain_run(steps, r))
-                for variant in variants if r % 2 == 0 else variants[::-1]:  # neither always runs first
+                for variant in runs if r % 2 == 0 else runs[::-1]:  # neither always runs first
                     fabrics[variant[0]].append(fabric_run(steps, r, variant))
             for variant_label, rates in fabrics.items():
                 ratios = [f / p for f, p in zip(rates, plains)]
@@ -342,8 +345,8 @@ def main(argv: list[str]) -> int:
                     f"{statistics.median(ratios):>7.2f}  [{min(ratios):.2f}-{max(ratios):.2f}]",
                     flush=True,
                 )
-            if len(variants) == 2:  # paired within each round: which ran faster, how often
-                a, b = (label for label, _, _ in variants)
+            if len(runs) == 2:  # paired within each round: which ran faster, how often
+                a, b = (label for label, _, _ in runs)
                 wins = sum(x > y for x, y in zip(fabrics[a], fabrics[b]))
                 print(f"{'':<12} {a} faster than {b} in {wins} of {args.rounds} rounds", flush=True)
     finally:

@@ -5,6 +5,8 @@ The state that rank 0 uploads is fenced: only rank 0 of the driver's current gen
 from __future__ import annotations
 
 import copy
+import pickle
+import struct
 import types
 
 import pytest
@@ -137,6 +139,9 @@ class _Metrics:
     def checkpoint(self, **record) -> None:
         self.checkpoints.append(record)
 
+    def flush(self) -> None:
+        pass
+
 
 def _chunks(generation: int, unit: int, kind: str, data: bytes, size: int = 1000) -> list[p.StateChunk]:
     parts = [data[i : i + size] for i in range(0, len(data), size)]
@@ -168,6 +173,44 @@ def test_only_rank_0_of_the_current_generation_may_upload_state(tmp_path):
     assert [q.name for q in tmp_path.iterdir()] == [checkpoint_name(10)]
     assert _same_record(decode_state((tmp_path / checkpoint_name(10)).read_bytes()), uploaded)
     assert metrics.checkpoints[0]["unit"] == 10 and metrics.checkpoints[0]["worker"] == 7
+
+
+class _RunsCode:
+    """A header value that would run code if unpickled with its names resolved."""
+
+    def __init__(self, marker) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_a_state_header_holds_plain_values_or_goes_as_torch_save_and_one_naming_code_is_refused(tmp_path):
+    model, opt = fresh_model_and_optimizer()
+    record = state_record(SCHEDULE, 10, "torch", BATCH, model.state_dict(), opt.state_dict())
+    record["shapes"], record["kinds"] = torch.Size([2, 3]), {"a", "b"}
+    data = wire.encode(record)
+    assert data[8:9] == b"\x80"  # plain values: a pickle the driver reads without resolving code
+    back = wire.assemble(data)
+    assert _same_record(back, record) and type(back["shapes"]) is torch.Size and back["kinds"] == {"a", "b"}
+    record["dtype"] = torch.float16  # a name besides plain values: torch.save's form, weights_only on reading
+    data = wire.encode(record)
+    assert data[8:10] == b"PK" and wire.assemble(data)["dtype"] is torch.float16
+
+    # A header naming code (an injected upload; only rank 0's is heard, and only with the job's
+    # secret): refused, nothing run, the last good state kept.
+    marker = tmp_path / "ran"
+    header = pickle.dumps({"skeleton": _RunsCode(marker), "specs": []}, protocol=pickle.HIGHEST_PROTOCOL)
+    with pytest.raises(pickle.UnpicklingError, match="open is not a plain value"):
+        wire.assemble(struct.pack("<Q", len(header)) + header)
+    checkpoints = CheckpointBook(tmp_path / "checkpoints", "torch", 3, SCHEDULE.units_per_epoch, _Metrics())
+    book = StateBook(checkpoints)
+    for chunk in _chunks(0, 10, "snapshot", _state_bytes(10)):
+        book.chunk(0, chunk, 0, [0])
+    for chunk in _chunks(0, 12, "snapshot", struct.pack("<Q", len(header)) + header):
+        book.chunk(0, chunk, 0, [0])
+    checkpoints.close(10)
+    assert not marker.exists() and book.refused == 1 and [s.unit for s in book.held] == [10]
 
 
 def test_the_newest_state_at_or_below_the_committed_unit_is_restored(tmp_path):

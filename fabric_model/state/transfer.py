@@ -2,20 +2,19 @@
 
 The tensors travel as one flat buffer per dtype, broadcast in place by the collective. Only
 a small skeleton goes as bytes: the nesting, the plain values, and each tensor's dtype and
-shape. It is read back with ``torch.load(weights_only=True)``, so nothing but plain values is
-ever unpickled. Pickling the whole state to bytes and broadcasting those instead costs a join
+shape, as an upload's header goes (state/wire.py, ``header_bytes``), so nothing but plain
+values is ever unpickled. Pickling the whole state to bytes and broadcasting those instead costs a join
 three extra copies of every tensor (save, bytes to tensor, tensor to bytes) and a load,
 about 0.3 s for 76 MB (see docs/architecture.md, "Elasticity").
 """
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import torch
 
-from .wire import fill, strip
+from .wire import fill, header_bytes, read_header, strip
 
 
 def broadcast_state(collective: Any, state: Any, source: int) -> Any:
@@ -25,19 +24,13 @@ def broadcast_state(collective: Any, state: Any, source: int) -> Any:
     header = None
     if collective.rank == source:
         skeleton = strip(state, tensors)
-        header = _encode({"skeleton": skeleton, "specs": [(str(t.dtype), tuple(t.shape)) for t in tensors]})
-    decoded = torch.load(io.BytesIO(collective.broadcast_bytes(header, source)), weights_only=True)
+        header = header_bytes({"skeleton": skeleton, "specs": [(str(t.dtype), tuple(t.shape)) for t in tensors]})
+    decoded = read_header(collective.broadcast_bytes(header, source))
     if collective.rank == source:
         _send(collective, tensors, source)
         return state
     specs = [(getattr(torch, name.removeprefix("torch.")), tuple(shape)) for name, shape in decoded["specs"]]
     return fill(decoded["skeleton"], _receive(collective, specs, source))
-
-
-def _encode(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
 
 
 def _wire_dtype(dtype: torch.dtype) -> torch.dtype:

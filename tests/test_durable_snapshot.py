@@ -212,6 +212,9 @@ class _Metrics:
     def checkpoint(self, **record) -> None:
         pass
 
+    def flush(self) -> None:
+        pass
+
 
 def test_a_failing_checkpoint_writer_is_reported_once_and_nothing_waits_for_it(tmp_path, caplog):
     def broken_stream(raw, unit):

@@ -17,9 +17,19 @@ from typing import Any
 
 from ..step.plan import Schedule
 
+#: ``train`` records held at most before they are written (a restarted driver records the steps
+#: of those lost with it from the reports its workers kept, which are more: worker/loop.py, REPORTS_KEPT).
+HOLD_MOST = 256
+
 
 class MetricsLog:
     """Appends records to ``logs/metrics.jsonl``.
+
+    A committed step's ``train`` record is held until :meth:`flush`, which the driver calls once it
+    has handled the messages at hand (a frame of a lone worker's reports is ~0.1 s of steps) and
+    before it hands a state to a writer; any other record writes the held ones first. So the
+    file is in commit order, and a state on disk is never ahead of the steps it records
+    (docs/run-directory.md, "logs/metrics.jsonl").
 
     Args:
         path: the file.
@@ -32,14 +42,15 @@ class MetricsLog:
         path.parent.mkdir(parents=True, exist_ok=True)
         if append:
             cut_partial_line(path)
-        # Unbuffered: each record reaches the kernel in one write as it is made, so a driver killed
-        # without notice (SIGKILL, the OOM killer) leaves every committed step's record in the file.
-        # One system call a record (a few microseconds of the driver's CPU, none of a step's).
+        # Unbuffered: what is written reaches the kernel at once, so a driver killed without notice
+        # (SIGKILL, the OOM killer) leaves all but the held records in the file.
         self._file = open(path, "ab" if append else "wb", buffering=0)
         # The last ``micro_batches`` written and its JSON: the driver passes the same mapping for a
         # generation's steps (step/plan.py, plan_shares), so a step with thousands of ranks does
         # not encode them again (docs/architecture.md, "Scale").
         self._shares: tuple[Mapping[int, Sequence[int]], str] | None = None
+        self._held: list[bytes] = []  # train records not written yet (flush)
+        self._keys: dict[str, str] = {}  # a metric's name -> its JSON and the colon
 
     def __enter__(self) -> MetricsLog:
         return self
@@ -48,12 +59,16 @@ class MetricsLog:
         self.close()
 
     def close(self) -> None:
+        self.flush()
         self._file.close()
 
     def _write(self, record: dict[str, Any], tail: str = "") -> None:
         """``record`` as a line; ``tail``: more of the object, already in JSON (``, "key": value``)."""
         text = json.dumps(record)
-        line = (text[:-1] + tail + "}\n" if tail else text + "\n").encode()
+        self.flush()  # the file stays in the order of events
+        self._write_line((text[:-1] + tail + "}\n" if tail else text + "\n").encode())
+
+    def _write_line(self, line: bytes) -> None:
         written = self._file.write(line)
         while written is not None and written < len(line):  # a short write (a full disk, a signal): the rest
             line = line[written:]
@@ -75,24 +90,45 @@ class MetricsLog:
     ) -> None:
         """A committed step: its metrics, the epoch's averages so far, who computed which micro-batch (a
         mapping never changed after: the same one again reuses its JSON)
-        (``inferred``: settled from the plan for members that did not report)."""
-        record: dict[str, Any] = {
-            "type": "train",
-            "time": time.time(),
-            "epoch": epoch,
-            "step": step,
-            "iteration": iteration,
-            "generation": generation,
-            "workers": workers,
-            "metrics": dict(metrics),
-            "epoch_metrics": dict(epoch_metrics),
-        }
-        if inferred:
-            record["inferred"] = True
+        (``inferred``: settled from the plan for members that did not report).
+
+        The driver writes one a committed step on the cores the workers compute on, so the line is
+        made by hand, as ``json.dumps`` would make it: the keys' JSON is made once per name
+        (docs/architecture.md, "What a step costs beyond the math")."""
         if self._shares is None or self._shares[0] is not micro_batches:
             encoded = json.dumps({str(r): list(m) for r, m in sorted(micro_batches.items())})
             self._shares = (micro_batches, f', "micro_batches": {encoded}')
-        self._write(record, self._shares[1])
+        more = ', "inferred": true' if inferred else ""
+        line = (
+            f'{{"type": "train", "time": {time.time()!r}, "epoch": {int(epoch)}, "step": {int(step)}, '
+            f'"iteration": {int(iteration)}, "generation": {int(generation)}, "workers": {int(workers)}, '
+            f'"metrics": {self._object(metrics)}, "epoch_metrics": {self._object(epoch_metrics)}'
+            f"{more}{self._shares[1]}}}\n"
+        )
+        held = self._held
+        held.append(line.encode())
+        if len(held) >= HOLD_MOST:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the held ``train`` records, in one system call."""
+        if self._held:
+            data, self._held = b"".join(self._held), []
+            self._write_line(data)
+
+    def _object(self, values: Mapping[str, float]) -> str:
+        """``json.dumps(values)`` for a mapping of names to numbers."""
+        keys = self._keys
+        parts = []
+        for name, value in values.items():
+            key = keys.get(name)
+            if key is None:
+                key = keys[name] = json.dumps(str(name)) + ": "
+            if type(value) is float and value - value == 0.0:  # finite (NaN and infinities: json's words)
+                parts.append(key + repr(value))
+            else:
+                parts.append(key + json.dumps(value))
+        return "{" + ", ".join(parts) + "}"
 
     def test(self, *, epoch: int, iteration: int, workers: int, metrics: Mapping[str, float]) -> None:
         """A validation after ``epoch``."""

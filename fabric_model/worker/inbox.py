@@ -29,8 +29,8 @@ M = TypeVar("M")
 #: or the control connection dropped.
 REFUSED_EXIT, LOST_EXIT = 4, 3
 #: A step report goes out at once when the channel sent nothing for this long (seconds), else
-#: with the next frame: the driver is woken once per ~25 ms of fast steps, not once a step.
-REPORT_WITHIN = 0.025
+#: with the next frame: the driver is woken once per ~0.1 s of fast steps, not once a step.
+REPORT_WITHIN = 0.1
 #: Above any generation: while the driver is away, every collective gives up.
 ABORT_ALL = 1 << 62
 #: ``expect`` waits in slices this long (seconds), to see whether the driver went away meanwhile.

@@ -65,25 +65,6 @@ def test_the_newest_snapshot_offered_is_on_disk_without_the_frozen_part(tmp_path
     assert [p.name for p in tmp_path.iterdir()] == [SNAPSHOT_NAME]  # no temporary file left
 
 
-def test_an_offer_and_a_checkpoint_s_store_write_the_held_records_first(tmp_path):
-    """No state reaches the disk ahead of the records of its steps (run/metrics_log.py)."""
-    flushes: list[str] = []
-    durable = DurableSnapshot(tmp_path, flush_records=lambda: flushes.append("snapshot"))
-    durable.offer(3, record_of(lora_shaped(), 3))
-    durable.offer(2, record_of(lora_shaped(), 2))  # older: not taken, nothing to write first
-    durable.close(10)
-    assert flushes == ["snapshot"] and durable.written_unit == 3
-
-    class Records(_Metrics):
-        def flush(self) -> None:
-            flushes.append("checkpoint")
-
-    book = CheckpointBook(tmp_path / "c", "torch", 3, SCHEDULE.units_per_epoch, Records())
-    book.store(0, 1, 6, encode_state(record_of(lora_shaped(), 6, frozen=False)))
-    book.close(10)
-    assert flushes == ["snapshot", "checkpoint"] and [u for u, _ in list_checkpoints(tmp_path / "c")] == [6]
-
-
 def test_a_resume_takes_the_snapshot_when_newer_than_every_checkpoint(tmp_path):
     model = lora_shaped()
     write_checkpoint(tmp_path, 7, encode_state(record_of(model, 7, frozen=False)))
@@ -229,9 +210,6 @@ def test_a_failing_snapshot_writer_is_reported_once_and_recorded_in_run_json(tmp
 
 class _Metrics:
     def checkpoint(self, **record) -> None:
-        pass
-
-    def flush(self) -> None:
         pass
 
 

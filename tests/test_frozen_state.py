@@ -125,9 +125,6 @@ def test_an_upload_leaves_the_frozen_part_out_and_the_driver_puts_it_back(tmp_pa
         def checkpoint(self, **record) -> None:
             pass
 
-        def flush(self) -> None:
-            pass
-
     checkpoints = CheckpointBook(tmp_path, "torch", 3, schedule.units_per_epoch, Metrics())
     book = StateBook(checkpoints, frozen=FrozenBase(tensors, order))
     for chunk in chunks:

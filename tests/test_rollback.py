@@ -139,9 +139,6 @@ class _Metrics:
     def checkpoint(self, **record) -> None:
         self.checkpoints.append(record)
 
-    def flush(self) -> None:
-        pass
-
 
 def _chunks(generation: int, unit: int, kind: str, data: bytes, size: int = 1000) -> list[p.StateChunk]:
     parts = [data[i : i + size] for i in range(0, len(data), size)]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import stat
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 from fabric_model.callbacks import Callback
 from fabric_model.context import WorkerContext
 from fabric_model.run.hooks import Hooks, OldStyleLogger
-from fabric_model.run.metrics_log import HOLD_MOST, MetricsLog, epoch_so_far, read_records
+from fabric_model.run.metrics_log import MetricsLog, epoch_so_far, read_records
 from fabric_model.run.rundir import RunDirectory, atomic_write
 from fabric_model.step.plan import Plan, Schedule
 from fabric_model.testing import CheckpointFault, FailCollective, FaultInjector
@@ -103,26 +102,19 @@ def test_metrics_log_records_keep_their_shape(tmp_path):
     assert list(onnx) == ["type", "path", "error", "time"]
 
 
-def test_train_records_are_held_until_a_flush_another_record_or_the_bound_and_stay_in_order(tmp_path):
-    """The driver flushes once it has handled the reports at hand and before it hands a state to
-    a writer (tests/test_durable_snapshot.py); a record of another kind writes the held ones first."""
+def test_a_train_record_is_the_line_json_dumps_makes_nan_and_infinities_in_its_words(tmp_path):
+    """The driver makes a step's line by hand (run/metrics_log.py): readers get the same JSON."""
     path = tmp_path / "metrics.jsonl"
+    metrics = {"loss": 0.1, "acc": float("nan"), "up": float("inf"), "down": -float("inf"), "count": 3, 'a "b"': -0.0}
     with MetricsLog(path) as log:
-        _train(log, 0, 0, 1.0)
-        _train(log, 0, 1, float("nan"))  # JSON's word for it, as json.dumps writes it
-        assert read_records(path) == []  # held
-        log.flush()
-        assert [r["step"] for r in read_records(path)] == [0, 1]
-        _train(log, 0, 2, 3.0)
-        log.generation(generation=1, members=[0], reason="a worker left", resume_unit=3, source_rank=0)
-        assert [r["type"] for r in read_records(path)] == ["train", "train", "train", "generation"]
-        for step in range(HOLD_MOST):
-            _train(log, 1, step, 1.0)
-        assert len(read_records(path)) == 4 + HOLD_MOST  # at the bound, written without a flush
-        _train(log, 2, 0, 1.0)
-    records = read_records(path)  # closing writes the rest
-    assert len(records) == 5 + HOLD_MOST and records[-1]["epoch"] == 2
-    assert math.isnan(records[1]["metrics"]["loss"]) and "NaN" in path.read_text().splitlines()[1]
+        log.train(epoch=1, step=2, iteration=7, generation=3, workers=2, metrics=metrics, epoch_metrics={"loss": 0.2},
+                  micro_batches={1: [1], 0: [0]}, inferred=True)  # fmt: skip
+        assert len(read_records(path)) == 1  # written at once: a driver killed next leaves it
+    line = path.read_text().splitlines()[0]
+    expected = {"type": "train", "time": json.loads(line)["time"], "epoch": 1, "step": 2, "iteration": 7}
+    expected.update(generation=3, workers=2, metrics=metrics, epoch_metrics={"loss": 0.2}, inferred=True)
+    expected["micro_batches"] = {"0": [0], "1": [1]}
+    assert line == json.dumps(expected)
 
 
 def test_resumed_log_appends_after_cutting_a_partial_line_and_replays_the_latest_records(tmp_path):

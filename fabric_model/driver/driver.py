@@ -182,7 +182,7 @@ class Driver:
         )
         # Checkpoints and snapshots that rank 0 uploads (docs/architecture.md, "Elasticity").
         # The newest committed snapshot on disk too: a whole-job loss costs at most the snapshot interval.
-        self.durable = DurableSnapshot(run_dir.checkpoints, self.failures, self.metrics.flush)
+        self.durable = DurableSnapshot(run_dir.checkpoints, self.failures)
         self.states = StateBook(self.checkpoints, self.progress.committed, setup.frozen, self.durable)
         limits = Limits(
             max_workers=max(len(setup.devices), setup.max_workers or 0),
@@ -469,7 +469,6 @@ class Driver:
                     break
                 self.handle(worker_id, message)
                 urgent = urgent or isinstance(message, MEMBERSHIP_MESSAGES)
-        self.metrics.flush()  # the records of the steps just committed (run/metrics_log.py)
         now = time.monotonic()
         if now - self._ticked >= TICK_INTERVAL:
             self._ticked = now

@@ -25,7 +25,6 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,19 +87,10 @@ class DurableSnapshot:
         directory: the run's ``checkpoints/``.
         failures: what reports a failure of the writer's thread (the driver's records it in
             ``run.json``); after one, offers are dropped and nothing waits for the thread.
-        flush_records: called on the offering thread before a state is taken: writes the held
-            records of the steps it holds (run/metrics_log.py), so the file on disk is never
-            ahead of the record.
     """
 
-    def __init__(
-        self,
-        directory: Path,
-        failures: BackgroundFailures | None = None,
-        flush_records: Callable[[], None] | None = None,
-    ) -> None:
+    def __init__(self, directory: Path, failures: BackgroundFailures | None = None) -> None:
         self.path = directory / SNAPSHOT_NAME
-        self._flush_records = flush_records
         self._failures = failures if failures is not None else LOGGED
         self.failed = False  # the thread failed (reported): no snapshot is written any more
         self._samples: dict[str, tuple[list[int], Any]] = {}  # the frozen parameters' (fixed) samples
@@ -120,8 +110,6 @@ class DurableSnapshot:
         with self._cond:
             if unit <= self._offered or self._closed:
                 return
-            if self._flush_records is not None:
-                self._flush_records()
             self._offered = unit
             self._waiting = (unit, record)
             if self._thread is None:

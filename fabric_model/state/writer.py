@@ -132,9 +132,7 @@ class CheckpointBook:
     def store(self, worker_id: int, generation: int, unit: int, data: bytes | dict[str, Any]) -> None:
         """Write the checkpoint of ``unit`` that ``worker_id`` (rank 0 of ``generation``) uploaded:
         its bytes, or its record (complete), which the writer's thread encodes. Dropped once the
-        thread has failed (reported then): not accepted, so nothing counts on it. The held
-        records of the steps it holds are written first (run/metrics_log.py, ``MetricsLog``)."""
-        self.metrics.flush()
+        thread has failed (reported then): not accepted, so nothing counts on it."""
         with self._writing_lock:
             if self.failed:
                 log.debug("checkpoint of unit %d dropped: the checkpoint writer failed", unit)

@@ -25,7 +25,6 @@ the terms are gathered and added in order, more take the fixed-point sum
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -33,6 +32,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import commits
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -94,12 +94,10 @@ def run(model_name: str, workers: int, deterministic: bool, steps: int, warmup: 
             deterministic=deterministic,
             verbose=0,
         )
-        lines = (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()
-        times = sorted(r["time"] for r in map(json.loads, lines) if r.get("type") == "train")
+        times = commits.train_stamps(run_dir)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-    gaps = [b - a for a, b in zip(times[warmup:], times[warmup + 1 :])]
-    return statistics.median(gaps)
+    return commits.median_step(times, warmup)  # a lone worker's reports come in frames
 
 
 class _Quiet:

@@ -40,7 +40,6 @@ comparable.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import multiprocessing as mp
@@ -54,6 +53,7 @@ from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TensorFlow loads, here and in spawned processes
 
+import commits
 import numpy as np  # noqa: E402
 
 # TensorFlow and Keras are imported inside the functions: the fit baseline's process must set
@@ -229,10 +229,10 @@ def bench_fabric(
     result = fm.train(epochs, batch_size, 1, run_dir=run_dir, seed=0, verbose=0, **extra)
     if profile is not None:
         print_profile(profile)
-    # One line per committed step, stamped by the driver when the step's reports arrive.
-    records = [json.loads(line) for line in (result.run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
-    steps = sorted((r["epoch"], r["step"], r["time"]) for r in records if r.get("type") == "train")
-    return steady_rates([t for _, _, t in steps], warmup, batch_size)
+    # One line per committed step, stamped by the driver when the step's reports arrive (a lone
+    # worker's in frames of ~0.1 s: benchmarks/commits.py).
+    times = commits.train_stamps(result.run_dir)
+    return batch_size / commits.mean_step(times, warmup - 1), batch_size / commits.median_step(times, warmup - 1)
 
 
 def print_profile(path: Path) -> None:

@@ -21,10 +21,10 @@ shows (benchmarks/bench_null_step.py measures it alone).
 
 Start-up is excluded on both sides: the first ``--warmup`` steps are not timed. FabricModel's
 step times are the driver's commit stamps in ``logs/metrics.jsonl``; the plain loop stamps the
-end of its steps. A lone worker's reports reach the driver together every ~25 ms of fast steps
+end of its steps. A lone worker's reports reach the driver together every ~0.1 s of fast steps
 (worker/inbox.py), so a step's own stamp is no measure: the figure is the throughput over the
-whole timed span, which the number of steps makes at least ``--seconds`` long (calibrated on
-the plain loop), so the stamps' grain is ~1% of it. Rounds interleave the two runs of a model;
+whole timed span, from the end of a frame of reports (benchmarks/commits.py), which the number
+of steps makes at least ``--seconds`` long (calibrated on the plain loop). Rounds interleave the two runs of a model;
 the table gives the median ratio over rounds with its range. Target (issue 45): every row
 >= 0.95; gpt2, bert, lora and lora_frozen >= 1.0. Snapshots and replica checks run at their
 defaults; checkpoints do not (the plain loop saves none).
@@ -37,7 +37,6 @@ defaults; checkpoints do not (the plain loop saves none).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -50,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import commits
 import torch
 from torch.utils.data import DataLoader, default_collate
 
@@ -212,9 +212,7 @@ def run_fabric(
     )
     epochs = -(-(steps + warmup) * batch // samples)
     result = fm.train(epochs, batch, 1, threads, run_dir=run_dir, seed=0, verbose=0, checkpoint_freq=0)
-    lines = (result.run_dir / "logs" / "metrics.jsonl").read_text().splitlines()
-    stamps = sorted((r["iteration"], r["time"]) for r in map(json.loads, lines) if r.get("type") == "train")
-    return span_rate([t for _, t in stamps], warmup, batch)
+    return batch / commits.mean_step(commits.train_stamps(result.run_dir), warmup - 1)
 
 
 def trainer_args(out: Path, batch: int, steps: int) -> Any:
@@ -264,9 +262,7 @@ def run_fabric_trainer(samples: int, batch: int, steps: int, warmup: int, run_di
     data = hf.counting_sequences(samples, 32)
     trainer = FabricTrainer(model=model, args=args, train_dataset=data, engines_number=1, fabric_options={"verbose": 0})
     trainer.train()
-    lines = (Path(str(trainer.fabric_run_dir)) / "logs" / "metrics.jsonl").read_text().splitlines()
-    stamps = sorted((r["iteration"], r["time"]) for r in map(json.loads, lines) if r.get("type") == "train")
-    return span_rate([t for _, t in stamps], warmup, batch)
+    return batch / commits.mean_step(commits.train_stamps(Path(str(trainer.fabric_run_dir))), warmup - 1)
 
 
 def main(argv: list[str]) -> int:

@@ -8,8 +8,9 @@ micro-batch: the same with 4 micro-batches a step (``effective_batch_size``) aga
 loop that accumulates 4; the per-micro-batch cost is the difference of the two overheads / 3.
 
 FabricModel's step time is its throughput over the timed span (the driver's commit stamps in
-``logs/metrics.jsonl``, after ``--warmup`` steps), start-up excluded; the plain loop stamps its
-steps the same way. Rounds interleave the runs; figures are medians [min-max] over rounds.
+``logs/metrics.jsonl``, from the end of a frame of reports after ``--warmup`` steps:
+benchmarks/commits.py), start-up excluded; the plain loop stamps its steps the same way.
+Rounds interleave the runs; figures are medians [min-max] over rounds.
 Target (issue 45): at most 60 us a step on 2 cores.
 
     PYTHONPATH=. python3 benchmarks/bench_null_step.py                 # 5 rounds, 20,000 steps each
@@ -19,7 +20,6 @@ Target (issue 45): at most 60 us a step on 2 cores.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import commits
 import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
@@ -89,9 +90,7 @@ def fabric(steps: int, micro: int, warmup: int, run_dir: Path) -> float:
     result = fm.train(
         1, BATCH, 1, effective_batch_size=BATCH * micro, run_dir=run_dir, seed=0, verbose=0, checkpoint_freq=0
     )
-    lines = (result.run_dir / "logs" / "metrics.jsonl").read_text().splitlines()
-    stamps = sorted((r["iteration"], r["time"]) for r in map(json.loads, lines) if r.get("type") == "train")
-    return span([t for _, t in stamps], warmup)
+    return commits.mean_step(commits.train_stamps(result.run_dir), warmup)
 
 
 def main(argv: list[str]) -> int:

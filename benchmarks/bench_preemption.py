@@ -32,6 +32,7 @@ import threading
 import time
 from pathlib import Path
 
+import commits
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,8 +94,8 @@ def records(run_dir: Path, kind: str) -> list[dict]:
 
 
 def step_interval(train: list[dict]) -> float:
-    times = sorted(r["time"] for r in train)
-    return statistics.median(b - a for a, b in zip(times, times[1:], strict=False))
+    """A step's median time from the commit stamps (a lone worker's come in frames: benchmarks/commits.py)."""
+    return commits.median_step([r["time"] for r in sorted(train, key=lambda r: r["iteration"])], 0)
 
 
 def start(script: Path, size: str, out: Path, mode: str) -> subprocess.Popen:

@@ -35,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import commits
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -156,11 +157,10 @@ def step_time(datasets_function, engines: int, run_dir: Path) -> float:
         FabricModel(model, datasets_function, F.cross_entropy, opt, metrics=[], driver_logger_callback=Quiet()).train(
             EPOCHS, BATCH, engines, seed=1, run_dir=run_dir, checkpoint_freq=0, verbose=0
         )
-        lines = (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()
-        times = sorted(r["time"] for r in map(json.loads, lines) if r.get("type") == "train")
+        times = commits.train_stamps(run_dir)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-    return (times[-1] - times[WARMUP]) / (len(times) - 1 - WARMUP)
+    return commits.mean_step(times, WARMUP)  # a lone worker's reports come in frames
 
 
 def fmt(values: list[float]) -> str:

@@ -32,7 +32,6 @@ each figure is the best of the rounds, which damps noise from other load on the 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
@@ -44,6 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import commits
 import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
@@ -173,10 +173,10 @@ def bench_fabric(
     fm = FabricModel(model, get_datasets, F.cross_entropy, make_optimizer(model), driver_logger_callback=Quiet())
     extra = {} if dataloader_threads is None else {"num_dataloader_threads": dataloader_threads}
     result = fm.train(epochs, batch_size, engines, run_dir=run_dir, seed=0, verbose=0, **extra)
-    # One line per committed step, stamped by the driver when the step's reports arrive.
-    records = [json.loads(line) for line in (result.run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
-    steps = sorted((r["iteration"], r["time"]) for r in records if r.get("type") == "train")
-    return steady_rates([t for _, t in steps], warmup, batch_size * engines)
+    # One line per committed step, stamped by the driver when the step's reports arrive (a lone
+    # worker's in frames of ~0.1 s: benchmarks/commits.py).
+    times, global_batch = commits.train_stamps(result.run_dir), batch_size * engines
+    return global_batch / commits.mean_step(times, warmup - 1), global_batch / commits.median_step(times, warmup - 1)
 
 
 # -- the report -----------------------------------------------------------------------------

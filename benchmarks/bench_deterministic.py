@@ -18,7 +18,7 @@ the terms are gathered and added in order, more take the fixed-point sum
 (docs/architecture.md, "Deterministic mode").
 
     PYTHONPATH=. python3 benchmarks/bench_deterministic.py                # about 4 minutes on 2 cores
-    PYTHONPATH=. python3 benchmarks/bench_deterministic.py --rounds 1 --steps 30   # a smoke run
+    PYTHONPATH=. python3 benchmarks/bench_deterministic.py --rounds 1   # a smoke run
     PYTHONPATH=. python3 benchmarks/bench_deterministic.py --models mlp --micro-batches 4
 """
 

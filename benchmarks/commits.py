@@ -5,7 +5,8 @@ each frame right after its last step, and the driver commits a frame's steps wit
 microseconds: only a frame's last stamp is its step's time, the others are up to a frame late.
 A span that starts at an arbitrary stamp is short by up to a frame (7% of a 1.3 s span), and
 the intervals between consecutive stamps are ~0 inside a frame. So spans run from frame end to
-frame end, and a step's time is a frame's time over its steps. A generation of several sends
+frame end, and a step's time is a frame's time over its steps; the run's last stamp is no
+frame end (``frame_ends``). A generation of several sends
 each report at once: a stamp further than ``FRAME_GAP`` from the next ends its frame there too.
 """
 
@@ -27,19 +28,19 @@ def train_stamps(run_dir: Path) -> list[float]:
 
 
 def frame_ends(times: list[float], first: int = 0) -> list[int]:
-    """Indices from ``first`` on of the stamps that end a frame (the next is ``FRAME_GAP`` later),
-    the last stamp's included."""
-    return [i for i in range(first, len(times) - 1) if times[i + 1] - times[i] > FRAME_GAP] + [len(times) - 1]
+    """Indices from ``first`` on of the stamps that end a frame (the next is ``FRAME_GAP`` later).
+    The last stamp is left out: a report held at the run's end (a validation after the last step,
+    the final state) waits up to a frame for the heartbeat thread's flush."""
+    return [i for i in range(first, len(times) - 1) if times[i + 1] - times[i] > FRAME_GAP]
 
 
 def mean_step(times: list[float], warmup: int) -> float:
-    """Seconds a step from the end of the first frame holding step ``warmup`` (0-based) or later,
-    to the last step's stamp."""
-    start = frame_ends(times, warmup)[0]
-    steps = len(times) - 1 - start
-    if steps <= 0:
-        raise ValueError(f"no frame ends between step {warmup} and the last ({len(times) - 1}): run more steps")
-    return (times[-1] - times[start]) / steps
+    """Seconds a step between the ends of the first frame holding step ``warmup`` (0-based) or
+    later and of the last frame."""
+    ends = frame_ends(times, warmup)
+    if len(ends) < 2:
+        raise ValueError(f"fewer than two frames end between step {warmup} and the last: run more steps")
+    return (times[ends[-1]] - times[ends[0]]) / (ends[-1] - ends[0])
 
 
 def median_step(times: list[float], warmup: int) -> float:

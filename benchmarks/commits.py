@@ -1,13 +1,14 @@
 """Step times from the driver's commit stamps (``logs/metrics.jsonl``), however the reports arrive.
 
 A lone worker sends its step reports ~0.1 s at a time (``worker/inbox.py``, ``REPORT_WITHIN``),
-each frame right after its last step, and the driver commits a frame's steps within
-microseconds: only a frame's last stamp is its step's time, the others are up to a frame late.
+each frame right after its last step, and the driver commits a frame's steps one after another,
+~0.1 ms apart: only a frame's last stamp is its step's time, the others are up to a frame late.
 A span that starts at an arbitrary stamp is short by up to a frame (7% of a 1.3 s span), and
 the intervals between consecutive stamps are ~0 inside a frame. So spans run from frame end to
-frame end, and a step's time is a frame's time over its steps; the run's last stamp is no
-frame end (``frame_ends``). A generation of several sends
-each report at once: a stamp further than ``FRAME_GAP`` from the next ends its frame there too.
+frame end, and a step's time is a frame's time over its steps; the run's last stamp is no frame
+end (``frame_ends``). A generation of several sends each report at once: a stamp further than
+``FRAME_GAP`` from the next ends its frame there too, and steps shorter than that group into
+frames whose ends are as exact.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import json
 import statistics
 from pathlib import Path
 
-#: Stamps further apart than this are in different frames (a frame's commits take microseconds).
-FRAME_GAP = 0.005
+#: Stamps further apart than this are in different frames (the driver commits a frame's steps
+#: ~0.1 ms apart; a preemption inside one can split it, which moves a median little).
+FRAME_GAP = 0.001
 
 
 def train_stamps(run_dir: Path) -> list[float]:

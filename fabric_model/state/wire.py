@@ -3,8 +3,8 @@
 ``torch.save`` writes each tensor's storage in one call that holds the interpreter's lock for
 its whole length (164 ms for one 256 MB tensor on a 2-core host), so a snapshot serialised by
 ``torch.save`` in the upload thread stalled the training thread for as long. An upload goes
-instead as a small header, the record with each tensor replaced by its place, saved with
-``torch.save``, then every tensor's bytes as they lie in memory, cut into pieces that each
+instead as a small header, the record with each tensor replaced by its place (below), then
+every tensor's bytes as they lie in memory, cut into pieces that each
 cost one copy of a few MiB when pickled into a message. The driver puts the record back
 together over one buffer (:func:`assemble`) and writes checkpoints with ``torch.save`` itself,
 on its writer thread.

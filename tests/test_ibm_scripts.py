@@ -428,9 +428,15 @@ FabricModel(model, get_datasets, F.cross_entropy, torch.optim.SGD(model.paramete
 """
 
 
+def run_logs_tail(folder: Path) -> str:
+    """The end of each log of the run in ``folder``: what a failed assertion about its outcome needs."""
+    logs = sorted(folder.glob("fabric_runs/*/logs/*.log"))
+    return "".join(f"\n--- {log.name} ---\n{log.read_text()[-1500:]}" for log in logs)
+
+
 def test_an_error_in_the_one_worker_told_to_save_fails_the_job(tmp_path: Path) -> None:
     """Only one worker runs the save branch, after its peers finished: its error is the job's, not a
     lost worker to go on without (on a CPU-only host, wmla-2.3.0's export on 'cuda' fails so)."""
     proc = fabric_run(write_script(tmp_path, FAILING_EXPORT_SCRIPT), cwd=tmp_path)
-    assert proc.returncode == 1
+    assert proc.returncode == 1, proc.stdout[-2000:] + run_logs_tail(tmp_path)
     assert proc.stderr.count("RuntimeError: export failed in the user's callback") == 1, proc.stderr[-3000:]

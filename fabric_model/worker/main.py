@@ -209,8 +209,11 @@ def _train(
             state["frozen"] = omitted
         stage.finished = p.Finished(state_digest(state), loop.next_unit, loop.fingerprint())
         channel.send(stage.finished)
-        collective.shutdown()
         inbox.expect(p.SendFinalState, timeouts.recovery)
+        # Only now: the driver asks once every member finished (or the rest are gone), and a peer
+        # may still be in the last collective until then. Closing the group at Finished made
+        # gloo fail a slower peer's last allreduce, and its end-of-run callbacks never ran.
+        collective.shutdown()
     stage.handed_over = True
     channel.send(p.FinalState(model_state, optimizer_state, loop.next_unit, tuple(omitted)))
     inbox.expect(p.Stop, timeouts.stop)  # the inbox exits the process on Stop

@@ -440,3 +440,40 @@ def test_an_error_in_the_one_worker_told_to_save_fails_the_job(tmp_path: Path) -
     proc = fabric_run(write_script(tmp_path, FAILING_EXPORT_SCRIPT), cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout[-2000:] + run_logs_tail(tmp_path)
     assert proc.stderr.count("RuntimeError: export failed in the user's callback") == 1, proc.stderr[-3000:]
+
+
+SAVER_KILLED_SCRIPT = """
+import signal
+from callbacks import Callback
+from fabric_model import FabricModel
+
+class Export(Callback):
+    def on_epoch_end(self, epoch, save_model=False):
+        if not (save_model and epoch == self.params["epochs"] - 1):
+            return
+        try:  # the first worker told to save dies in its save branch, as a preempted host would
+            fd = os.open(os.path.join(FOLDER, "first_saver"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            with open(os.path.join(FOLDER, "exported"), "a") as f:
+                f.write(f"{os.getpid()}\\n")
+        else:
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+            os.kill(os.getpid(), signal.SIGKILL)  # (a disposition cannot change what SIGKILL does)
+
+model = make_model()
+FabricModel(model, get_datasets, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.2),
+            user_callback=[Export()]).train(2, 16, 2)
+"""
+
+
+def test_the_worker_killed_in_the_save_branch_at_the_end_leaves_it_to_a_survivor(tmp_path: Path) -> None:
+    """Its peers finished and nothing would redo that epoch's end: the member asked for the final
+    state runs the save branch (IBM's export) before handing it over, and the job ends well."""
+    script = SAVER_KILLED_SCRIPT.replace("FOLDER", repr(str(tmp_path)))
+    proc = fabric_run(write_script(tmp_path, script), cwd=tmp_path)
+    check_finished(proc)
+    first = int((tmp_path / "first_saver").read_text())
+    exported = (tmp_path / "exported").read_text().split()
+    assert len(exported) == 1 and int(exported[0]) != first, (first, exported)
+    assert (only_run_dir(tmp_path) / "model" / "model.pt").is_file()

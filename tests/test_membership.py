@@ -453,6 +453,22 @@ def test_the_end_asks_one_finished_replica_for_the_final_state_and_another_if_it
         m.tick(late)
 
 
+def test_a_survivor_runs_the_save_branch_when_the_member_that_ran_it_was_lost_before_finishing():
+    """Rank 0 runs the last epoch's save branch (IBM's export) after its peer finished; lost
+    there, the finished peer is asked to run it before it hands over the state."""
+    m = started(2)
+    m.finished(1, 100, saved=False)  # rank 1: the save branch was rank 0's
+    commands = m.lost(0, "process exited with code -9", 1.0) + m.tick(1.1)
+    assert sent(commands, p.SendFinalState) == {1: p.SendFinalState(save_branch=True)}
+    m = started(2)
+    m.finished(1, 100, saved=False)
+    m.finished(0, 100, saved=True)  # rank 0 ran it, then was lost: not again
+    assert sent(m.lost(0, "connection lost", 1.0) + m.tick(1.1), p.SendFinalState) == {1: p.SendFinalState()}
+    m = machine(2)  # a restarted driver knows it from what the workers held
+    kept = {w: p.Held(2, 100, True, finished=p.Finished("digest", 100, saved=False)) for w in (1, 2)}
+    assert sent(m.rejoined(kept, {}, 0.0), p.SendFinalState) == {1: p.SendFinalState(save_branch=True)}
+
+
 # -- a restarted driver takes back its vanished predecessor's workers (docs/elasticity.md, "A lost driver")
 def test_workers_taken_back_form_a_generation_above_theirs_from_the_furthest_holder():
     m = machine(3)

@@ -562,7 +562,7 @@ class Driver:
         self.states.chunk(worker_id, message, self.membership.generation, self.membership.members)
 
     def _on_finished(self, worker_id: int, message: p.Finished) -> None:
-        self.membership.finished(worker_id, message.next_unit)
+        self.membership.finished(worker_id, message.next_unit, message.saved)
         self.progress.finished(worker_id, message)
 
     def _on_final(self, worker_id: int, message: p.FinalState) -> None:

@@ -97,6 +97,9 @@ class Membership:
         self._committed = committed or CommittedUnit()  # the driver's ledger's, shared
         self.finishing = False
         self.final_from = -1
+        # Whether a finished member ran the save branch due at the end (or none was due); if not,
+        # the member asked for the final state runs it first (docs/architecture.md, "User errors").
+        self._end_saved = False
         self._change: Change | None = None
         self._started = 0.0
         self._finish_started = 0.0
@@ -184,6 +187,8 @@ class Membership:
             self.members = [w for w in self.members if reports[w] >= total]
             for worker_id in self.members:
                 self.workers[worker_id].state, self.workers[worker_id].done_unit = WorkerState.DONE, reports[worker_id]
+            finished = [held[w].finished for w in self.members]
+            self._end_saved = any(f is None or f.saved for f in finished)  # None: unknown, taken as done
             self.finishing, self._finish_started = True, now
             return [Settle(total, self.generation), *self._request_final()]
         change = Change("the driver restarted", now)
@@ -300,8 +305,10 @@ class Membership:
             self._cause(worker_id, message.reason, now)
         return []
 
-    def finished(self, worker_id: int, next_unit: int) -> None:
-        """The worker ran the schedule to its end."""
+    def finished(self, worker_id: int, next_unit: int, saved: bool = True) -> None:
+        """The worker ran the schedule to its end; ``saved``: the save branch due at the end ran
+        in it, or none was due."""
+        self._end_saved = self._end_saved or saved
         record = self.workers[worker_id]
         record.state, record.done_unit = WorkerState.DONE, next_unit
         if self._change is not None:
@@ -324,7 +331,7 @@ class Membership:
         past_steps = unit >= last or self.committed_unit >= last
         if past_steps or (member and any(self.workers[m].state is WorkerState.DONE for m in self.members)):
             # The error came after the last step (an end-of-run callback, say an export in
-            # on_epoch_end(save_model=True), which one worker runs), and nothing would redo it:
+            # on_epoch_end(save_model=True), which one worker runs):
             # going on without the worker would hide it.
             raise exc
         # The worker's own position: the committed unit can lag it (a peer's report still on its
@@ -586,4 +593,4 @@ class Membership:
         if not finished:
             raise JobError("training ended, but every finished replica was lost before sending the final state")
         self.final_from = finished[0]
-        return [Send(finished[0], p.SendFinalState())]
+        return [Send(finished[0], p.SendFinalState(save_branch=not self._end_saved))]

@@ -108,6 +108,15 @@ class Hooks:
             else:
                 method(epoch)
 
+    def save_branch(self, epoch: int) -> None:
+        """IBM's save branch alone: ``on_epoch_end(epoch, save_model=True)`` of the callbacks that
+        take ``save_model``, run by a survivor when the worker that ran it at the end was lost
+        (docs/architecture.md, "User errors"). The others ran this epoch's end already."""
+        for obj in self._closing():
+            method = getattr(obj, "on_epoch_end", None)
+            if callable(method) and not _takes(method, "logs") and _takes(method, "save_model"):
+                method(epoch, save_model=True)
+
     def on_batch_begin(self, step: int) -> None:
         self._call(self._opening(), "on_batch_begin", step)
 

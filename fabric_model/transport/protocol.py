@@ -168,11 +168,13 @@ class EvalDone:
 @dataclasses.dataclass(frozen=True)
 class Finished:
     """The schedule is done; ``digest`` (a SHA-256) and ``fingerprint`` (per tensor, to name
-    what differs) fingerprint the replica's weights and optimizer state."""
+    what differs) fingerprint the replica's weights and optimizer state. ``saved``: the save
+    branch due at its last epoch's end ran here (it was rank 0), or none was due."""
 
     digest: str
     next_unit: int
     fingerprint: dict[str, int] = dataclasses.field(default_factory=dict, repr=False)
+    saved: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,9 +293,12 @@ class SendFinalState:
     """Send :class:`FinalState`: at the end, or, while training, in place of entering a next
     generation (replicas diverged: training ends with rank 0's state). ``unconfirmed``: first
     send again the checkpoint kept unconfirmed, if any (a restarted driver whose job changed
-    takes the state of a worker that waited for it: driver/driver.py)."""
+    takes the state of a worker that waited for it: driver/driver.py). ``save_branch``: first
+    run the save branch of the last epoch's end, which no member that finished ran (the one
+    that did was lost in it: docs/architecture.md, "User errors")."""
 
     unconfirmed: bool = False
+    save_branch: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -130,6 +130,9 @@ class TrainingLoop:
         self.recovery_timeout = config.timeouts.recovery
         self.schedule = Schedule(plan, config.epochs, config.validation_freq, self.test_set is not None)
         self.next_unit = 0
+        # The last epoch end this worker ran, and whether the save branch due there ran here (or
+        # none was due): what Finished tells the driver (docs/architecture.md, "User errors").
+        self.end_epoch, self.end_saved = -1, True
         self.entered_once = False  # it entered a generation: its state is the run's (worker/reattach.py)
         self.iterations = 0  # steps this worker took part in
         # Its latest step reports, rank 0's sent, every member's kept: sent with its position when
@@ -382,6 +385,7 @@ class TrainingLoop:
         # uploads it), so that a callback exporting the model there writes it once.
         freq = self.config.checkpoint_freq
         saves = epoch == self.config.epochs - 1 or (freq > 0 and (epoch + 1) % freq == 0)
+        self.end_epoch, self.end_saved = epoch, not saves or self.collective.rank == 0
         self.hooks.on_epoch_end(epoch, logs, save_model=saves and self.collective.rank == 0)
         self.loop_state.epoch_done(logs)
         return self._stopping()

@@ -207,9 +207,12 @@ def _train(
         state = {"model": model_state, "optimizer": optimizer_state}
         if omitted:  # the job's frozen parameters: their fingerprints compare them, the digest names them
             state["frozen"] = omitted
-        stage.finished = p.Finished(state_digest(state), loop.next_unit, loop.fingerprint())
+        stage.finished = p.Finished(state_digest(state), loop.next_unit, loop.fingerprint(), loop.end_saved)
         channel.send(stage.finished)
-        inbox.expect(p.SendFinalState, timeouts.recovery)
+        asked = inbox.expect(p.SendFinalState, timeouts.recovery)
+        if asked.save_branch:  # the member that ran it was lost: its export must still happen
+            log.warning("running the save branch of epoch %d's end: the worker that ran it was lost", loop.end_epoch)
+            job.hooks.save_branch(loop.end_epoch)
         # Only now: the driver asks once every member finished (or the rest are gone), and a peer
         # may still be in the last collective until then. Closing the group at Finished made
         # gloo fail a slower peer's last allreduce, and its end-of-run callbacks never ran.

@@ -243,28 +243,36 @@ class Reattach:
 
     def _hand_over(self, held: dict[int, p.Held]) -> p.FinalState | None:
         """Ask the worker that holds the furthest unit for its state (it answers as to a halt:
-        worker/main.py) and wait for it, bounded; what else arrives meanwhile is handled later."""
+        worker/main.py) and wait for it, bounded; what else arrives meanwhile is handled later.
+
+        The checkpoint the vanished driver never wrote is sent again first, by the rank 0 that
+        uploaded and kept it. That worker need not hold the furthest unit (a peer can be a step
+        ahead, having applied a step whose abort reached rank 0 first), so it is asked as well."""
         holder = max(held, key=lambda w: (held[w].next_unit, -w))
-        if not self.server.send(holder, p.SendFinalState(unconfirmed=True)):
+        keeper = max(held, key=lambda w: (held[w].unconfirmed, w == holder))
+        asked = {holder} | ({keeper} if held[keeper].unconfirmed > held[holder].unconfirmed else set())
+        asked = {w for w in asked if self.server.send(w, p.SendFinalState(unconfirmed=True))}
+        if holder not in asked:
             return None
         handed: p.FinalState | None = None
-        ended = False
+        answered: set[int] = set()  # each asked worker's last message came: its state, or its end
 
         def take(worker_id: int, message: Any) -> bool:
-            nonlocal handed, ended
-            if worker_id != holder:
+            nonlocal handed
+            if worker_id not in asked:
                 return False
             if isinstance(message, p.FinalState):
-                handed = message
+                handed = message if worker_id == holder else handed
+                answered.add(worker_id)
             elif isinstance(message, p.StateChunk):  # a checkpoint never written
-                self.states.chunk(holder, message, message.generation, [holder])
+                self.states.chunk(worker_id, message, message.generation, [worker_id])
             elif isinstance(message, (p.ConnectionLost, p.WorkerFailed)):
-                ended = True
+                answered.add(worker_id)
             else:
                 return False
             return True
 
-        self._read(self.setup.config.timeouts.recovery, lambda: handed is not None or ended, take)
+        self._read(self.setup.config.timeouts.recovery, lambda: answered >= asked, take)
         return handed
 
     def _stop_taken_back(self, held: dict[int, p.Held]) -> None:

@@ -230,25 +230,35 @@ def interruptible() -> None:
 
 
 _KILLED_JOB = textwrap.dedent("""
-    import os, signal, sys
+    import glob, os, signal, sys, time
     sys.path.insert(0, {repo!r})
     from {module} import train
 
     class KillJob:
         def log_train_metrics(self, metrics, iteration, epoch, workers):
             if iteration == {kill_at}:  # the driver; its workers die with it
+                # Once a checkpoint is on disk: its writer (a thread) can lag the steps on a loaded host.
+                deadline = time.monotonic() + 60
+                while not glob.glob(os.path.join({checkpoints!r}, "ckpt-*.pt")) and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 os.kill(os.getpid(), signal.SIGKILL)
 
     train({arguments}, driver_logger=KillJob())
 """)
 
 
-def run_killed_job(directory: Path, module: str, arguments: str, kill_at: int, timeout: float = 240) -> None:
+def run_killed_job(
+    directory: Path, module: str, arguments: str, kill_at: int, run_dir: Path, timeout: float = 240
+) -> None:
     """Run ``train(<arguments>)`` of test module ``module`` as a script whose driver SIGKILLs itself
-    after iteration ``kill_at``, as a whole job dies (its workers die with it); wait for it."""
+    after iteration ``kill_at``, once a checkpoint is in ``run_dir``, as a whole job dies (its
+    workers die with it); wait for it."""
     script = Path(directory) / "job.py"
     repo = str(Path(__file__).resolve().parents[1])
-    script.write_text(_KILLED_JOB.format(repo=repo, module=module, arguments=arguments, kill_at=kill_at))
+    checkpoints = str(Path(run_dir) / "checkpoints")
+    script.write_text(
+        _KILLED_JOB.format(repo=repo, module=module, arguments=arguments, kill_at=kill_at, checkpoints=checkpoints)
+    )
     proc = subprocess.Popen([sys.executable, str(script)], start_new_session=True)
     try:
         assert proc.wait(timeout=timeout) == -signal.SIGKILL

@@ -242,7 +242,7 @@ def test_bitwise_equal_after_a_kill_a_replacement_and_a_freeze(reference, run_di
 @pytest.mark.processes
 def test_bitwise_equal_after_a_whole_job_kill_and_resume(reference, tmp_path):
     run_dir = tmp_path / "run"
-    run_killed_job(tmp_path, "tests.test_deterministic", f"{str(run_dir)!r}, 2", kill_at=22)
+    run_killed_job(tmp_path, "tests.test_deterministic", f"{str(run_dir)!r}, 2", kill_at=22, run_dir=run_dir)
     model, opt = train(run_dir, 3, resume=True)
     resumed = records(run_dir, "resume")[-1]
     killed_at = 22 // 3 * 4 + 22 % 3  # the unit of iteration 22: 3 steps and a validation slot an epoch

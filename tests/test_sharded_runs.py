@@ -171,7 +171,9 @@ def test_exactly_once_and_bitwise_equal_through_a_kill_and_a_join(shards, refere
 def test_bitwise_equal_after_a_whole_job_kill_and_resume(shards, reference, tmp_path):
     run_dir, reads = tmp_path / "run", tmp_path / "reads"
     reads.mkdir()
-    run_killed_job(tmp_path, "tests.test_sharded_runs", f"{str(run_dir)!r}, {shards!r}, {str(reads)!r}, 2", 15)
+    run_killed_job(
+        tmp_path, "tests.test_sharded_runs", f"{str(run_dir)!r}, {shards!r}, {str(reads)!r}, 2", 15, run_dir=run_dir
+    )
     state = train(run_dir, shards, reads, 3, resume=True)
     resumed = records(run_dir, "resume")[-1]
     assert 0 < resumed["resume_unit"] < 15 // 10 * 11 + 15 % 10, resumed  # from a checkpoint, not the start

@@ -409,7 +409,7 @@ def test_a_worker_killed_in_the_ends_gather_loses_nothing(reference, run_dir, tm
 @pytest.mark.processes
 def test_a_checkpoint_of_3_sharded_workers_resumes_on_2_and_loads_into_the_users_optimizer(reference, tmp_path):
     run_dir = tmp_path / "run"
-    run_killed_job(tmp_path, "tests.test_sharded_state", f"{str(run_dir)!r}, 3", kill_at=13)
+    run_killed_job(tmp_path, "tests.test_sharded_state", f"{str(run_dir)!r}, 3", kill_at=13, run_dir=run_dir)
     newest = sorted((run_dir / "checkpoints").glob("ckpt-unit-*.pt"))[-1]
     saved = torch.load(newest, weights_only=True)
     model, opt = fresh()

@@ -272,7 +272,7 @@ class FabricModel(InferenceMixin):
             warm = None if ray_cluster else self._warm.take(self.framework, run.logs / "warm.log")
             self._warm.drop()
             result = pipeline.run_job(
-                self, setup, adapter, train_set, run, ray_cluster, (verbose, tensorboard), warm, resumed.said
+                self, setup, adapter, train_set, run, ray_cluster, (verbose, tensorboard), warm, resumed
             )
         except BaseException:
             self._warm.drop()  # a train() that fails leaves no process behind (but a kept one: warm_spare.py)

@@ -43,7 +43,14 @@ from fabric_model.testing import CheckpointFault, FaultInjector, Kill
 from fabric_model.transport import control
 from fabric_model.transport import protocol as p
 
-from .helpers import fresh_model_and_optimizer, make_data, max_rel_diff, records, reference_train
+from .helpers import (
+    fresh_model_and_optimizer,
+    make_data,
+    max_rel_diff,
+    records,
+    reference_train,
+    run_script_and_its_tree,
+)
 
 SEED, EPOCHS, BATCH, GLOBAL = 7, 3, 8, 24
 DATA = make_data(240)  # 10 steps an epoch
@@ -393,6 +400,28 @@ def test_writer_killed_mid_write_leaves_the_previous_checkpoint(run_dir, tmp_pat
     assert [h["epoch"] for h in result.history] == list(range(EPOCHS))
     assert not partial[0].exists()
     assert units_in(ckpt_dir) == [ckpt_unit(e) for e in range(EPOCHS)]
+
+
+@pytest.mark.processes
+def test_resume_with_nothing_to_resume_from_says_so_on_screen_as_the_display_does(tmp_path):
+    """A script run as is (no handler of its own on the root logger): the warning is the
+    display's line, not a bare one on stderr before the run's log is open."""
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+        import torch.nn.functional as F
+        from fabric_model import FabricModel
+        from tests.helpers import fresh_model_and_optimizer, make_data
+        model, opt = fresh_model_and_optimizer()
+        data = make_data(48)
+        FabricModel(model, lambda: (data, None), F.cross_entropy, opt).train(
+            1, 16, 1, run_dir={str(tmp_path / "run")!r}, resume=True)
+    """)
+    code, out = run_script_and_its_tree(script, 120)
+    assert code == 0, out[-3000:]
+    lines = out.splitlines()
+    assert any(line.startswith("[fabric-model] warning: resume=True: ") for line in lines), out[-3000:]
+    assert not any(line.startswith("resume=True") for line in lines), out[-3000:]
 
 
 @pytest.mark.processes

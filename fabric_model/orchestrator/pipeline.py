@@ -87,7 +87,8 @@ def prepare(
     resumed = None
     choice = checkpoint.choose_resume(resume, run_dir)  # "auto": from run.json's end and the checkpoints
     if choice.resume:  # the run's own seed and newest checkpoint; its plan is checked below
-        resumed, seed = checkpoint.find_resume_point(run_dir, seed)
+        resumed, seed, nothing = checkpoint.find_resume_point(run_dir, seed)
+        choice = dataclasses.replace(choice, warning=nothing)
     seed = framework.draw_seed() if seed is None else seed
     plan = Plan(len(train_set), items_per_micro_batch, sizing.micro_batches, seed)
     if data.train_source is not None and data.train_count is not None:
@@ -199,14 +200,14 @@ def run_job(
     ray_cluster: Any,
     display: tuple[int, bool],
     warm: WarmProcess | None,
-    resume_said: str | None = None,
+    resume: checkpoint.ResumeChoice | None = None,
 ) -> TrainResult:
     """Train with the driver (workers local, forked from ``warm`` when there is one, or on
     ``ray_cluster``), then hand the result over; ``run.json`` records how the run ended
     (finished, or failed with the error's type; an interrupt or a preemption is the display's
     to record, and a failure recorded after it does not replace it).
 
-    ``resume_said``: what ``resume="auto"`` decided, logged once the run's log is open."""
+    ``resume``: how ``train(resume=...)`` was resolved; what it says is logged once the run's log is open."""
     with run.recording_end():
         from ..driver.display import run_with_display
         from ..driver.driver import Driver
@@ -222,8 +223,11 @@ def run_job(
         )
 
         def start(hooks: Hooks) -> tuple[Driver, Any]:
-            if resume_said is not None:  # here, in driver.log and on screen, not before the log is open
-                log.info("%s", resume_said)
+            # Here, in driver.log and on screen, not before the log is open (a bare line on stderr).
+            if resume is not None and resume.said is not None:
+                log.info("%s", resume.said)
+            if resume is not None and resume.warning is not None:
+                log.warning("%s", resume.warning)
             if warm is not None:
                 # A fresh interpreter imports torch and the job's modules again: seconds of start-up.
                 log.info("local workers fork from the warm process: %s", warm.how)

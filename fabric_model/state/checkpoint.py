@@ -317,10 +317,13 @@ AUTO = "auto"
 @dataclasses.dataclass(frozen=True)
 class ResumeChoice:
     """``train(resume=...)`` resolved: whether to continue the run in the run directory, and
-    for ``resume="auto"`` the line that says which and why (logged once the run's log is open)."""
+    for ``resume="auto"`` the line that says which and why; ``warning``: that there was nothing
+    to resume from. Both are logged once the run's log is open, so they reach the screen as the
+    display shows its lines (and ``driver.log``)."""
 
     resume: bool
     said: str | None = None
+    warning: str | None = None
 
 
 def choose_resume(resume: bool | str, run_dir: str | os.PathLike[str] | None) -> ResumeChoice:
@@ -355,24 +358,23 @@ def choose_resume(resume: bool | str, run_dir: str | os.PathLike[str] | None) ->
 
 def find_resume_point(
     run_dir: str | os.PathLike[str] | None, seed: int | None
-) -> tuple[CheckpointInfo | None, int | None]:
-    """The newest complete checkpoint of the run to continue and the seed to use.
+) -> tuple[CheckpointInfo | None, int | None, str | None]:
+    """The newest complete checkpoint of the run to continue, the seed to use, and a warning.
 
     With no checkpoint (a first attempt, or a job that died before its first one) training
-    starts from the beginning, with a logged warning, and with the seed that ``run.json``
-    recorded, so that the restarted run is the run that was started.
+    starts from the beginning, with the warning (the caller logs it once the run's log is open),
+    and with the seed that ``run.json`` recorded, so that the restarted run is the run that was
+    started. Where the run's driver vanished, its workers may still be taken back instead.
     """
     run = RunDirectory.resolve(run_dir, for_resume=True)
     info = newest_resume_state(run.checkpoints)
     if info is None:
         recorded = run.recorded_seed()
         chosen = seed if seed is not None else recorded
-        log.warning(
-            "resume=True: %s holds no complete checkpoint; training starts from the beginning%s",
-            run.path,
-            f" (seed {chosen}, from run.json)" if seed is None and recorded is not None else "",
-        )
-        return None, chosen
+        seeded = f" (seed {chosen}, from run.json)" if seed is None and recorded is not None else ""
+        unless = ", unless its vanished driver's workers come back" if run.read_join_info() is not None else ""
+        starts = f"training starts from the beginning{unless}{seeded}"
+        return None, chosen, f"resume=True: {run.path} holds no complete checkpoint; {starts}"
     if seed is not None and seed != info.plan.seed:
         raise ValueError(
             f"Expected `seed` to be None or {info.plan.seed}, the seed of the run being resumed ({info.path}). "
@@ -381,7 +383,7 @@ def find_resume_point(
     log.info(
         "resuming from %s: %d steps done (epoch %d), unit %d", info.path, info.steps_done, info.epoch + 1, info.unit
     )
-    return info, info.plan.seed
+    return info, info.plan.seed, None
 
 
 def check_resumable(

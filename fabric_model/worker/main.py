@@ -214,8 +214,7 @@ def _train(
             log.warning("running the save branch of epoch %d's end: the worker that ran it was lost", loop.end_epoch)
             job.hooks.save_branch(loop.end_epoch)
         # Only now: the driver asks once every member finished (or the rest are gone), and a peer
-        # may still be in the last collective until then. Closing the group at Finished made
-        # gloo fail a slower peer's last allreduce, and its end-of-run callbacks never ran.
+        # may still be in the last collective until then (docs/architecture.md, "User errors").
         collective.shutdown()
     stage.handed_over = True
     channel.send(p.FinalState(model_state, optimizer_state, loop.next_unit, tuple(omitted)))

@@ -22,7 +22,9 @@ class Kill:
     """SIGKILL worker ``worker`` in step ``step``: inside the step, just before its allreduce
     (``before_allreduce``), once the step has committed (``after_step``), or, with a sharded
     optimizer state, after its update, before the updated slices are gathered (``before_spread``),
-    or in a blocking sum in that step (``in_exchange``: a validation's, a sharded state's gather)."""
+    or in the first blocking sum from that step on (``in_exchange``: a validation's, a sharded
+    state's gather; a snapshot's gather is skipped while the previous upload is still on its way,
+    so an exact step could pass without one)."""
 
     worker: int
     step: int
@@ -156,7 +158,9 @@ class FaultInjector:
         if ctx is None:
             return
         for i, fault in enumerate(self.faults):
-            if isinstance(fault, CheckpointFault) or fault.when != when or fault.step != ctx.global_step:
+            if isinstance(fault, CheckpointFault) or fault.when != when:
+                continue
+            if fault.step != ctx.global_step and not (when == "in_exchange" and ctx.global_step > fault.step):
                 continue
             if fault.worker is not None and fault.worker != ctx.worker_id:
                 continue

@@ -113,6 +113,7 @@ def test_a_hand_started_worker_takes_its_own_hosts_cores_not_the_drivers_share(t
     """The driver's host runs 2 local workers (each half its cores); the worker started by hand is
     alone of its kind on its host, so it takes all of them."""
     monkeypatch.setenv("FABRIC_MODEL_CPU_WORKERS", "2")
+    monkeypatch.setenv("FABRIC_MODEL_SMALL_STEP_FLOPS", "0")  # the shares, whatever the step's size
     (tmp_path / "threads").mkdir()
     starter = WorkerStarter(tmp_path / "run", [], at_start=1)
     # The local two wait for it after step 1, unless it came in time for the first generation.

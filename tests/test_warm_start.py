@@ -94,6 +94,7 @@ SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []
 
 def test_workers_are_forks_of_the_warm_process_with_a_fresh_workers_environment(run_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("FABRIC_MODEL_WARM_START", "fresh")  # a fork of the caller: see tests below
+    monkeypatch.setenv("FABRIC_MODEL_SMALL_STEP_FLOPS", "0")  # the cores' share, whatever the step's size
     shadowing_package(monkeypatch, tmp_path)
     # An interactive caller (python -c, a notebook) imports from its working directory ("" on
     # sys.path, last here so the caller's fabric_model stays first): so must its workers.
@@ -200,6 +201,7 @@ def run_warm_job(tmp_path: Path, *flags: str, mode: str | None = None) -> tuple[
     out, run = tmp_path / "out", tmp_path / "run"
     out.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if k != "FABRIC_MODEL_WARM_START"}
+    env["FABRIC_MODEL_SMALL_STEP_FLOPS"] = "0"  # the workers take the cores' share, whatever the step's size
     if mode is not None:
         env["FABRIC_MODEL_WARM_START"] = mode
     done = subprocess.run(

@@ -48,6 +48,9 @@ class FrameworkAdapter(abc.ABC):
     phases: ph.Phases = ph.OFF
     #: How long ``setup``'s parts took (run/startup.py); empty where an adapter does not say.
     setup_phases: dict[str, float] = {}  # never mutated: setup replaces it
+    #: The FLOPs of the first batch's forward pass, counted in the caller where the framework can
+    #: (frameworks/torch/flops.py); None: not counted. The run's intra-op threads follow from it.
+    first_forward_flops: int | None = None
 
     @abc.abstractmethod
     def setup(self, device: str, num_threads: int) -> None:
@@ -299,7 +302,7 @@ class Framework(abc.ABC):
             if is_batch_level(train_set):
                 batch = train_set[0]
             else:
-                batch = adapter.collate([train_set[i] for i in range(min(2, len(train_set)))])
+                batch = adapter.collate([train_set[i] for i in range(first_batch_items(train_set))])
             self.split_batch(batch)
         except Exception as exc:
             keys = ", ".join(repr(k) for k in TARGET_KEYS)
@@ -402,3 +405,9 @@ def metric_name(metric: Callable[..., Any], position: int, taken: set[str] | Non
         name = f"{base}_{suffix}"
     taken.add(str(name))
     return str(name)
+
+
+def first_batch_items(train_set: Any) -> int:
+    """The dataset items in :meth:`Framework.first_batch`'s batch: two samples (one, in a dataset
+    of one), or a batch-level dataset's first batch."""
+    return 1 if is_batch_level(train_set) else min(2, len(train_set))

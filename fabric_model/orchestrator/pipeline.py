@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..driver.identity import identify
+from ..frameworks.base import first_batch_items
 from ..run.hooks import Hooks
 from ..run.result import History, TrainResult
 from ..run.rundir import RunDirectory
@@ -29,7 +30,7 @@ from ..step.loop_state import LoopState
 from ..step.plan import Plan
 from ..streams import datasets as streams
 from . import run_setup
-from .run_setup import serialize_job, size_run, slot_devices, train_config
+from .run_setup import micro_batch_flops, serialize_job, size_run, slot_devices, train_config
 
 if TYPE_CHECKING:
     from ..api import FabricModel
@@ -128,6 +129,9 @@ def prepare(
         profile=window,
         frozen=frozen.names,
     )
+    step_flops = micro_batch_flops(adapter.first_forward_flops, first_batch_items(train_set), items_per_micro_batch)
+    threads, why = run_setup.worker_threads(loop.deterministic, ray_cluster, gpus, sizing.max_workers, step_flops)
+    startup.note("intra-op threads", f"{threads} per CPU worker: {why}")
     setup = DriverSetup(
         payload=payload,
         identity=identify(job, config, plan),
@@ -136,7 +140,7 @@ def prepare(
         has_test=test_set is not None,
         stat_names=adapter.stat_names,
         devices=slot_devices(sizing.max_workers, gpus),
-        threads=run_setup.worker_threads(loop.deterministic, ray_cluster, gpus, sizing.max_workers),
+        threads=threads,
         framework=fm.framework,
         keep_checkpoints=loop.keep_checkpoints,
         keep_best=best_of(fm.user_callbacks),
@@ -228,6 +232,9 @@ def run_job(
                 log.info("%s", resume.said)
             if resume is not None and resume.warning is not None:
                 log.warning("%s", resume.warning)
+            threads = setup.startup.notes.get("intra-op threads")
+            if threads is not None:
+                log.info("intra-op threads: %s", threads)
             if warm is not None:
                 # A fresh interpreter imports torch and the job's modules again: seconds of start-up.
                 log.info("local workers fork from the warm process: %s", warm.how)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..frameworks.shipping import dumps as dump_job
 from ..run.rundir import RunDirectory
-from ..settings.registry import DETERMINISTIC_THREADS, DIVERGENCE_CHECK_STEPS
+from ..settings.registry import DETERMINISTIC_THREADS, DIVERGENCE_CHECK_STEPS, SMALL_STEP_FLOPS
 from ..setup.checks import check_batch_level
 from ..setup.config import (
     EngineSizing,
@@ -135,11 +135,33 @@ def deterministic_threads() -> int:
     return DETERMINISTIC_THREADS.get()
 
 
-def worker_threads(deterministic: bool, ray_cluster: Any, gpus: int, max_workers: int) -> int:
-    """Intra-op threads per CPU worker: a fixed count when deterministic, else a fair share of the cores."""
+#: A training step's operations per forward operation: the forward, then the backward's two
+#: products (the inputs' gradients and the weights') for each of its products.
+STEP_PER_FORWARD = 3
+
+
+def micro_batch_flops(first_forward: int | None, first_items: int, items_per_micro_batch: int) -> float | None:
+    """A training micro-batch's FLOPs, from the first batch's forward (``first_items`` dataset
+    items; frameworks/torch/flops.py) scaled to ``items_per_micro_batch``; None where not counted."""
+    if first_forward is None or first_items < 1:
+        return None
+    return STEP_PER_FORWARD * first_forward * items_per_micro_batch / first_items
+
+
+def worker_threads(
+    deterministic: bool, ray_cluster: Any, gpus: int, max_workers: int, step_flops: float | None = None
+) -> tuple[int, str]:
+    """Intra-op threads per CPU worker, and why: a fixed count when deterministic, one for a CPU
+    step of fewer than ``$FABRIC_MODEL_SMALL_STEP_FLOPS`` (``step_flops``: a micro-batch's, where
+    counted), else a fair share of the cores (docs/architecture.md, "Intra-op threads")."""
     if deterministic:
-        return deterministic_threads()
-    return int(ray_cluster.threads) if ray_cluster else threads_per_worker(1 if gpus else max_workers)
+        return deterministic_threads(), "deterministic=True fixes them"
+    share = int(ray_cluster.threads) if ray_cluster else threads_per_worker(1 if gpus else max_workers)
+    small = SMALL_STEP_FLOPS.get()
+    if share > 1 and not gpus and step_flops is not None and step_flops < small:
+        # A chain of small operations: a second thread's fork and join cost more than it saves.
+        return 1, f"a micro-batch's step is about {step_flops:.3g} FLOPs, under {SMALL_STEP_FLOPS.name}={small:g}"
+    return share, "a share of the cores"
 
 
 def make_deterministic(framework: str, adapter: Any, max_micro_batches: int) -> Any:

@@ -284,6 +284,17 @@ DETERMINISTIC_THREADS: Setting[int] = declare(
         "Intra-op threads of every CPU worker with `deterministic=True`, however many workers there are.",
     )
 )
+SMALL_STEP_FLOPS: Setting[float] = declare(
+    Setting(
+        "FABRIC_MODEL_SMALL_STEP_FLOPS",
+        4e6,
+        _seconds_or_zero,
+        "a number, 0 or more",
+        "A CPU worker the driver starts runs one intra-op thread when a micro-batch's training step is "
+        "estimated below this many floating-point operations, from the first batch (`0`: never); "
+        'docs/architecture.md, "Intra-op threads".',
+    )
+)
 #: ``FABRIC_MODEL_WARM_START``'s values: no warm process; a fork of the caller where it is fit
 #: for one, else a fresh interpreter (``1``, the default, or ``fork``); always a fresh
 #: interpreter; always a fork (its OpenMP probe the only check: for diagnosis). See

@@ -83,6 +83,7 @@ class TorchFramework(Framework):
         from .adapter import TorchAdapter
         from .batches import to_device
         from .first_batch import check_loss_and_metrics, check_parameter_dtypes, forward_first_batch
+        from .flops import counted
         from .ibm import accuracy_applies
 
         model = adapter.model
@@ -94,7 +95,10 @@ class TorchFramework(Framework):
         inputs, target = adapter.call.split(to_device(first_batch, device))
         with adapter.grad_step.autocast(device):
             # A compiled model's original module: the same function, without a compile in the caller.
-            output = forward_first_batch(getattr(model, "_orig_mod", model), adapter.call, inputs)
+            # Counted: the step's size in FLOPs decides the run's intra-op threads (flops.py).
+            output, adapter.first_forward_flops = counted(
+                lambda: forward_first_batch(getattr(model, "_orig_mod", model), adapter.call, inputs)
+            )
         if adapter.default_accuracy and not accuracy_applies(output, target):
             adapter.drop_default_accuracy()
         check_loss_and_metrics(adapter.compute_loss, adapter.loss_function is None, adapter.metrics, output, target)

@@ -32,11 +32,13 @@ defaults; checkpoints do not (the plain loop saves none).
     PYTHONPATH=. python3 benchmarks/bench_models.py                  # every model, 3 rounds
     PYTHONPATH=. python3 benchmarks/bench_models.py --models gpt2,lora --rounds 5
     PYTHONPATH=. python3 benchmarks/bench_models.py --models trainer
+    PYTHONPATH=. python3 benchmarks/bench_models.py --small-step-flops 4e6,0    # the small-step rule on and off
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -44,7 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -265,6 +267,26 @@ def run_fabric_trainer(samples: int, batch: int, steps: int, warmup: int, run_di
     return batch / commits.mean_step(commits.train_stamps(Path(str(trainer.fabric_run_dir))), warmup - 1)
 
 
+#: A FabricModel run's variant: (its label, num_dataloader_threads, the worker's intra-op threads,
+#: ``FABRIC_MODEL_SMALL_STEP_FLOPS``); None: train()'s own.
+Variant = tuple[str, int | None, int | None, str | None]
+
+
+@contextlib.contextmanager
+def small_step_flops(value: str | None) -> Iterator[None]:
+    """``FABRIC_MODEL_SMALL_STEP_FLOPS`` set to ``value`` while a run starts (None: as it is)."""
+    name, before = "FABRIC_MODEL_SMALL_STEP_FLOPS", os.environ.get("FABRIC_MODEL_SMALL_STEP_FLOPS")
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--models", default="", help="comma-separated names (default: all)")
@@ -281,18 +303,27 @@ def main(argv: list[str]) -> int:
         "order (default: train()'s own)",
     )
     variant_of.add_argument(
+        "--small-step-flops",
+        default="",
+        help="comma-separated FABRIC_MODEL_SMALL_STEP_FLOPS values, each a FabricModel run a round, in alternating "
+        "order (0: the rule off, every worker its share of the cores)",
+    )
+    variant_of.add_argument(
         "--worker-threads",
         default="",
         help="comma-separated intra-op thread counts of the lone worker, each a FabricModel run a round, in "
-        "alternating order (0: train()'s own: the cores shared among the host's workers)",
+        "alternating order (0: train()'s own)",
     )
     args = parser.parse_args(argv)
-    # Each variant: (its label, num_dataloader_threads, the worker's intra-op threads); None: train()'s own.
-    variants: list[tuple[str, int | None, int | None]] = [("", None, None)]
+    # Each variant: (its label, num_dataloader_threads, the worker's intra-op threads, the small-step
+    # bound); None: train()'s own.
+    variants: list[Variant] = [("", None, None, None)]
     if args.reader_threads:
-        variants = [(f"t={v}", int(v), None) for v in args.reader_threads.split(",")]
+        variants = [(f"t={v}", int(v), None, None) for v in args.reader_threads.split(",")]
     elif args.worker_threads:
-        variants = [(f"w={v}", None, int(v) or None) for v in args.worker_threads.split(",")]
+        variants = [(f"w={v}", None, int(v) or None, None) for v in args.worker_threads.split(",")]
+    elif args.small_step_flops:
+        variants = [(f"s={v}", None, None, v) for v in args.small_step_flops.split(",")]
     logging.getLogger("fabric_model").setLevel(logging.ERROR)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     chosen: dict[str, Any] = {**workloads(), "trainer": None}
@@ -310,22 +341,21 @@ def main(argv: list[str]) -> int:
         for name, work in chosen.items():
             plains: list[float] = []
             # FabricTrainer takes neither variant: it runs once a round, with train()'s own choices.
-            runs = variants if work is not None else [("", None, None)]
-            fabrics: dict[str, list[float]] = {label: [] for label, _, _ in runs}
+            runs = variants if work is not None else [("", None, None, None)]
+            fabrics: dict[str, list[float]] = {label: [] for label, *_ in runs}
 
             def plain_run(n: int, r: int, name: str = name, work: Any = work) -> float:
                 if work is None:  # Trainer's script under Trainer
                     return run_trainer(samples, args.batch_size, n, args.warmup, scratch / f"{name}-plain{r}")
                 return run_plain(work, samples, args.batch_size, n, args.warmup)
 
-            def fabric_run(
-                n: int, r: int, variant: tuple[str, int | None, int | None], name: str = name, work: Any = work
-            ) -> float:
-                label, threads, worker_threads = variant
+            def fabric_run(n: int, r: int, variant: Variant, name: str = name, work: Any = work) -> float:
+                label, threads, worker_threads, small_step = variant
                 out = scratch / f"{name}{r}-{label}"
                 if work is None:  # the same under FabricTrainer
                     return run_fabric_trainer(samples, args.batch_size, n, args.warmup, out)
-                return run_fabric(work, samples, args.batch_size, n, args.warmup, out, threads, worker_threads)
+                with small_step_flops(small_step):
+                    return run_fabric(work, samples, args.batch_size, n, args.warmup, out, threads, worker_threads)
 
             trial = plain_run(30, -1)  # steps of seconds, at least
             steps = max(args.steps, int(args.seconds * trial / args.batch_size))
@@ -342,7 +372,7 @@ def main(argv: list[str]) -> int:
                     flush=True,
                 )
             if len(runs) == 2:  # paired within each round: which ran faster, how often
-                a, b = (label for label, _, _ in runs)
+                a, b = (label for label, *_ in runs)
                 wins = sum(x > y for x, y in zip(fabrics[a], fabrics[b]))
                 print(f"{'':<12} {a} faster than {b} in {wins} of {args.rounds} rounds", flush=True)
     finally:

@@ -23,8 +23,8 @@ class Kill:
     (``before_allreduce``), once the step has committed (``after_step``), or, with a sharded
     optimizer state, after its update, before the updated slices are gathered (``before_spread``),
     or in the first blocking sum from that step on (``in_exchange``: a validation's, a sharded
-    state's gather; a snapshot's gather is skipped while the previous upload is still on its way,
-    so an exact step could pass without one)."""
+    state's gather; a snapshot due by time is voted for only once rank 0's clock has moved past
+    the last one's mark, so an exact step could pass without a gather)."""
 
     worker: int
     step: int

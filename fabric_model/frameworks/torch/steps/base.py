@@ -15,6 +15,7 @@ they are, with no ``with`` on the step's path.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +57,7 @@ class TorchStep:
         self.fresh = False  # this micro-batch's backward writes fresh gradients, not into the views
         self.got = [0.0] * len(self.params)  # the got-gradient flags, written to the buffer per micro-batch
         self.buf_start: list[torch.Tensor] = []
+        self.held_start: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # start_values' (held, sources)
         self.sums: TensorSums | PythonSums = self.make_sums()
         # Parts that are another object's method, held bound (no call of ours around them, ``ranges``).
         self.forward: Callable[[Any, Any], tuple[Any, torch.Tensor]] = adapter.forward
@@ -83,10 +85,25 @@ class TorchStep:
         self.begin_buffer()
         self.sums.begin()
         adapter = self.adapter
-        self.buf_start = [b.detach().clone() for b in adapter.live_buffers()] if adapter.model_buffers else []
+        self.buf_start = self.start_values(adapter.live_buffers()) if self.has_buffers else []
         self.buffers_at_start = True  # until a micro-batch's forward runs
         self.buffers_as_left = False  # the forward's own values are the step's (buffers_in_place)
         self.in_step = True
+
+    def start_values(self, live: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The buffers' values at the step's start (what a redone step starts from, and deltas are
+        taken against), which nothing writes: copied in one call into tensors held across steps
+        when every slot holds its own tensor (after any step, the adapter's ``keep_live_buffers``
+        or ``restore_buffers`` put it back), else cloned. Five clones were ~7 us a step; one
+        ``_foreach_copy_`` ~2 us (docs/architecture.md, "What a step costs beyond the math")."""
+        own = self.adapter.model_buffers
+        if all(map(operator.is_, live, own)):
+            if self.held_start is None:  # (the detached sources share the own tensors' memory)
+                self.held_start = [b.detach().clone() for b in own], [b.detach() for b in own]
+            held, sources = self.held_start
+            torch._foreach_copy_(held, sources)
+            return held
+        return [b.detach().clone() for b in live]
 
     def begin_buffer(self) -> None:
         """The step buffer bound and zeroed, the gradients where this step's backward adds them."""

@@ -25,11 +25,14 @@ class LoneStep(TorchStep):
     def __init__(self, adapter: Any, buffer: StepBuffer, update: WholeUpdate, world_size: int) -> None:
         super().__init__(adapter, buffer, update, world_size)
         self.fresh = True
-        # Whether a step writes the lone buffer itself: buffer deltas, sums in the buffer. If
-        # not, the buffer holds zeros but where code outside the step wrote (a vote: ``lent``),
-        # and a step neither zeroes it nor reads it back (two tensor operations a step; on a
-        # CPU each costs microseconds inside a step, docs/architecture.md).
-        self.writes = self.has_buffers or not isinstance(self.sums, PythonSums)
+        # Whether the steps write the lone buffer themselves: sums in the buffer always, buffer
+        # deltas where a step has more than one micro-batch (``record_buffers``; one leaves the
+        # buffers as its forward did). A step that did not, and that no code outside the step
+        # wrote into (a vote: ``lent``), leaves it zero: the next neither zeroes it nor is its tail
+        # read back (two tensor operations a step; on a CPU each costs microseconds inside a
+        # step, docs/architecture.md).
+        self.sums_in_buffer = not isinstance(self.sums, PythonSums)
+        self.wrote = True  # (a buffer another strategy used first is zeroed once)
         layout = buffer.full_layout
         self.tail_size = layout.n_stats + 1 + layout.LOOP_SLOTS  # (the tail: step/layout.py)
 
@@ -41,12 +44,17 @@ class LoneStep(TorchStep):
     def begin_buffer(self) -> None:
         buffer = self.buffer
         buffer.bind_lone()  # .grad None, as after zero_grad(set_to_none=True)
-        if self.writes or buffer.lent:
+        if self.wrote or buffer.lent:
             buffer.views.after_gradients.zero_()  # the whole lone buffer
             buffer.lent = False
+        self.wrote = self.sums_in_buffer
+
+    def record_buffers(self, share: float) -> None:
+        self.wrote = True
+        super().record_buffers(share)
 
     def read_tail(self) -> list[float]:
-        if self.writes or self.buffer.lent:
+        if self.wrote or self.buffer.lent:
             return super().read_tail()
         return [0.0] * self.tail_size  # what the zeroed tail holds
 

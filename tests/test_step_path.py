@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset, default_collate
 
+from fabric_model.frameworks.torch import gather
 from fabric_model.frameworks.torch.adapter import TorchAdapter
+from fabric_model.frameworks.torch.gather import tensor_reader
 from fabric_model.step.data import PrefetchLoader, fetch, loader_threads, reads_at_once
 
 
@@ -151,6 +155,76 @@ def test_a_tensor_dataset_is_read_in_one_gather_as_item_by_item(tensors) -> None
             return x + 1, y
 
     assert adapter.reader(Shifted(*data.tensors)) is None
+
+
+SAMPLE_LISTS = {
+    "(tensor, label) tuples": lambda g: [(torch.randn(3, 4, generator=g), torch.tensor(i % 3)) for i in range(50)],
+    "lists, int32 and bool": lambda g: [
+        [torch.randint(0, 9, (2,), dtype=torch.int32, generator=g), torch.rand((), generator=g) > 0.5]
+        for _ in range(50)
+    ],
+    "dicts, one shared mask (a tokenizer's)": lambda g: [
+        {"input_ids": torch.randint(0, 99, (8,), generator=g), "attention_mask": MASK, "labels": torch.tensor(1)}
+        for _ in range(50)
+    ],
+    "bare tensors, bfloat16 (torch's gather)": lambda g: [torch.randn(5, generator=g).bfloat16() for _ in range(50)],
+}
+MASK = torch.ones(8, dtype=torch.long)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """The same structure, container types, key order, dtypes, shapes and values."""
+    if isinstance(b, torch.Tensor):
+        return type(a) is torch.Tensor and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if type(a) is not type(b) or len(a) != len(b):
+        return False
+    if isinstance(b, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in b)
+    return all(_same(x, y) for x, y in zip(a, b))
+
+
+def _leaves(batch: Any) -> list[torch.Tensor]:
+    return list(batch.values()) if isinstance(batch, dict) else list(batch) if isinstance(batch, list) else [batch]
+
+
+@pytest.mark.parametrize("make", SAMPLE_LISTS.values(), ids=SAMPLE_LISTS.keys())
+def test_a_list_of_samples_is_read_in_one_gather_as_default_collate_gives_it(make) -> None:  # type: ignore[no-untyped-def]
+    """A list of equally shaped samples (tensors, tuples, lists or dicts of them) is stacked once
+    and each micro-batch gathered: what default_collate gives the same samples, and a copy."""
+    samples = make(torch.Generator().manual_seed(0))
+    adapter = TorchAdapter(nn.Linear(4, 2), torch.optim.SGD(nn.Linear(4, 2).parameters(), lr=0.1), F.mse_loss)
+    reader = adapter.reader(samples)
+    assert reader is not None and reads_at_once(samples, reader) and adapter.reader(samples) is reader
+    for indices in (np.array([7, 3, 49, 0, 3]), np.array([12])):
+        gathered = reader(indices)
+        assert _same(gathered, default_collate([samples[int(i)] for i in indices]))
+    for t in _leaves(gathered):
+        t.zero_()  # training code may write into a batch: the samples stay as they are
+    assert _same(reader(indices), default_collate([samples[int(i)] for i in indices]))
+    assert tensor_reader(tuple(samples), None) is not None
+
+
+def test_a_list_the_stack_would_change_is_read_item_by_item(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Samples whose stack differs from their micro-batches' (mixed dtypes: each micro-batch
+    promotes as its own samples say; shapes that differ), samples of other forms, a copy past
+    STACK_BYTES, and a user's collate keep the item-by-item read."""
+    x = torch.randn(3)
+    refused = {
+        "mixed dtypes": [(x, torch.tensor(1))] * 3 + [(x.double(), torch.tensor(1))],
+        "shapes differ": [x, torch.randn(4)],
+        "a Python number": [(x, 1)] * 3,
+        "needs a gradient": [torch.randn(3, requires_grad=True)] * 3,
+        "keys differ": [{"a": x}, {"b": x}],
+        "nested": [({"a": x},)] * 3,
+        "forms differ": [(x,), [x]],
+        "empty": [],
+    }
+    for name, samples in refused.items():
+        assert tensor_reader(samples, None) is None, name
+    assert tensor_reader([x] * 4, default_collate) is None
+    monkeypatch.setattr(gather, "STACK_BYTES", 10 * x.nbytes)
+    assert tensor_reader([x] * 11, None) is None
+    assert tensor_reader([x] * 10, None) is not None
 
 
 def test_a_dataset_with_getitems_is_asked_once_per_micro_batch() -> None:

@@ -71,6 +71,7 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         self.default_accuracy = metrics is None and step_fn is None
         self.metrics = [accuracy] if self.default_accuracy else list(metrics or ())
         self._collate_fn = collate_fn
+        self._readers: dict[int, tuple[Any, Reader | None]] = {}  # reader(): by dataset
         self.step_fn, self.test_fn, self.fn_args = step_fn, test_fn, fn_args
         self.grad_step = GradientStep(step_options)  # precision=, gradient_clip_norm=
         self.eva = Eva(self.metrics)  # a custom step's third argument
@@ -198,7 +199,11 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         return default_collate(list(samples))
 
     def reader(self, dataset: Any) -> Reader | None:
-        return tensor_reader(dataset, self._collate_fn)
+        # Made once a dataset: a list's stacked copy is not made again at every generation.
+        kept = self._readers.get(id(dataset))
+        if kept is None or kept[0] is not dataset:
+            kept = self._readers[id(dataset)] = (dataset, tensor_reader(dataset, self._collate_fn))
+        return kept[1]
 
     def read_generators(self, dataset: Any) -> list[Generator]:
         return read_generators(dataset)

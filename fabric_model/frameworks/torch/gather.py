@@ -5,11 +5,18 @@ list ``[t[idx] for t in tensors]``: the same values (``torch.stack`` of the rows
 read with one gather per tensor instead of 64 ``__getitem__`` calls and a collate (about
 0.3 ms a micro-batch of 64 on CPU, against tens of microseconds). A CPU tensor is gathered by
 numpy (``take`` on the tensor's own memory), others by ``t[index]``.
+
+A plain list (or tuple) of samples under the default collate is read the same way once its
+samples are stacked, field by field, into tensors of their own (:func:`stacked_reader`): each
+sample a tensor, a tuple or list of tensors, or a dict of tensors, every field of one shape and
+dtype. The stacked copy is made once per loader and holds the values the samples had then;
+where it would take more than :data:`STACK_BYTES`, or the samples are of any other form, the
+list is read item by item and collated, as before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,15 +25,102 @@ from torch.utils.data import TensorDataset
 
 from ...step.data import Reader
 
+#: The most bytes a list of samples' stacked copy may take (:func:`stacked_reader`): beyond it,
+#: the copy's memory would cost more than the collate it saves (~30 us a micro-batch of 16).
+STACK_BYTES = 256 << 20
+
 
 def tensor_reader(dataset: Any, collate_fn: Callable[..., Any] | None) -> Reader | None:
-    """A one-gather reader for a plain ``TensorDataset`` under the default collate, else None.
+    """A one-gather reader for a plain ``TensorDataset`` or list of samples under the default
+    collate, else None.
 
     Subclasses may override ``__getitem__`` and a user's collate may do anything, so both
     keep the item-by-item read."""
-    if collate_fn is not None or type(dataset) is not TensorDataset:
+    if collate_fn is not None:
         return None
-    tensors = dataset.tensors
+    if type(dataset) is TensorDataset:
+        return _list_gather(dataset.tensors)
+    if type(dataset) in (list, tuple):
+        return stacked_reader(dataset)
+    return None
+
+
+def stacked_reader(samples: list[Any] | tuple[Any, ...]) -> Reader | None:
+    """A one-gather reader of a list of samples, or None where it is read item by item.
+
+    What it reads is what ``default_collate`` gives for the same samples: a tensor, a list of
+    tensors (for tuple and list samples), or a dict of tensors in the first sample's key order."""
+    fielded = _fields(samples)
+    if fielded is None:
+        return None
+    build, fields = fielded
+    firsts = [field[0] for field in fields]
+    if not all(map(_stackable, firsts)):
+        return None
+    if sum(t.numel() * t.element_size() for t in firsts) * len(samples) > STACK_BYTES:
+        return None
+    stacked: list[torch.Tensor] = []
+    for first, field in zip(firsts, fields):
+        dtype = first.dtype
+        if any(type(t) is not torch.Tensor or t.dtype != dtype for t in field):
+            return None  # (mixed dtypes: each micro-batch's stack promotes as its own samples say)
+        try:
+            whole = torch.stack(field)
+        except RuntimeError:  # shapes or devices differ: default_collate stacks each micro-batch (and may fail there)
+            return None
+        if whole.requires_grad:  # (some sample's tensor needs a gradient: not every micro-batch's stack would)
+            return None
+        stacked.append(whole)
+    return _gather(stacked, build)
+
+
+def _fields(samples: list[Any] | tuple[Any, ...]) -> tuple[Callable[[list[Any]], Any] | None, list[list[Any]]] | None:
+    """How a micro-batch's stacked fields are put together (None: a tensor sample, the field
+    itself), and each field's values over the samples; None for any other form."""
+    if not samples:
+        return None
+    first = samples[0]
+    kind = type(first)
+    if kind is torch.Tensor:
+        return None, [list(samples)]
+    if kind in (tuple, list) and first:
+        width = len(first)
+        if any(type(s) is not kind or len(s) != width for s in samples):
+            return None
+        return list, [list(field) for field in zip(*samples)]
+    if kind is dict and first:
+        keys = list(first)
+        names = first.keys()
+        if any(type(s) is not dict or s.keys() != names for s in samples):
+            return None
+
+        def as_dict(values: list[Any]) -> dict[Any, Any]:
+            return dict(zip(keys, values))
+
+        return as_dict, [[s[k] for s in samples] for k in keys]
+    return None
+
+
+def _stackable(t: Any) -> bool:
+    return type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided and not t.requires_grad
+
+
+def _gather(tensors: Sequence[torch.Tensor], build: Callable[[list[Any]], Any] | None) -> Reader:
+    """Reads rows ``indices`` of each of ``tensors`` (put together by ``build``; None: the one tensor)."""
+    if build is None:
+        (whole,) = tensors
+        array = _numpy_view(whole)
+        if array is not None:
+            return lambda indices: torch.from_numpy(array.take(indices, axis=0))
+        return lambda indices: whole[torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int64))]
+    if build is list:
+        return _list_gather(tensors)
+    pieces = _list_gather(tensors)
+    return lambda indices: build(pieces(indices))
+
+
+def _list_gather(tensors: Sequence[torch.Tensor]) -> Reader:
+    """Reads rows ``indices`` of each of ``tensors``, as a list."""
     arrays = [_numpy_view(t) for t in tensors]
     if all(a is not None for a in arrays):
         # numpy's gather: the same rows, without torch's indexing dispatch (it read a micro-batch

@@ -33,6 +33,7 @@ defaults; checkpoints do not (the plain loop saves none).
     PYTHONPATH=. python3 benchmarks/bench_models.py --models gpt2,lora --rounds 5
     PYTHONPATH=. python3 benchmarks/bench_models.py --models trainer
     PYTHONPATH=. python3 benchmarks/bench_models.py --small-step-flops 4e6,0    # the small-step rule on and off
+    PYTHONPATH=. python3 benchmarks/bench_models.py --setting FABRIC_MODEL_SNAPSHOT_STEPS=100,0   # snapshots' cost
 """
 
 from __future__ import annotations
@@ -268,16 +269,19 @@ def run_fabric_trainer(samples: int, batch: int, steps: int, warmup: int, run_di
 
 
 #: A FabricModel run's variant: (its label, num_dataloader_threads, the worker's intra-op threads,
-#: ``FABRIC_MODEL_SMALL_STEP_FLOPS``); None: train()'s own.
-Variant = tuple[str, int | None, int | None, str | None]
+#: a setting's environment variable and value); None: train()'s own.
+Variant = tuple[str, int | None, int | None, tuple[str, str] | None]
 
 
 @contextlib.contextmanager
-def small_step_flops(value: str | None) -> Iterator[None]:
-    """``FABRIC_MODEL_SMALL_STEP_FLOPS`` set to ``value`` while a run starts (None: as it is)."""
-    name, before = "FABRIC_MODEL_SMALL_STEP_FLOPS", os.environ.get("FABRIC_MODEL_SMALL_STEP_FLOPS")
-    if value is not None:
-        os.environ[name] = value
+def setting(variable: tuple[str, str] | None) -> Iterator[None]:
+    """A setting's environment variable set to a value while a run starts (None: as it is)."""
+    if variable is None:
+        yield
+        return
+    name, value = variable
+    before = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
@@ -309,21 +313,32 @@ def main(argv: list[str]) -> int:
         "order (0: the rule off, every worker its share of the cores)",
     )
     variant_of.add_argument(
+        "--setting",
+        default="",
+        help="NAME=v1,v2,...: a setting's values (docs/configuration.md), each a FabricModel run a round, in "
+        "alternating order, e.g. FABRIC_MODEL_SNAPSHOT_STEPS=100,0 (snapshots as by default, and none)",
+    )
+    variant_of.add_argument(
         "--worker-threads",
         default="",
         help="comma-separated intra-op thread counts of the lone worker, each a FabricModel run a round, in "
         "alternating order (0: train()'s own)",
     )
     args = parser.parse_args(argv)
-    # Each variant: (its label, num_dataloader_threads, the worker's intra-op threads, the small-step
-    # bound); None: train()'s own.
+    # Each variant: (its label, num_dataloader_threads, the worker's intra-op threads, a setting's
+    # variable and value); None: train()'s own.
     variants: list[Variant] = [("", None, None, None)]
     if args.reader_threads:
         variants = [(f"t={v}", int(v), None, None) for v in args.reader_threads.split(",")]
     elif args.worker_threads:
         variants = [(f"w={v}", None, int(v) or None, None) for v in args.worker_threads.split(",")]
     elif args.small_step_flops:
-        variants = [(f"s={v}", None, None, v) for v in args.small_step_flops.split(",")]
+        variants = [
+            (f"s={v}", None, None, ("FABRIC_MODEL_SMALL_STEP_FLOPS", v)) for v in args.small_step_flops.split(",")
+        ]
+    elif args.setting:
+        name, _, values = args.setting.partition("=")
+        variants = [(v, None, None, (name, v)) for v in values.split(",")]
     logging.getLogger("fabric_model").setLevel(logging.ERROR)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     chosen: dict[str, Any] = {**workloads(), "trainer": None}
@@ -350,11 +365,11 @@ def main(argv: list[str]) -> int:
                 return run_plain(work, samples, args.batch_size, n, args.warmup)
 
             def fabric_run(n: int, r: int, variant: Variant, name: str = name, work: Any = work) -> float:
-                label, threads, worker_threads, small_step = variant
+                label, threads, worker_threads, variable = variant
                 out = scratch / f"{name}{r}-{label}"
                 if work is None:  # the same under FabricTrainer
                     return run_fabric_trainer(samples, args.batch_size, n, args.warmup, out)
-                with small_step_flops(small_step):
+                with setting(variable):
                     return run_fabric(work, samples, args.batch_size, n, args.warmup, out, threads, worker_threads)
 
             trial = plain_run(30, -1)  # steps of seconds, at least

@@ -310,6 +310,37 @@ def test_snapshots_by_steps_wait_while_they_would_cost_more_than_their_share():
     assert uploads.kind_due(SCHEDULE.unit(2, 4), rank=0) == "snapshot"
 
 
+@pytest.mark.parametrize("slot", [False, True], ids=["steps", "a validation slot among its units"])
+def test_an_uploads_cost_is_what_the_steps_beside_it_lost(monkeypatch, slot):
+    """The share rule weighs what an upload cost the steps: the time its units took beyond the
+    pace of the steps before it (on busy cores its own copy and send are a fraction of that).
+    Where a validation slot falls among them, its own copy and send stand."""
+    clock = [100.0]
+    monkeypatch.setattr("fabric_model.state.uploader.time.monotonic", lambda: clock[0])
+    snapshots = SnapshotCadence(steps=8 if slot else 6, seconds=0, share=0.01)
+    config = types.SimpleNamespace(
+        checkpoint_freq=0, checkpoint_steps=0, batch_size=BATCH, snapshots=snapshots, shard_optimizer_state=False
+    )
+    sent: list[p.StateChunk] = []
+    uploads = StateUploader(channel=types.SimpleNamespace(send=sent.append), schedule=SCHEDULE, config=config)  # type: ignore[arg-type]
+    uploads.entered(p.CheckpointSettings("", "torch", written=-1), resume_unit=0)
+    due, costs = [], []
+    for unit in range(SCHEDULE.total_units):
+        kind = uploads.kind_due(unit, rank=0)
+        costs.append(uploads.cost)
+        if kind:
+            due.append(unit)
+            uploads.upload(kind, unit, 0, {"w": torch.ones(3)}, {"state": {}, "param_groups": []})
+            uploads.flush()  # its thread sends it (no time passes on this clock)
+        clock[0] += 0.1 + (0.4 if unit in due else 0.0)  # the step beside the send is 0.4 s slower
+    assert sent and sent[-1].last
+    if slot:  # units 8, 9, the slot, 11: its copy and send (no time on this clock) stand, until
+        # the next one, at 17, is measured over steps alone
+        assert costs[12] == 0.0 and due == [8, 17] and uploads.cost == pytest.approx(0.4)
+    else:  # 0.4 s at 1%: the next 40 s away, past the run's end (its copy and send: every 6 steps)
+        assert costs[9] == pytest.approx(0.4) and due == [6]
+
+
 @pytest.mark.parametrize("raw", ["1", "-0.1", "nan", "a lot"])
 def test_a_bad_snapshot_share_is_refused_naming_the_variable(monkeypatch, raw):
     monkeypatch.setenv("FABRIC_MODEL_SNAPSHOT_SHARE", raw)

@@ -16,6 +16,12 @@ lost (docs/architecture.md, "Elasticity").
 One upload at a time: a snapshot due while one is in flight waits for the next boundary; a
 due checkpoint waits for the one in flight to finish.
 
+What an upload costs (``cost``, which the share rule weighs) is measured as the steps paid it:
+the time the steps from its start until a few after its thread ended took beyond the pace of
+the steps before it. Its own work is a fraction of that where cores are busy: on 2 cores, a
+BERT snapshot's copy and send took 9-16 ms, and the step beside the send 25-65 ms more (its
+intra-op threads wait for the one the sending thread and the driver displace).
+
 With a sharded optimizer state (``train(shard_optimizer_state=True)``) every member of a
 generation of several takes part in gathering it (state/layouts.py, ``uploads_together``), so
 all must decide alike when an upload is due (``agreed``). Checkpoints fall at units fixed by the
@@ -45,6 +51,13 @@ log = logging.getLogger(__name__)
 #: Bytes per StateChunk: heartbeats and step reports are never queued behind more than this.
 CHUNK_BYTES = 4 << 20
 
+#: An upload's cost is measured over at least this many units from its start, and until its
+#: thread has ended (the driver's receiving and writing it slow the steps after the send too).
+COST_UNITS = 3
+
+#: The steps' pace is measured over a stretch between uploads of at least this many units.
+PACE_UNITS = 5
+
 
 class StateUploader:
     """Knows when rank 0 uploads the state, copies it, and sends it from a thread.
@@ -69,12 +82,17 @@ class StateUploader:
         self.together = layout_for(config).uploads_together  # every member takes part in an upload
         self.agreed = False  # every member decides (and gathers) alike: together, with several members
         self.voted = False  # rank 0's snapshot vote came through the last step's allreduce (agreed)
-        self.cost = 0.0  # seconds the last upload took: its copy, then its thread's serializing and sending
+        self.cost = 0.0  # seconds the last upload cost the steps (_measure_cost)
         self.framework = ""
         self.written = -1  # the newest checkpoint the driver has
         self._last_steps = 0  # steps below the unit of the last upload (or of entering)
         self._last_time = time.monotonic()
         self._thread: threading.Thread | None = None
+        # The cost's measure: the upload in flight (its start, unit and copy's seconds), the
+        # seconds a step took between uploads, and where the stretch measured for it began.
+        self._flight: tuple[float, int, float] | None = None
+        self._pace: float | None = None
+        self._pace_from = (self._last_time, 0)
         # The newest checkpoint uploaded, kept until the driver says it is on disk (Written): a
         # driver that dies before then is sent it again by the next generation's rank 0.
         self._unconfirmed: tuple[int, dict[str, Any]] | None = None
@@ -87,6 +105,7 @@ class StateUploader:
         self.written = max(self.written, settings.written)
         self._last_steps = self.schedule.steps_before(resume_unit)
         self._last_time = time.monotonic()
+        self._flight, self._pace_from = None, (self._last_time, resume_unit)  # (a new group's steps)
         self._thresholds()
 
     def _thresholds(self) -> None:
@@ -105,12 +124,39 @@ class StateUploader:
         (agreed: what every member gathers, each passing rank 0)."""
         if rank != 0 or not 0 < unit < self.schedule.total_units:
             return None
+        if self._flight is not None:
+            self._measure_cost(unit)
         if self.agreed:
             voted, self.voted = self.voted, False
             if unit >= self._checkpoint_unit and unit > self.written and self._checkpoint_due(unit):
                 return "checkpoint"
             return "snapshot" if voted else None
         return None if self._quiet(unit) else self._due(unit)
+
+    def _measure_cost(self, unit: int) -> None:
+        """Once the upload in flight has ended and ``COST_UNITS`` have passed since it began: its
+        cost, the time its units took beyond the pace of the steps before it (at least its copy's).
+        Where that cannot be told (no pace yet, a validation slot among them), the upload's own
+        copy and send stand (``_send``)."""
+        assert self._flight is not None
+        started, first, copied = self._flight
+        units = unit - first
+        if units < COST_UNITS or (self._thread is not None and self._thread.is_alive()):
+            return
+        now = time.monotonic()
+        self._flight, self._pace_from = None, (now, unit)
+        if self._pace is not None and self._steps_between(first, unit) == units:
+            self.cost = max(copied, now - started - units * self._pace)
+
+    def _measure_pace(self, unit: int, now: float) -> None:
+        """The seconds a step took since the last upload's cost was measured, over steps alone."""
+        since, first = self._pace_from
+        units = unit - first
+        if units >= PACE_UNITS and self._steps_between(first, unit) == units:
+            self._pace = (now - since) / units
+
+    def _steps_between(self, first: int, unit: int) -> int:
+        return self.schedule.steps_before(unit) - self.schedule.steps_before(first)
 
     def _due(self, unit: int) -> str | None:
         """``kind_due``'s rule in full (not agreed)."""
@@ -165,6 +211,7 @@ class StateUploader:
         left out of ``model_state``, which the driver fills in."""
         started = time.monotonic()
         self.flush()  # one at a time (only a due checkpoint can find one in flight)
+        self._measure_pace(unit, started)
         copies = HostCopies()
         model, optimizer = copies.of(model_state), copies.of(optimizer_state)
         copies.queued()
@@ -179,6 +226,7 @@ class StateUploader:
             target=self._send, args=(kind, unit, generation, record, copies, copied), name="fabric-upload", daemon=True
         )
         self._thread.start()
+        self._flight = (started, unit, copied)
         return copied
 
     @property
@@ -244,7 +292,8 @@ class StateUploader:
             log.warning("%s of unit %d not sent: %s", kind, unit, exc)
             return
         sent = time.monotonic() - started
-        # Wall time, not this thread's CPU time: on busy cores it is what the steps lost meanwhile.
+        # Until the steps' measure replaces it (_measure_cost): wall time, not this thread's CPU
+        # time, which on busy cores is nearer what the steps lost meanwhile.
         self.cost = copied + sent
         # The copy is what the step loop paid; the send ran beside the steps that followed.
         log.info("%s of unit %d sent: %d bytes in %.3f s (copied in %.3f s)", kind, unit, size, sent, copied)

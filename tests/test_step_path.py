@@ -168,6 +168,12 @@ SAMPLE_LISTS = {
         for _ in range(50)
     ],
     "bare tensors, bfloat16 (torch's gather)": lambda g: [torch.randn(5, generator=g).bfloat16() for _ in range(50)],
+    "NumPy features, Python int labels": lambda g: [
+        (np.random.default_rng(i).standard_normal(4).astype(np.float32), i % 3) for i in range(50)
+    ],
+    "Python floats and bools, a uint8 array": lambda g: [
+        {"w": i / 7, "keep": i % 2 == 0, "pixels": np.full((2, 2), i, dtype=np.uint8)} for i in range(50)
+    ],
 }
 MASK = torch.ones(8, dtype=torch.long)
 
@@ -189,8 +195,9 @@ def _leaves(batch: Any) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("make", SAMPLE_LISTS.values(), ids=SAMPLE_LISTS.keys())
 def test_a_list_of_samples_is_read_in_one_gather_as_default_collate_gives_it(make) -> None:  # type: ignore[no-untyped-def]
-    """A list of equally shaped samples (tensors, tuples, lists or dicts of them) is stacked once
-    and each micro-batch gathered: what default_collate gives the same samples, and a copy."""
+    """A list of equally shaped samples (tensors, numbers, NumPy arrays; tuples, lists or dicts
+    of them) is stacked once and each micro-batch gathered: what default_collate gives the same
+    samples, and a copy."""
     samples = make(torch.Generator().manual_seed(0))
     adapter = TorchAdapter(nn.Linear(4, 2), torch.optim.SGD(nn.Linear(4, 2).parameters(), lr=0.1), F.mse_loss)
     reader = adapter.reader(samples)
@@ -205,14 +212,18 @@ def test_a_list_of_samples_is_read_in_one_gather_as_default_collate_gives_it(mak
 
 
 def test_a_list_the_stack_would_change_is_read_item_by_item(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Samples whose stack differs from their micro-batches' (mixed dtypes: each micro-batch
-    promotes as its own samples say; shapes that differ), samples of other forms, a copy past
-    STACK_BYTES, and a user's collate keep the item-by-item read."""
+    """Samples whose stack differs from their micro-batches' (mixed types or dtypes: each
+    micro-batch promotes as its own samples say; shapes that differ), values default_collate
+    does not stack, samples of other forms, a copy past STACK_BYTES, and a user's collate keep
+    the item-by-item read."""
     x = torch.randn(3)
     refused = {
         "mixed dtypes": [(x, torch.tensor(1))] * 3 + [(x.double(), torch.tensor(1))],
         "shapes differ": [x, torch.randn(4)],
-        "a Python number": [(x, 1)] * 3,
+        "ints and bools": [(x, 1), (x, True)],
+        "an int past int64": [(x, 1), (x, 1 << 63)],
+        "strings": [(x, "a"), (x, "b")],
+        "object arrays": [np.array([None]), np.array([None])],
         "needs a gradient": [torch.randn(3, requires_grad=True)] * 3,
         "keys differ": [{"a": x}, {"b": x}],
         "nested": [({"a": x},)] * 3,

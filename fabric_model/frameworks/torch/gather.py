@@ -8,8 +8,8 @@ numpy (``take`` on the tensor's own memory), others by ``t[index]``.
 
 A plain list (or tuple) of samples under the default collate is read the same way once its
 samples are stacked, field by field, into tensors of their own (:func:`stacked_reader`): each
-sample a tensor, a tuple or list of tensors, or a dict of tensors, every field of one shape and
-dtype. The stacked copy is made once per loader and holds the values the samples had then;
+sample a tensor, or a tuple, list or dict of tensors, Python numbers or NumPy arrays, every
+field of one type, shape and dtype. The stacked copy is made once per loader and holds the values the samples had then;
 where it would take more than :data:`STACK_BYTES`, or the samples are of any other form, the
 list is read item by item and collated, as before.
 """
@@ -54,24 +54,58 @@ def stacked_reader(samples: list[Any] | tuple[Any, ...]) -> Reader | None:
     if fielded is None:
         return None
     build, fields = fielded
-    firsts = [field[0] for field in fields]
-    if not all(map(_stackable, firsts)):
-        return None
-    if sum(t.numel() * t.element_size() for t in firsts) * len(samples) > STACK_BYTES:
+    row = 0
+    for field in fields:
+        size = _row_bytes(field[0])
+        if size is None:
+            return None
+        row += size
+    if row * len(samples) > STACK_BYTES:
         return None
     stacked: list[torch.Tensor] = []
-    for first, field in zip(firsts, fields):
-        dtype = first.dtype
-        if any(type(t) is not torch.Tensor or t.dtype != dtype for t in field):
-            return None  # (mixed dtypes: each micro-batch's stack promotes as its own samples say)
-        try:
-            whole = torch.stack(field)
-        except RuntimeError:  # shapes or devices differ: default_collate stacks each micro-batch (and may fail there)
-            return None
-        if whole.requires_grad:  # (some sample's tensor needs a gradient: not every micro-batch's stack would)
+    for field in fields:
+        whole = _stack(field)
+        if whole is None:
             return None
         stacked.append(whole)
     return _gather(stacked, build)
+
+
+def _row_bytes(value: Any) -> int | None:
+    """The bytes one sample's value takes in a stacked field; None: a value not stacked."""
+    if type(value) is torch.Tensor:
+        return value.numel() * value.element_size() if _stackable(value) else None
+    if type(value) in (int, float, bool):
+        return 8
+    if type(value) is np.ndarray:
+        return int(value.nbytes)
+    return None
+
+
+def _stack(field: list[Any]) -> torch.Tensor | None:
+    """A field's values stacked as ``default_collate`` puts a micro-batch of them together: CPU
+    tensors of one dtype (``torch.stack``), Python ints, floats or bools (``torch.tensor``; floats
+    as float64), numeric NumPy arrays of one dtype (``torch.as_tensor``, then stacked). None
+    where the micro-batches' own results could differ: mixed types or dtypes (each micro-batch's
+    stack promotes as its own samples say), shapes that differ, a value needing a gradient."""
+    first = field[0]
+    kind = type(first)
+    if any(type(v) is not kind for v in field):
+        return None
+    try:
+        if kind is torch.Tensor:
+            if any(t.dtype != first.dtype for t in field):
+                return None
+            whole = torch.stack(field)
+        elif kind in (int, float, bool):
+            whole = torch.tensor(field, dtype=torch.float64 if kind is float else None)
+        elif first.dtype.kind in "biufc" and all(a.dtype == first.dtype for a in field):
+            whole = torch.as_tensor(np.stack(field))
+        else:
+            return None
+    except (RuntimeError, TypeError, ValueError, OverflowError):  # shapes or devices differ, an int past int64
+        return None
+    return None if whole.requires_grad else whole
 
 
 def _fields(samples: list[Any] | tuple[Any, ...]) -> tuple[Callable[[list[Any]], Any] | None, list[list[Any]]] | None:

@@ -9,9 +9,10 @@ numpy (``take`` on the tensor's own memory), others by ``t[index]``.
 A plain list (or tuple) of samples under the default collate is read the same way once its
 samples are stacked, field by field, into tensors of their own (:func:`stacked_reader`): each
 sample a tensor, or a tuple, list or dict of tensors, Python numbers or NumPy arrays, every
-field of one type, shape and dtype. The stacked copy is made once per loader and holds the values the samples had then;
-where it would take more than :data:`STACK_BYTES`, or the samples are of any other form, the
-list is read item by item and collated, as before.
+field of one type, shape and dtype. The stacked copy is made once per worker (the adapter keeps
+the reader) and holds the values the samples had then; where it would take more than
+:data:`STACK_BYTES`, or the samples are of any other form, the list is read item by item and
+collated, as before.
 """
 
 from __future__ import annotations

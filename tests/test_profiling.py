@@ -102,14 +102,18 @@ def test_the_summary_splits_a_step_into_the_users_code_and_ours():
         "steps": 10,
         "partial": False,
         "wall": 0.020,
-        "phases": {ph.FORWARD: 0.008, ph.BACKWARD: 0.006, ph.OPTIMIZER: 0.002, ph.SNAPSHOT: 0.001, ph.STEP: 0.001},
+        "phases": {
+            **{ph.FORWARD: 0.008, ph.BACKWARD: 0.006, ph.OPTIMIZER: 0.002, ph.SNAPSHOT: 0.001, ph.STEP: 0.001},
+            ph.RESULTS: 0.001,  # the host waiting for the device: neither the user's code nor ours
+        },
         "operators": [("aten::addmm", 0.004, 0.0)],
     }
     lines = render(figures, "profile/worker-0.pt.trace.json")
     assert lines[0] == "profile of steps 10-19 on worker 0, rank 0 of 1, cpu: 2.000 ms a step"
     row = {line.strip().rsplit(None, 2)[0]: line.split()[-2:] for line in lines[2:] if line.strip()[-1] == "%"}
     assert row["your code"] == ["1.600", "80%"] and row["fabric-model"] == ["0.200", "10%"]
-    assert row["between the named ranges"] == ["0.200", "10%"]  # the wall time no range holds
+    assert row["the step's results (waiting for the device)"] == ["0.100", "5%"]
+    assert row["between the named ranges"] == ["0.100", "5%"]  # the wall time no range holds
     assert any("aten::addmm" in line for line in lines) and lines[-1].startswith("  trace: profile/worker-0")
 
 
@@ -137,7 +141,7 @@ def test_a_profiled_run_writes_a_trace_with_the_framework_s_ranges_and_a_summary
     traces = sorted((run_dir / "profile").glob("*.pt.trace.json"))
     assert len(traces) == 1, traces  # rank 0's only
     names = trace_names(traces[0])
-    ours = {ph.STEP, ph.DATA, ph.REDUCE, ph.REPORT, ph.VALIDATION, ph.CALLBACKS}
+    ours = {ph.STEP, ph.DATA, ph.REDUCE, ph.RESULTS, ph.REPORT, ph.VALIDATION, ph.CALLBACKS}
     theirs = {ph.FORWARD, ph.BACKWARD, ph.OPTIMIZER, ph.METRICS}
     assert ours | theirs <= names, sorted(ours | theirs - names)
     assert "aten::addmm" in names  # the operators, under the ranges

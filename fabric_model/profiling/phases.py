@@ -34,6 +34,9 @@ DATA = "fabric_model/data"
 SEED = "fabric_model/seed"
 BUFFERS = "fabric_model/buffers"
 STATS = "fabric_model/stats"
+#: The step's one read of its results (the reduced tail): on a GPU the host waits here for the
+#: step's queued kernels, as a plain loop does in ``loss.item()``; not the framework's time.
+RESULTS = "fabric_model/results"
 REDUCE = "fabric_model/reduce"
 REPORT = "fabric_model/report"
 SNAPSHOT = "fabric_model/snapshot"

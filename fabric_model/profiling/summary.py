@@ -3,7 +3,9 @@ framework's (docs/training.md, "Profiling"). Pure: figures in, lines out. Standa
 
 Each row is the exclusive time of named ranges (:mod:`.phases`) per profiled step. "Between the
 named ranges" is the window's wall time less every range: the loop's own glue, and on a GPU the
-time the host waited for the device outside a range.
+time the host waited for the device outside a range. The step's one read of its results is a
+row of its own: on a GPU the host waits there for the step's kernels, the user's mostly (a plain
+loop waits in ``loss.item()``), so neither side's group is charged for it.
 """
 
 from __future__ import annotations
@@ -62,8 +64,11 @@ def render(figures: dict[str, Any], trace: str | None) -> list[str]:
     group("your code", YOURS)
     group("data", DATA)
     group("fabric-model", OURS)
+    waiting = times.get(ph.RESULTS, 0.0)
     marking = times.get(ph.INSTRUMENTATION, 0.0)
-    lines.append(_row("between the named ranges", max(0.0, wall - named - marking), steps, wall, None, indent=4))
+    lines.append(_row("between the named ranges", max(0.0, wall - named - waiting - marking), steps, wall, None, 4))
+    waited = device_times.get(ph.RESULTS, 0.0) if device_times else None
+    lines.append(_row("the step's results (waiting for the device)", waiting, steps, wall, waited, indent=2))
     lines.append(_row("profiling: marking the ranges", marking, steps, wall, None, indent=2))
     operators = figures.get("operators") or []
     if operators:

@@ -47,6 +47,7 @@ class TorchStep:
         "add_stats": ph.STATS,
         "settle_buffers": ph.BUFFERS,
         "apply_update": ph.OPTIMIZER,
+        "read_tail": ph.RESULTS,
     }
 
     def __init__(self, adapter: Any, buffer: StepBuffer, update: WholeUpdate, world_size: int) -> None:

@@ -25,7 +25,10 @@ every run a fresh process, so one run's CUDA caches and allocator do not help th
   median step, so what snapshots and checkpoints cost counts (target >= 0.98, ResNet >= 1.0).
 - ``startup``: the GPT-2 from building the model to the first committed step against the plain
   loop's first step, fresh processes (target: within 2 s), and run.json's start-up phases.
-- ``profile``: the GPT-2 with ``train(profile=(30, 40))``: the summary (and, with ``--out``, the trace).
+- ``profile``: the GPT-2's steps 30-39 on both sides: FabricModel's ``train(profile=(30, 40))``
+  summary, the CUDA synchronisations each side made in those steps (torch's sync debug mode, by
+  the line of Python that made each), and the two traces compared per step
+  (benchmarks/trace_diff.py: operators, runtime calls, copies, kernels); ``--out`` keeps the traces.
 
 Step times are stamped at each step's end, after the GPU finished it (both sides read the
 loss), and compared as medians after a warm-up.
@@ -50,6 +53,7 @@ import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 WARMUP = 20
+PROFILED = (30, 40)  # (gpu_models.PROFILED: the steps both sides profile)
 BATCH = {"resnet": 256, "transformer": 32}
 VOCAB, TOKENS, WIDTH = 2000, 128, 256
 
@@ -254,7 +258,9 @@ def hf_child(kind: str, workload: str, steps: int, out: str, extra: list[str]) -
     elif kind == "hf-fabric":
         result = g.fabric(workload, steps, device, precision, small)
     elif kind == "hf-profile":
-        result = g.fabric(workload, steps, device, precision, small, profile=(30, 40), out_dir=traces)
+        result = g.fabric(workload, steps, device, precision, small, profile=g.PROFILED, out_dir=traces)
+    elif kind == "hf-plain-profile":
+        result = g.plain_profile(workload, steps, device, precision, small, traces)
     elif kind == "hf-plain-first":
         result = g.plain_first_step(workload, device, small)
     else:
@@ -400,11 +406,32 @@ def startup(args: argparse.Namespace, tmp: Path) -> None:
 
 
 def profile(args: argparse.Namespace, tmp: Path) -> None:
+    """Steps 30-39 of the GPT-2 on both sides: the summary, the synchronisations, the traces compared."""
+    from trace_diff import read, report
+
+    traces = args.out or str(tmp / "traces")
     for precision in args.precisions.split(","):
-        extra = (args.device, precision, "1" if args.small else "0", args.out)
-        result = run("hf-profile", "gpt2", max(args.steps, 60), tmp, extra)
-        if result is not None:
-            print(f"profile   gpt2 {precision}:\n{result['summary']}")  # type: ignore[index]
+        extra = (args.device, precision, "1" if args.small else "0", traces)
+        steps = max(args.steps, 60)
+        base = run("hf-plain-profile", "gpt2", steps, tmp, extra)
+        ours = run("hf-profile", "gpt2", steps, tmp, extra)
+        if base is None or ours is None:
+            continue
+        print(f"profile   gpt2 {precision}:\n{ours['summary']}")  # type: ignore[index]
+        for side, result in (("plain loop", base), ("fabric_model", ours)):
+            syncs = result["syncs"]  # type: ignore[index]
+            if syncs is None:
+                print(f"  CUDA synchronisations, {side}: none to count on a CPU")
+                continue
+            count = sum(syncs.values()) / (PROFILED[1] - PROFILED[0])
+            print(f"  CUDA synchronisations, {side}: {count:.1f} a step")
+            for where, n in sorted(syncs.items(), key=lambda item: -item[1]):
+                print(f"    {n:5d}  {where}")
+        if "trace" in ours:  # type: ignore[operator]
+            steps_in = PROFILED[1] - PROFILED[0]
+            lines = report(read(base["trace"], steps_in), read(ours["trace"], steps_in))  # type: ignore[index]
+            print(f"  the two traces, steps {PROFILED[0]}-{PROFILED[1] - 1} (benchmarks/trace_diff.py):")
+            print("\n".join("    " + line for line in lines))
 
 
 def main() -> int:

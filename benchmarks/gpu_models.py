@@ -12,10 +12,13 @@ children then see no GPU: ``CUDA_VISIBLE_DEVICES`` empty from their start).
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import tempfile
 import time
+import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -136,16 +139,103 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def plain(workload: str, steps: int, device: str, precision: str, small: bool) -> list[float]:
+#: The global steps both sides profile (FabricModel's ``train(profile=PROFILED)``).
+PROFILED = (30, 40)
+
+
+class SyncCount:
+    """The CUDA synchronisations this thread makes, by the line of Python that made each: torch's
+    sync debug mode warns at each one. Nothing to count on a CPU (``stop`` gives None)."""
+
+    def __init__(self, device: str) -> None:
+        self.on = device.startswith("cuda")
+        self.where: collections.Counter[str] = collections.Counter()
+        self._caught: Any = None
+
+    def start(self) -> None:
+        if not self.on:
+            return
+        self._caught = warnings.catch_warnings()
+        self._caught.__enter__()
+        warnings.simplefilter("always")  # every one, not once per line
+        warnings.showwarning = self._seen
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def _seen(self, message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> None:
+        if "synchroniz" in str(message).lower():
+            self.where[_caller()] += 1
+
+    def stop(self) -> dict[str, int] | None:
+        if not self.on or self._caught is None:
+            return None
+        torch.cuda.set_sync_debug_mode("default")
+        self._caught.__exit__(None, None, None)
+        self._caught = None
+        return dict(self.where)
+
+
+def _caller() -> str:
+    """The innermost frame outside torch, warnings and this file, and the torch frame it called."""
+    torch_dir = os.path.dirname(torch.__file__)
+    inner = ""
+    for frame in reversed(traceback.extract_stack()[:-3]):  # (this function, _seen, warnings' own)
+        name = frame.filename
+        if name == __file__ or name.endswith("warnings.py"):
+            continue
+        if name.startswith(torch_dir):
+            inner = inner or f"{os.path.relpath(name, os.path.dirname(torch_dir))}:{frame.lineno}"
+            continue
+        short = name.split("/site-packages/")[-1].split("/work/")[-1]
+        return f"{short}:{frame.lineno} {frame.name}" + (f" -> {inner}" if inner else "")
+    return inner or "?"
+
+
+class Window:
+    """Watches steps ``PROFILED`` of the plain loop: the torch profiler (trace to ``trace``) and
+    the CUDA synchronisations, started before the first one's batch and stopped after the last."""
+
+    def __init__(self, device: str, trace: str) -> None:
+        self.device, self.trace, self.syncs = device, trace, SyncCount(device)
+        self.profiler: Any = None
+        self.counted: dict[str, int] | None = None
+
+    def begin(self, step: int) -> None:
+        if step != PROFILED[0]:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.startswith("cuda"):
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        sync(self.device)
+        self.profiler = torch.profiler.profile(activities=activities)
+        self.profiler.start()
+        self.syncs.start()
+
+    def end(self, step: int) -> None:
+        if step != PROFILED[1] - 1 or self.profiler is None:
+            return
+        self.counted = self.syncs.stop()
+        sync(self.device)  # the window's kernels are the window's time, as FabricModel's profile has it
+        self.profiler.stop()
+        self.profiler.export_chrome_trace(self.trace)
+
+
+def plain(
+    workload: str, steps: int, device: str, precision: str, small: bool, window: Window | None = None
+) -> list[float]:
     """The loop a user writes: a shuffled DataLoader, the batch to the device, autocast for
-    bf16-mixed, the loss read each step; a stamp at each step's end."""
+    bf16-mixed, the loss read each step; a stamp at each step's end (``window``: steps
+    ``PROFILED`` profiled, their synchronisations counted)."""
     model = make(workload, small).to(device)
     opt = optimizer(workload, model)
     batch = sizes(workload, small)["batch"]
     loader = torch.utils.data.DataLoader(data(workload, steps * batch, small), batch, shuffle=True)
     dtype = torch.bfloat16 if precision == "bf16-mixed" else None
     times = []
-    for b in loader:
+    batches = iter(loader)
+    for i in range(len(loader)):
+        if window is not None:
+            window.begin(i)  # before the batch is read, as FabricModel's window opens
+        b = next(batches)
         with torch.autocast(device.split(":")[0], dtype=dtype, enabled=dtype is not None):
             if workload == "gpt2":
                 loss = model(**{k: v.to(device) for k, v in b.items()}).loss
@@ -156,24 +246,44 @@ def plain(workload: str, steps: int, device: str, precision: str, small: bool) -
         opt.zero_grad()
         loss.item()
         times.append(time.perf_counter())
+        if window is not None:
+            window.end(i)
     return times
 
 
-class _Clock:
-    """A worker callback: rank 0 stamps each step's end, written when training ends."""
+def plain_profile(workload: str, steps: int, device: str, precision: str, small: bool, out_dir: str) -> dict:
+    """The plain loop with steps ``PROFILED`` profiled: its trace's path and the synchronisations."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    window = Window(device, str(Path(out_dir, f"{workload}-{precision}-plain.pt.trace.json")))
+    plain(workload, steps, device, precision, small, window)
+    return {"trace": window.trace, "syncs": window.counted}
 
-    def __init__(self, path: str) -> None:
+
+class _Clock:
+    """A worker callback: rank 0 stamps each step's end, written when training ends; with
+    ``device``, it counts the CUDA synchronisations of steps ``PROFILED`` too (steps counted
+    from the run's first: this benchmark redoes none)."""
+
+    def __init__(self, path: str, device: str = "") -> None:
         self.path, self.times = path, []
+        self.syncs = SyncCount(device) if device else None
+        self.counted: dict[str, int] | None = None
+
+    def on_batch_begin(self, step: int) -> None:
+        if self.syncs is not None and len(self.times) == PROFILED[0]:
+            self.syncs.start()
 
     def on_batch_end(self, step: int) -> None:
         self.times.append(time.perf_counter())
+        if self.syncs is not None and len(self.times) == PROFILED[1]:
+            self.counted = self.syncs.stop()
 
     def on_train_end(self) -> None:
         from fabric_model.context import worker_context
 
         context = worker_context()
         if context is not None and context.rank == 0:
-            Path(self.path).write_text(json.dumps(self.times))
+            Path(self.path).write_text(json.dumps({"times": self.times, "syncs": self.counted}))
 
 
 class _Quiet:
@@ -198,13 +308,15 @@ def fabric(
         path, run_dir = os.path.join(tmp, "times.json"), Path(tmp, "run")
         fm = FabricModel(
             model, lambda: (data(workload, steps * batch // 2, small), None), loss_function(workload),
-            optimizer(workload, model), metrics=[], driver_logger_callback=_Quiet(), user_callback=[Clock(path)],
-            precision=precision,
+            optimizer(workload, model), metrics=[], driver_logger_callback=_Quiet(),
+            user_callback=[Clock(path, device if profile is not None else "")], precision=precision,
         )  # fmt: skip
         fm.train(2, batch, 1, run_dir=str(run_dir), seed=0, profile=profile, verbose=0)
         logs = "".join(p.read_text() for p in (run_dir / "logs").glob("worker-*.log"))
+        clocked = json.loads(Path(path).read_text())
         result = {
-            "times": json.loads(Path(path).read_text()),
+            "times": clocked["times"],
+            "syncs": clocked["syncs"],
             "startup": json.loads((run_dir / "run.json").read_text()).get("startup"),
             "uploads": [line.split(": ", 1)[-1] for line in logs.splitlines() if " sent: " in line],
         }
@@ -213,7 +325,9 @@ def fabric(
             if out_dir:
                 Path(out_dir).mkdir(parents=True, exist_ok=True)
                 for trace in (run_dir / "profile").glob("*.pt.trace.json"):
-                    Path(out_dir, f"gpt2-{precision}-{trace.name}").write_bytes(trace.read_bytes())
+                    copy = Path(out_dir, f"{workload}-{precision}-{trace.name}")
+                    copy.write_bytes(trace.read_bytes())
+                    result["trace"] = str(copy)
         return result
 
 

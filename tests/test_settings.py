@@ -24,6 +24,7 @@ BUILDERS = {"setdefault", "pop", "update", "clear"}
 #: Functions that hand ``os.environ`` on as a mapping to *write* into, and why; a read there would slip by.
 HANDED_ON = {
     ("transport/network.py", "select_interfaces"): "points gloo and NCCL at an interface, by setdefault only",
+    ("transport/nccl.py", "prepare"): "sets NCCL's failure handling for an elastic worker, by setdefault only",
 }
 #: Names that look like settings: fabric_model's and IBM's prefixes (``_FABRIC_MODEL_*`` included).
 NAME = re.compile(r"(?<![A-Za-z0-9_])_?(?:FABRIC|EDT)_[A-Z0-9_]*[A-Z0-9]")
@@ -244,3 +245,22 @@ def test_the_registry_imports_the_standard_library_only():
     modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level}
     assert {m.split(".")[0] for m in modules} - {"__future__"} <= set(sys.stdlib_module_names)
+
+
+def test_an_nccl_worker_keeps_the_watchdog_from_ending_it_unless_the_user_chose():
+    """Torch's default NCCL watchdog ends the process on a timeout or a peer's error, which would
+    take a survivor down with the peer it lost (transport/nccl.py): a worker sets the handling
+    off where unset, keeps the user's choice, and gives the watchdog a timeout past its own."""
+    from datetime import timedelta
+
+    from fabric_model.transport import nccl
+
+    env = {"TORCH_NCCL_ENABLE_MONITORING": "1"}
+    chosen = nccl.prepare(env)
+    expected = {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+        "TORCH_NCCL_ENABLE_MONITORING": "1",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    }
+    assert env == chosen == expected  # monitoring: the user's
+    assert nccl.watchdog_timeout(timedelta(seconds=30)) > timedelta(seconds=30)

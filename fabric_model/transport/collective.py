@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import nccl
+
 log = logging.getLogger(__name__)
 
 #: How often a worker blocked in a collective checks for an abort request. A survivor waiting
@@ -96,8 +98,9 @@ class Collective:
             return  # nothing to exchange: no group, no sockets
         try:
             if self.backend == "nccl":
+                nccl.prepare()  # its watchdog must not end a survivor (nccl.py)
                 options = dist.ProcessGroupNCCL.Options()
-                options._timeout = self.timeout
+                options._timeout = nccl.watchdog_timeout(self.timeout)  # past our deadline: our abort first
                 self._group = dist.ProcessGroupNCCL(store, rank, world_size, options)
             else:
                 self._group = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
@@ -207,7 +210,10 @@ class Collective:
     def _abandon(self) -> None:
         if self._group is not None:
             if self.backend == "nccl":
-                self._group.abort()  # NCCL can abort; its watchdog would otherwise kill us later
+                try:  # frees the communicator; a stuck kernel returns (nccl.py)
+                    self._group.abort()
+                except RuntimeError as exc:  # its ncclCommAbort outlived the group's timeout
+                    log.warning("aborting the NCCL group of generation %d failed: %s", self.generation, exc)
             self._abandoned.append(self._group)
             self._group = None
 

@@ -24,6 +24,7 @@ from .frozen import FrozenParameters, frozen_names
 from .gather import tensor_reader
 from .generators import OwnedGenerators, read_generators
 from .ibm import Eva, accuracy
+from .numerics import Numerics
 from .precision import GradientStep
 from .reader_processes import ProcessLoader
 from .sharded import ShardedOptimizer, WholeOptimizer
@@ -74,6 +75,8 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         self._readers: dict[int, tuple[Any, Reader | None]] = {}  # reader(): by dataset
         self.step_fn, self.test_fn, self.fn_args = step_fn, test_fn, fn_args
         self.grad_step = GradientStep(step_options)  # precision=, gradient_clip_norm=
+        # Made by train() in the caller: its TF32, cuDNN, dtype switches, set again in each worker.
+        self.numerics = Numerics.here()
         self.eva = Eva(self.metrics)  # a custom step's third argument
         self.train_set: Any = None  # handed to a custom step as its ``train_loader``
         self._name_stats()
@@ -103,8 +106,13 @@ class TorchAdapter(TorchEvaluation, FrameworkAdapter):
         if self._on_cpu and torch.get_num_threads() != num_threads:
             torch.set_num_threads(num_threads)
 
+    def kernels(self, device: str) -> None:
+        """The caller's numerics (numerics.py), before any kernel runs here."""
+        self.numerics.apply()
+
     def setup(self, device: str, num_threads: int) -> None:
         began = time.monotonic()
+        self.kernels(device)
         self.device = torch.device(device)
         self._on_cpu = self.device.type == "cpu"
         if self.device.type == "cpu":

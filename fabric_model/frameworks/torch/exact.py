@@ -43,8 +43,11 @@ class ExactTorchAdapter(ExactGrid, TorchAdapter):
 
     summing = Summing.EXACT
 
-    def setup(self, device: str, num_threads: int) -> None:
+    def kernels(self, device: str) -> None:
+        super().kernels(device)  # the caller's numerics, then what deterministic mode fixes
         deterministic_kernels(device)
+
+    def setup(self, device: str, num_threads: int) -> None:
         self._exact: ExactSum | None = None
         super().setup(device, num_threads)
 

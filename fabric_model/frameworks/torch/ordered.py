@@ -48,9 +48,9 @@ class OrderedTorchAdapter(TorchAdapter):
         ordered.max_terms = max_terms
         return ordered
 
-    def setup(self, device: str, num_threads: int) -> None:
+    def kernels(self, device: str) -> None:
+        super().kernels(device)  # the caller's numerics, then what deterministic mode fixes
         deterministic_kernels(device)
-        super().setup(device, num_threads)
 
     def load_state(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
         # A checkpoint of the fixed-point sum (a run saved before this scheme existed) holds its grid.

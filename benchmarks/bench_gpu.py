@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/bench_gpu.py                 # every row, 2 rounds
     PYTHONPATH=. python benchmarks/bench_gpu.py --rows resnet,transformer --rounds 3 --steps 200
     PYTHONPATH=. python benchmarks/bench_gpu.py --rows gpt2,resnet50,startup,profile --out /tmp/traces
-    PYTHONPATH=. python benchmarks/bench_gpu.py --rows gpt2,resnet50,startup,profile --device cpu --small --steps 30
+    PYTHONPATH=. python benchmarks/bench_gpu.py --rows gpt2,sharded,startup,profile --device cpu --small --steps 30
 
 Rows (each figure a ratio against the baseline measured in the same round; runs interleaved;
 every run a fresh process, so one run's CUDA caches and allocator do not help the next):
@@ -23,6 +23,8 @@ every run a fresh process, so one run's CUDA caches and allocator do not help th
   against the loop a user writes, over two epochs with snapshots and checkpoints at their
   defaults inside the timed span: the throughput over the whole span after the warm-up, not a
   median step, so what snapshots and checkpoints cost counts (target >= 0.98, ResNet >= 1.0).
+- ``sharded``: the GPT-2 on 2 and 3 workers sharing the GPU, ``shard_optimizer_state=True``
+  against the whole state on each, interleaved: throughput over the span and rank 0's peak GPU memory.
 - ``startup``: the GPT-2 from building the model to the first committed step against the plain
   loop's first step, fresh processes (target: within 2 s), and run.json's start-up phases.
 - ``profile``: the GPT-2's steps 30-39 on both sides: FabricModel's ``train(profile=(30, 40))``
@@ -259,6 +261,9 @@ def hf_child(kind: str, workload: str, steps: int, out: str, extra: list[str]) -
         result = g.fabric(workload, steps, device, precision, small)
     elif kind == "hf-profile":
         result = g.fabric(workload, steps, device, precision, small, profile=g.PROFILED, out_dir=traces)
+    elif kind in ("hf-shared", "hf-sharded"):
+        engines = int(extra[4])
+        result = g.fabric(workload, steps, device, precision, small, engines=engines, shard=kind == "hf-sharded")
     elif kind == "hf-plain-profile":
         result = g.plain_profile(workload, steps, device, precision, small, traces)
     elif kind == "hf-plain-first":
@@ -382,6 +387,27 @@ def real_model(workload: str, args: argparse.Namespace, tmp: Path) -> None:
               f"slowest steps in the last run: {slowest}; uploads in the last run: {sent}")  # fmt: skip
 
 
+def sharded(args: argparse.Namespace, tmp: Path) -> None:
+    """The GPT-2 (AdamW) on 2 and 3 workers sharing the GPU, its optimizer state sharded against
+    whole, interleaved: throughput over the span and rank 0's peak GPU memory."""
+    for engines in (2, 3):
+        extra = (args.device, "32", "1" if args.small else "0", args.out, str(engines))
+        ratios, memory, whole_ms = [], [], []
+        for _ in range(args.rounds):
+            whole = run("hf-shared", "gpt2", args.steps, tmp, extra)
+            ours = run("hf-sharded", "gpt2", args.steps, tmp, extra)
+            if whole is None or ours is None:
+                continue
+            w, s = span_time(whole["times"]), span_time(ours["times"])  # type: ignore[index]
+            whole_ms.append(w * 1e3)
+            ratios.append(w / s)
+            if whole["peak_bytes"] and ours["peak_bytes"]:  # type: ignore[index]
+                memory.append(ours["peak_bytes"] / whole["peak_bytes"])  # type: ignore[index]
+        print(f"sharded   gpt2 {engines} workers on 1 GPU, optimizer state sharded vs whole: throughput "
+              f"{spread(ratios)}x, rank 0's peak GPU memory {spread(memory)}x (none: not on a GPU), "
+              f"whole step {spread(whole_ms, '{:.2f}')} ms")  # fmt: skip
+
+
 def startup(args: argparse.Namespace, tmp: Path) -> None:
     extra = (args.device, "32", "1" if args.small else "0", args.out)
     plains, ours, phases, notes = [], [], {}, {}
@@ -438,7 +464,7 @@ def main() -> int:
     if sys.argv[1:2] == ["--child"]:
         return child(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="resnet,transformer,shared,recovery,gpt2,resnet50,startup,profile")
+    parser.add_argument("--rows", default="resnet,transformer,shared,recovery,gpt2,resnet50,sharded,startup,profile")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--precisions", default="32,bf16-mixed", help="for the gpt2, resnet50 and profile rows")
@@ -457,6 +483,8 @@ def main() -> int:
         for workload in ("gpt2", "resnet50"):
             if workload in rows:
                 real_model(workload, args, tmp)
+        if "sharded" in rows:
+            sharded(args, tmp)
         if "startup" in rows:
             startup(args, tmp)
         if "profile" in rows:

@@ -283,7 +283,8 @@ class _Clock:
 
         context = worker_context()
         if context is not None and context.rank == 0:
-            Path(self.path).write_text(json.dumps({"times": self.times, "syncs": self.counted}))
+            peak = torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else None
+            Path(self.path).write_text(json.dumps({"times": self.times, "syncs": self.counted, "peak_bytes": peak}))
 
 
 class _Quiet:
@@ -292,31 +293,48 @@ class _Quiet:
 
 
 def fabric(
-    workload: str, steps: int, device: str, precision: str, small: bool, profile: Any = None, out_dir: str = ""
+    workload: str,
+    steps: int,
+    device: str,
+    precision: str,
+    small: bool,
+    profile: Any = None,
+    out_dir: str = "",
+    engines: int = 1,
+    shard: bool = False,
 ) -> dict[str, Any]:
-    """One engine, two epochs (a checkpoint at the first's end, inside the timed span), snapshots
-    at their defaults; the step stamps, run.json's start-up, the worker log's upload lines and,
-    with ``profile``, the summary (the trace is copied to ``out_dir``)."""
+    """``engines`` workers (sharing the one GPU where there are several), two epochs (a
+    checkpoint at the first's end, inside the timed span), snapshots at their defaults; the step
+    stamps, run.json's start-up, the worker log's upload lines, the peak GPU memory of rank 0
+    and, with ``profile``, the summary (the trace is copied to ``out_dir``). ``shard``: each
+    worker holds its slices of the optimizer state (``shard_optimizer_state=True``)."""
     from fabric_model import Callback, FabricModel
 
     class Clock(_Clock, Callback):
         pass
 
+    if engines > 1:  # (read when train() sizes the run: this child's own environment)
+        os.environ["FABRIC_MODEL_WORKERS_PER_GPU" if device.startswith("cuda") else "FABRIC_MODEL_CPU_WORKERS"] = str(
+            engines
+        )
     model = make(workload, small)
-    batch = sizes(workload, small)["batch"]
+    batch = sizes(workload, small)["batch"]  # each worker's, as train() takes it (IBM's engines' batch)
     with tempfile.TemporaryDirectory() as tmp:
         path, run_dir = os.path.join(tmp, "times.json"), Path(tmp, "run")
         fm = FabricModel(
-            model, lambda: (data(workload, steps * batch // 2, small), None), loss_function(workload),
+            model, lambda: (data(workload, steps * batch * engines // 2, small), None), loss_function(workload),
             optimizer(workload, model), metrics=[], driver_logger_callback=_Quiet(),
             user_callback=[Clock(path, device if profile is not None else "")], precision=precision,
         )  # fmt: skip
-        fm.train(2, batch, 1, run_dir=str(run_dir), seed=0, profile=profile, verbose=0)
+        fm.train(
+            2, batch, engines, run_dir=str(run_dir), seed=0, profile=profile, verbose=0, shard_optimizer_state=shard
+        )
         logs = "".join(p.read_text() for p in (run_dir / "logs").glob("worker-*.log"))
         clocked = json.loads(Path(path).read_text())
         result = {
             "times": clocked["times"],
             "syncs": clocked["syncs"],
+            "peak_bytes": clocked["peak_bytes"],
             "startup": json.loads((run_dir / "run.json").read_text()).get("startup"),
             "uploads": [line.split(": ", 1)[-1] for line in logs.splitlines() if " sent: " in line],
         }

@@ -4,8 +4,8 @@
 # and is stopped at its own time limit, so one hang cannot take the whole budget.
 #
 #   OUT=/some/folder bash benchmarks/gpu_session.sh env profile tests      # one call of the machine
-#   OUT=/some/folder bash benchmarks/gpu_session.sh rows startup           # the next
-#   OUT=/tmp/check GPU_SESSION_DEVICE=cpu bash benchmarks/gpu_session.sh profile rows startup   # the script, on a CPU
+#   OUT=/some/folder bash benchmarks/gpu_session.sh rows sharded startup   # the next
+#   OUT=/tmp/check GPU_SESSION_DEVICE=cpu bash benchmarks/gpu_session.sh profile rows sharded startup   # on a CPU
 #
 # Parts (seconds they were given; the device's start comes on top):
 #   env      the GPU, driver, torch, CUDA, NCCL, cores, and what imports (10)
@@ -13,6 +13,7 @@
 #   profile  GPT-2 steps 30-39 on both sides, fp32 and bf16-mixed: the summary, the CUDA
 #            synchronisations each side made, the traces compared per step (240)
 #   rows     GPT-2 and ResNet-50 against the plain loop, fp32 and bf16-mixed, one round (400)
+#   sharded  GPT-2 on 2 and 3 workers sharing the GPU, optimizer state sharded against whole (240)
 #   startup  GPT-2: building the model to the first committed step against the plain loop (200)
 # benchmarks/README.md ("GPU") keeps what they printed; docs/architecture.md says what they check.
 set -u
@@ -51,8 +52,9 @@ EOF' ;;
         tests) part tests 300 python -m pytest -m gpu tests/test_gpu.py -q -rs -p no:cacheprovider ;;
         profile) part profile 240 "${BENCH[@]}" --rows profile --rounds 1 --steps 100 --out "$OUT/traces" ;;
         rows) part rows 400 "${BENCH[@]}" --rows gpt2,resnet50 --rounds 1 --steps 100 ;;
+        sharded) part sharded 240 "${BENCH[@]}" --rows sharded --rounds 1 --steps 100 ;;
         startup) part startup 200 "${BENCH[@]}" --rows startup --rounds 1 ;;
-        *) echo "unknown part $name (env, tests, profile, rows, startup)" >&2; exit 2 ;;
+        *) echo "unknown part $name (env, tests, profile, rows, sharded, startup)" >&2; exit 2 ;;
     esac
 done
 echo "results in $OUT"

@@ -1,6 +1,6 @@
 """The caller's torch switches hold in its workers (frameworks/torch/numerics.py): TF32 and the
-float32 matmul precision, cuDNN's, deterministic algorithms, the default dtype and the attention
-kernels, as the user set them before ``train()``, also after the warm process was started; and
+float32 matmul precision, cuDNN's, deterministic algorithms, the default dtype, autocast's default
+dtypes and the attention kernels, as the user set them before ``train()``, also after the warm process was started; and
 deterministic mode's own on top. Real worker processes and fresh interpreters; the switches this
 test process changes are put back."""
 
@@ -76,7 +76,8 @@ PRECISIONS = {
     "the new API, and every other switch": (
         "torch.backends.cuda.matmul.fp32_precision = 'tf32'; torch.backends.mkldnn.conv.fp32_precision = 'bf16'; "
         "torch.backends.cudnn.benchmark = True; torch.set_default_dtype(torch.float64); "
-        "torch.use_deterministic_algorithms(True, warn_only=True); torch.backends.cuda.enable_flash_sdp(False)"
+        "torch.use_deterministic_algorithms(True, warn_only=True); torch.backends.cuda.enable_flash_sdp(False); "
+        "torch.set_autocast_dtype('cuda', torch.bfloat16)"
     ),
 }
 CAPTURE = (
@@ -115,4 +116,5 @@ def test_a_fresh_interpreter_is_left_with_the_callers_precision_and_the_same_get
     wanted = [pickle.loads(out) for out in captured]
     assert [n.legacy for n in wanted] == [None, None]  # the getters refuse a mix, as after the new API
     assert wanted[1].default_dtype == torch.float64 and wanted[1].algorithms == (True, True)
+    assert dict(wanted[1].autocast)["cuda"] == torch.bfloat16
     assert [pickle.loads(out) for out in applied] == wanted

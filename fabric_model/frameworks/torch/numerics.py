@@ -5,10 +5,10 @@ another host. The global switches a user set in their own process would not hold
 the workers would compute otherwise than the user's own loop. A float32 matmul without TF32 on
 an Ampere or later GPU is several times slower. A tensor made in ``forward`` without a dtype
 takes another default dtype. The switches carried are TF32 and the float32 matmul precision,
-cuDNN's, deterministic algorithms, the default dtype and the attention kernels allowed. So the
-adapter reads them when ``train()`` builds the job (:meth:`Numerics.here`), and a worker sets
-those that differ before its model runs a kernel (:meth:`Numerics.apply`). Deterministic mode
-then overrides what it must (``frameworks/torch/exact.py``).
+cuDNN's, deterministic algorithms, the default dtype, autocast's default dtypes and the attention
+kernels allowed. So the adapter reads them when ``train()`` builds the job (:meth:`Numerics.here`),
+and a worker sets those that differ before its model runs a kernel (:meth:`Numerics.apply`).
+Deterministic mode then overrides what it must (``frameworks/torch/exact.py``).
 
 torch 2.9 added a second API for float32 precision (``torch.backends.*.fp32_precision``). Once
 it has been used, or the legacy calls were mixed in certain orders, the legacy getters raise
@@ -56,6 +56,9 @@ ATTENTION = (
     ("cudnn_sdp_enabled", "enable_cudnn_sdp"),
 )
 
+#: The devices whose default autocast dtype is carried (``torch.set_autocast_dtype``, torch >= 2.4).
+AUTOCAST = ("cuda", "cpu")
+
 
 @dataclasses.dataclass(frozen=True)
 class Numerics:
@@ -68,6 +71,7 @@ class Numerics:
     fp32: tuple[tuple[str, str], ...]  # NEW's values (empty before torch 2.9)
     switches: tuple[tuple[str, Any], ...]
     attention: tuple[tuple[str, bool], ...]  # (getter, allowed)
+    autocast: tuple[tuple[str, torch.dtype], ...]  # the dtype ``torch.autocast(device)`` takes by default
     algorithms: tuple[bool, bool]  # torch.use_deterministic_algorithms(mode, warn_only=...): its own switch
     default_dtype: torch.dtype
 
@@ -84,6 +88,7 @@ class Numerics:
             fp32=tuple((name, _get(name)) for name in NEW if _has(name)),
             switches=tuple((name, _get(name)) for name in SWITCHES if _has(name)),
             attention=tuple((getter, bool(getattr(cuda, getter)())) for getter, _ in ATTENTION if _has_sdp(getter)),
+            autocast=tuple((device, torch.get_autocast_dtype(device)) for device in AUTOCAST if _has_autocast()),
             algorithms=(torch.are_deterministic_algorithms_enabled(), _warn_only()),
             default_dtype=torch.get_default_dtype(),
         )
@@ -99,6 +104,9 @@ class Numerics:
         for getter, allowed in self.attention:
             if _has_sdp(getter) and bool(getattr(torch.backends.cuda, getter)()) != allowed:
                 getattr(torch.backends.cuda, setters[getter])(allowed)
+        for device, dtype in self.autocast:
+            if _has_autocast() and torch.get_autocast_dtype(device) != dtype:
+                torch.set_autocast_dtype(device, dtype)
         if (torch.are_deterministic_algorithms_enabled(), _warn_only()) != self.algorithms:
             mode, warn_only = self.algorithms
             torch.use_deterministic_algorithms(mode, warn_only=warn_only)
@@ -169,6 +177,10 @@ def _set(name: str, value: Any) -> None:
 
 def _has_sdp(getter: str) -> bool:
     return callable(getattr(torch.backends.cuda, getter, None))
+
+
+def _has_autocast() -> bool:
+    return callable(getattr(torch, "get_autocast_dtype", None)) and callable(getattr(torch, "set_autocast_dtype", None))
 
 
 def _warn_only() -> bool:
